@@ -1,0 +1,211 @@
+"""Model configuration: one validated dataclass for the Llama family (and GPT-3-style shapes).
+
+The config is pure data: the planner reads it to count parameters and FLOPs without ever
+allocating weights (a 405B config costs nothing), and `llmopt.models.llama.Transformer` builds
+a plain PyTorch model from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+MlpKind = Literal["swiglu", "gelu"]
+
+
+class ConfigError(ValueError):
+    """A model configuration that cannot describe a working model."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes of a decoder-only transformer.
+
+    `head_dim` defaults to hidden_size // num_heads. `rope_scaling` follows HF's dict
+    convention (only `rope_type="llama3"` changes the frequencies; others are rejected).
+    """
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    max_seq_len: int = 4096
+    head_dim: int | None = None
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    rms_norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    attention_bias: bool = False
+    mlp: MlpKind = "swiglu"
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "max_seq_len",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name}={value!r} must be a positive integer")
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ConfigError(
+                f"num_kv_heads={self.num_kv_heads} does not divide num_heads={self.num_heads}"
+            )
+        if self.head_dim is None:
+            if self.hidden_size % self.num_heads != 0:
+                raise ConfigError(
+                    f"num_heads={self.num_heads} does not divide hidden_size={self.hidden_size}"
+                    " (set head_dim explicitly for such models)"
+                )
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        if self.head_dim <= 0 or self.head_dim % 2 != 0:
+            raise ConfigError(f"head_dim={self.head_dim} must be a positive even number (RoPE)")
+        if self.mlp not in ("swiglu", "gelu"):
+            raise ConfigError(f"mlp={self.mlp!r} is not supported; choose 'swiglu' or 'gelu'")
+        if self.rope_theta <= 0:
+            raise ConfigError(f"rope_theta={self.rope_theta} must be positive")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if kind not in ("llama3", "default"):
+                raise ConfigError(
+                    f"rope_scaling type {kind!r} is not supported; supported: 'llama3', 'default'"
+                )
+
+    # ---- derived sizes (used by the planner; no tensors involved) ----
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def layer_parameters(self) -> int:
+        """Parameters of one transformer block (attention + MLP + two norms)."""
+        h = self.hidden_size
+        attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
+        if self.attention_bias:
+            attn += self.q_size + 2 * self.kv_size
+        n_mlp = 3 if self.mlp == "swiglu" else 2
+        mlp = n_mlp * h * self.intermediate_size
+        return attn + mlp + 2 * h
+
+    def embedding_parameters(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    def num_parameters(self) -> int:
+        """Total parameters, counting a tied embedding/head once."""
+        head = 0 if self.tie_embeddings else self.vocab_size * self.hidden_size
+        return (
+            self.embedding_parameters()
+            + self.num_layers * self.layer_parameters()
+            + self.hidden_size  # final norm
+            + head
+        )
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        """A copy with changes; a head_dim that was derived is derived again from new dims."""
+        derived = self.hidden_size % self.num_heads == 0 and (
+            self.head_dim == self.hidden_size // self.num_heads
+        )
+        if derived and "head_dim" not in changes:
+            changes["head_dim"] = None
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ConfigError(f"unknown config keys {sorted(unknown)}; valid keys: {sorted(known)}")
+        return cls(**data)
+
+    @classmethod
+    def from_hf_config(
+        cls, path_or_dict: str | Path | dict[str, Any], name: str = ""
+    ) -> ModelConfig:
+        """Build from a HF `config.json` (Llama, Mistral, Qwen2, SmolLM families)."""
+        if isinstance(path_or_dict, dict):
+            hf = path_or_dict
+        else:
+            path = Path(path_or_dict)
+            if path.is_dir():
+                path = path / "config.json"
+            if not path.is_file():
+                raise FileNotFoundError(f"no HF config at {path}")
+            try:
+                hf = json.loads(path.read_text())
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{path} is not valid JSON: {exc}") from exc
+        archs = hf.get("architectures") or [hf.get("model_type", "?")]
+        arch = archs[0]
+        supported = {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"}
+        if arch not in supported and hf.get("model_type") not in {"llama", "qwen2", "mistral"}:
+            raise ConfigError(f"unsupported architecture {arch!r}; supported: {sorted(supported)}")
+        is_qwen2 = arch == "Qwen2ForCausalLM" or hf.get("model_type") == "qwen2"
+        num_heads = hf["num_attention_heads"]
+        eos = hf.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0]
+        return cls(
+            name=name or hf.get("_name_or_path", "") or arch,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            max_seq_len=hf.get("max_position_embeddings", 4096),
+            head_dim=hf.get("head_dim"),
+            rope_theta=float(hf.get("rope_theta", 10000.0)),
+            rope_scaling=hf.get("rope_scaling"),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", is_qwen2)),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=eos,
+        )
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The equivalent HF `config.json` dict (Qwen2 when attention has biases)."""
+        qwen2 = self.attention_bias
+        cfg: dict[str, Any] = {
+            "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
+            "model_type": "qwen2" if qwen2 else "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_seq_len,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_embeddings,
+            "hidden_act": "silu",
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "torch_dtype": "float32",
+        }
+        if not qwen2:
+            cfg["attention_bias"] = False
+            cfg["mlp_bias"] = False
+        return cfg

@@ -1,0 +1,31 @@
+import os
+
+import pytest
+import torch
+
+# Two cores: one OpenMP thread per process keeps multi-process tests from thrashing.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from llmopt.models import ModelConfig, build_model  # noqa: E402
+
+
+@pytest.fixture
+def tiny_config() -> ModelConfig:
+    """A small GQA Llama config whose dims every TP degree up to 4 divides."""
+    return ModelConfig(
+        name="tiny",
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=4,
+        max_seq_len=64,
+        rope_theta=10000.0,
+    )
+
+
+@pytest.fixture
+def tiny_model(tiny_config):
+    torch.manual_seed(0)
+    return build_model(tiny_config, seed=0).eval()
