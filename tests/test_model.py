@@ -49,7 +49,7 @@ def test_bad_configs_name_the_bad_value(tiny_config, changes, message):
 
 def test_parameter_count_matches_module():
     for cfg in (get_preset("smollm2-135m"), get_preset("qwen2.5-0.5b").replace(num_layers=2)):
-        model = build_model(cfg.replace(max_seq_len=16), seed=None)
+        model = build_model(cfg.replace(max_seq_len=16), seed=None, device="meta")
         n = sum(p.numel() for p in model.parameters())  # tied weights are counted once
         assert n == cfg.num_parameters()
 
