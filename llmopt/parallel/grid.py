@@ -1,0 +1,199 @@
+"""The rank grid: how a world of processes is split into tensor, context, data and pipeline
+parallel groups.
+
+Rank layout (TP innermost, PP outermost, as Megatron's default "tp-cp-dp-pp" order)::
+
+    rank = ((pp_index * dp + dp_index) * cp + cp_index) * tp + tp_index
+
+so a TP group is `tp` consecutive ranks (one node, the fast links) and pipeline stages are the
+farthest apart (across nodes, where only point-to-point traffic flows). `cp` (context
+parallel) is reserved: only cp=1 is accepted today, but the layout already has its slot.
+
+Every process group is created once, here, with a timeout (so a dead peer raises instead of
+hanging) and the `RankGrid` is passed explicitly to whatever needs a group: no module globals.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from llmopt.models.config import ModelConfig
+from llmopt.parallel.comm import CommCounter, Group
+
+DIMS = ("tp", "cp", "dp", "pp")  # innermost first
+DEFAULT_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of parallelism. `dp=-1` means "whatever is left of world_size"."""
+
+    world_size: int
+    tp: int = 1
+    pp: int = 1
+    dp: int = -1
+    cp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "tp", "pp", "cp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.cp != 1:
+            raise ValueError(f"cp={self.cp}: context parallelism is reserved; only cp=1 works")
+        if self.dp == -1:
+            other = self.tp * self.pp * self.cp
+            if self.world_size % other:
+                raise ValueError(
+                    f"tp*pp*cp={other} (tp={self.tp}, pp={self.pp}, cp={self.cp}) does not "
+                    f"divide world_size={self.world_size}"
+                )
+            object.__setattr__(self, "dp", self.world_size // other)
+        if not isinstance(self.dp, int) or self.dp < 1:
+            raise ValueError(f"dp={self.dp!r} must be a positive integer (or -1 for auto)")
+        product = self.tp * self.pp * self.dp * self.cp
+        if product != self.world_size:
+            raise ValueError(
+                f"tp*pp*dp*cp = {self.tp}*{self.pp}*{self.dp}*{self.cp} = {product} "
+                f"does not equal world_size={self.world_size}"
+            )
+
+    def size(self, dim: str) -> int:
+        if dim not in DIMS:
+            raise ValueError(f"unknown parallel dimension {dim!r}; known: {', '.join(DIMS)}")
+        return getattr(self, dim)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """{"tp": i, "cp": j, "dp": k, "pp": l} of a global rank."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside world_size={self.world_size}")
+        out = {}
+        for dim in DIMS:
+            out[dim] = rank % self.size(dim)
+            rank //= self.size(dim)
+        return out
+
+    def rank_of(self, **coords: int) -> int:
+        """Global rank of the given coordinates (missing ones are 0)."""
+        unknown = set(coords) - set(DIMS)
+        if unknown:
+            raise ValueError(f"unknown dimensions {sorted(unknown)}; known: {', '.join(DIMS)}")
+        rank = 0
+        for dim in reversed(DIMS):
+            index = coords.get(dim, 0)
+            if not 0 <= index < self.size(dim):
+                raise ValueError(f"{dim} index {index} is outside {dim}={self.size(dim)}")
+            rank = rank * self.size(dim) + index
+        return rank
+
+    def group_ranks(self, dim: str) -> list[tuple[int, ...]]:
+        """Every group along `dim`: the ranks that differ only in their `dim` coordinate."""
+        groups: dict[tuple, list[int]] = {}
+        for rank in range(self.world_size):
+            c = self.coords(rank)
+            key = tuple(c[d] for d in DIMS if d != dim)
+            groups.setdefault(key, []).append(rank)
+        return [tuple(g) for g in groups.values()]
+
+    def validate_model(
+        self, config: ModelConfig, seq_len: int | None = None, sequence_parallel: bool = False
+    ) -> None:
+        """Raise a ValueError naming the first shape that this layout cannot split."""
+        checks = [
+            ("num_heads", config.num_heads),
+            ("num_kv_heads", config.num_kv_heads),
+            ("intermediate_size", config.intermediate_size),
+            ("vocab_size", config.vocab_size),
+        ]
+        for name, value in checks:
+            if value % self.tp:
+                raise ValueError(f"tp={self.tp} does not divide {name}={value}")
+        if sequence_parallel and seq_len is not None and seq_len % self.tp:
+            raise ValueError(
+                f"sequence parallel: tp={self.tp} does not divide the sequence length {seq_len}"
+            )
+        if config.num_layers < self.pp:
+            raise ValueError(f"pp={self.pp} exceeds num_layers={config.num_layers}")
+
+
+@dataclass
+class RankGrid:
+    """This process's place in the grid and its groups (`tp`, `cp`, `dp`, `pp`, `world`).
+
+    Build with `RankGrid.create(dims)` after `torch.distributed` is initialised (or with
+    world_size=1 and no initialisation for a single process). All groups share `counter`.
+    """
+
+    dims: ParallelDims
+    rank: int
+    groups: dict[str, Group]
+    counter: CommCounter = field(default_factory=CommCounter)
+
+    @classmethod
+    def create(cls, dims: ParallelDims, timeout_s: float = DEFAULT_TIMEOUT_S) -> RankGrid:
+        counter = CommCounter()
+        initialised = dist.is_available() and dist.is_initialized()
+        if initialised:
+            world, rank = dist.get_world_size(), dist.get_rank()
+        else:
+            world, rank = 1, 0
+        if world != dims.world_size:
+            raise ValueError(
+                f"the grid is for world_size={dims.world_size} but {world} processes are running"
+            )
+        timeout = datetime.timedelta(seconds=timeout_s)
+        groups: dict[str, Group] = {}
+        for dim in DIMS:
+            for ranks in dims.group_ranks(dim):
+                pg = None
+                if len(ranks) > 1:
+                    # new_group is collective: every rank creates every group, in one order.
+                    pg = dist.new_group(list(ranks), timeout=timeout)
+                if rank in ranks:
+                    groups[dim] = Group(dim, ranks, ranks.index(rank), pg, counter)
+        world_pg = dist.group.WORLD if initialised and world > 1 else None
+        groups["world"] = Group("world", tuple(range(world)), rank, world_pg, counter)
+        return cls(dims=dims, rank=rank, groups=groups, counter=counter)
+
+    @property
+    def tp(self) -> Group:
+        return self.groups["tp"]
+
+    @property
+    def cp(self) -> Group:
+        return self.groups["cp"]
+
+    @property
+    def dp(self) -> Group:
+        return self.groups["dp"]
+
+    @property
+    def pp(self) -> Group:
+        return self.groups["pp"]
+
+    @property
+    def world(self) -> Group:
+        return self.groups["world"]
+
+    def describe(self) -> str:
+        c = self.dims.coords(self.rank)
+        return f"rank {self.rank} (tp {c['tp']}, cp {c['cp']}, dp {c['dp']}, pp {c['pp']})"
+
+
+def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[torch.device, str]:
+    """Initialise torch.distributed from torchrun's environment: NCCL+CUDA if present, else
+    gloo+CPU. Returns (device, backend). A no-op single process when WORLD_SIZE is unset."""
+    cuda = torch.cuda.is_available()
+    backend = "nccl" if cuda else "gloo"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if "WORLD_SIZE" in os.environ and not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return device, backend
