@@ -1,1 +1,1 @@
-"""llmopt.compress"""
+"""Model compression: weight quantization (`llmopt.compress.quant`)."""

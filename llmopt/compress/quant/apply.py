@@ -1,0 +1,176 @@
+"""Functions that take a model and return a quantized copy (the input model is never touched).
+
+`quantize_model` deep-copies the model, runs the chosen method block by block and swaps each
+selected `nn.Linear` for a `QuantLinear`. The copy carries `quant_config` (a `QuantConfig`)
+and `quant_report` (per-layer details: AWQ's α and scales, GPTQ's losses) as attributes, which
+`save_quantized` writes next to the weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmopt.compress.quant.config import QuantConfig
+from llmopt.compress.quant.formats import PackedWeight
+from llmopt.compress.quant.linear import QuantLinear
+from llmopt.compress.quant.rtn import rtn_quantize
+
+
+def block_linears(block: nn.Module, config: QuantConfig) -> dict[str, nn.Linear]:
+    """The block's linear layers selected by `config.modules`, by dotted name."""
+    found = {}
+    for name, module in block.named_modules():
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in config.modules:
+            found[name] = module
+    return found
+
+
+def set_submodule(root: nn.Module, dotted: str, module: nn.Module) -> None:
+    parent_name, _, attr = dotted.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, attr, module)
+
+
+def replace_with_packed(
+    root: nn.Module, name: str, packed: PackedWeight, config: QuantConfig
+) -> QuantLinear:
+    linear = root.get_submodule(name)
+    qlinear = QuantLinear.from_packed(packed, bias=linear.bias, backend=config.backend)
+    set_submodule(root, name, qlinear)
+    return qlinear
+
+
+@contextlib.contextmanager
+def layer_progress(total: int, description: str, enabled: bool) -> Iterator[Any]:
+    """A rich progress bar over layers, or a no-op advance when disabled."""
+    if not enabled:
+        yield lambda: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    columns = (
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, transient=False) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda: bar.advance(task)
+
+
+def _quantize_rtn(model: nn.Module, config: QuantConfig, progress: bool) -> dict[str, Any]:
+    with layer_progress(len(model.layers), "RTN", progress) as advance:
+        for i, block in enumerate(model.layers):
+            for name, linear in block_linears(block, config).items():
+                packed = rtn_quantize(linear.weight, config.bits, config.group_size, config.sym)
+                replace_with_packed(model.layers[i], name, packed, config)
+            advance()
+    return {}
+
+
+def quantize_model(
+    model: nn.Module,
+    method: str = "rtn",
+    bits: int = 4,
+    group_size: int = 128,
+    *,
+    sym: bool = False,
+    config: QuantConfig | None = None,
+    calib_tokens: torch.Tensor | None = None,
+    progress: bool = False,
+    **options: Any,
+) -> nn.Module:
+    """A quantized copy of `model` (RTN, AWQ or GPTQ); `model` itself is left unchanged.
+
+    AWQ and GPTQ need `calib_tokens` [n, T] (see `calibration.calibration_tokens`). Extra
+    keyword `options` are `QuantConfig` fields (e.g. `gptq_act_order=True`).
+    """
+    if config is None:
+        config = QuantConfig(method=method, bits=bits, group_size=group_size, sym=sym, **options)
+    if config.needs_calibration:
+        if calib_tokens is None:
+            raise ValueError(
+                f"method {config.method!r} needs calibration tokens: pass calib_tokens=[n, T] "
+                "(llmopt.compress.quant.calibration.calibration_tokens builds them)"
+            )
+        if calib_tokens.dim() != 2 or calib_tokens.dtype != torch.long:
+            raise ValueError(
+                f"calib_tokens must be a [n, T] int64 tensor, got {tuple(calib_tokens.shape)} "
+                f"{calib_tokens.dtype}"
+            )
+    param = next(model.parameters())
+    dtype = param.dtype
+    start = time.perf_counter()
+    qmodel = copy.deepcopy(model).eval()
+    if getattr(qmodel, "quant_config", None) is not None:
+        raise ValueError("model is already quantized; quantize the full-precision model")
+    qmodel.float()
+    with torch.no_grad():
+        if config.method == "rtn":
+            report = _quantize_rtn(qmodel, config, progress)
+        elif config.method == "awq":
+            from llmopt.compress.quant.awq import awq_quantize
+
+            report = awq_quantize(qmodel, config, calib_tokens.to(param.device), progress)
+        else:
+            from llmopt.compress.quant.gptq import gptq_quantize
+
+            report = gptq_quantize(qmodel, config, calib_tokens.to(param.device), progress)
+        if config.quantize_lm_head:
+            packed = rtn_quantize(qmodel.lm_head.weight, config.bits, config.group_size, config.sym)
+            replace_with_packed(qmodel, "lm_head", packed, config)
+    _cast_float_params(qmodel, dtype)
+    report["seconds"] = time.perf_counter() - start
+    qmodel.quant_config = config
+    qmodel.quant_report = report
+    return qmodel
+
+
+def _cast_float_params(model: nn.Module, dtype: torch.dtype) -> None:
+    """Return non-quantized parameters to the caller's dtype (packed buffers stay as they are)."""
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            continue
+        for name, p in module.named_parameters(recurse=False):
+            if p.is_floating_point() and p.dtype != dtype:
+                setattr(module, name, nn.Parameter(p.data.to(dtype), requires_grad=False))
+    if getattr(model.config, "tie_embeddings", False) and not isinstance(
+        model.lm_head, QuantLinear
+    ):
+        model.lm_head.weight = model.embed_tokens.weight
+
+
+def quant_linears(model: nn.Module) -> dict[str, QuantLinear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+
+
+def model_nbytes(model: nn.Module) -> dict[str, int]:
+    """Bytes held: quantized linears (packed), the fp16 size of those same linears, the rest,
+    and any derived kernel layouts built so far."""
+    seen: set[int] = set()
+    packed = fp16_equiv = other = kernel = 0
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            packed += module.packed_nbytes()
+            fp16_equiv += 2 * module.in_features * module.out_features
+            kernel += module.kernel_nbytes()
+            continue
+        for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
+            if t.data_ptr() in seen:
+                continue
+            seen.add(t.data_ptr())
+            other += t.numel() * t.element_size()
+    return {
+        "quant_linear_bytes": packed,
+        "quant_linear_fp16_bytes": fp16_equiv,
+        "other_bytes": other,
+        "kernel_cache_bytes": kernel,
+    }

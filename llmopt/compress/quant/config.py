@@ -1,0 +1,93 @@
+"""What to quantize and how: one validated dataclass shared by the API, CLI and files."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from llmopt.compress.quant.formats import check_bits_group
+from llmopt.compress.quant.linear import BACKENDS
+
+METHODS = ("rtn", "awq", "gptq")
+DEFAULT_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """A quantization recipe.
+
+    Calibration sizes default small on purpose: AWQ and GPTQ must finish on a 2-core CPU for
+    SmolLM2-135M in minutes. `awq_search_samples` of the calibration sequences score the
+    α grid (the activation statistics use all of them); `awq_clip_tokens` tokens score the
+    clipping search.
+    """
+
+    method: str = "rtn"
+    bits: int = 4
+    group_size: int = 128
+    sym: bool = False
+    modules: tuple[str, ...] = DEFAULT_MODULES
+    quantize_lm_head: bool = False
+    backend: str = "auto"
+    # calibration (AWQ, GPTQ)
+    calib: str = "corpus:web-bible"
+    calib_samples: int = 16
+    calib_seq_len: int = 512
+    calib_seed: int = 0
+    # AWQ
+    awq_grid: int = 20
+    awq_search_samples: int = 4
+    awq_clip: bool = True
+    awq_clip_grid: int = 20
+    awq_max_shrink: float = 0.5
+    awq_clip_tokens: int = 512
+    # GPTQ
+    gptq_damp: float = 0.01
+    gptq_block_size: int = 128
+    gptq_act_order: bool = False
+    gptq_true_sequential: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method={self.method!r}; valid choices: {', '.join(METHODS)}")
+        check_bits_group(self.bits, self.group_size)
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r}; valid choices: {', '.join(BACKENDS)}")
+        object.__setattr__(self, "modules", tuple(self.modules))
+        unknown = set(self.modules) - set(DEFAULT_MODULES)
+        if unknown or not self.modules:
+            raise ValueError(
+                f"modules={list(self.modules)}: choose a non-empty subset of {list(DEFAULT_MODULES)}"
+            )
+        for name in ("calib_samples", "calib_seq_len", "awq_grid", "awq_search_samples"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.awq_clip_grid < 1 or self.awq_clip_tokens < 1:
+            raise ValueError("awq_clip_grid and awq_clip_tokens must be >= 1")
+        if not 0.0 <= self.awq_max_shrink < 1.0:
+            raise ValueError(f"awq_max_shrink={self.awq_max_shrink} must be in [0, 1)")
+        if not 0.0 < self.gptq_damp < 1.0:
+            raise ValueError(f"gptq_damp={self.gptq_damp} must be in (0, 1)")
+        if self.gptq_block_size < 1:
+            raise ValueError(f"gptq_block_size={self.gptq_block_size} must be >= 1")
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.method in ("awq", "gptq")
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["modules"] = list(self.modules)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> QuantConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown quantization keys {sorted(unknown)}; valid: {sorted(known)}")
+        return cls(**data)
+
+    def replace(self, **changes: Any) -> QuantConfig:
+        return dataclasses.replace(self, **changes)
