@@ -1,0 +1,200 @@
+"""Per-GPU memory of a training plan: model states by ZeRO stage, activations, buffers.
+
+Pure, vectorised functions: every argument may be a numpy array (one entry per candidate plan),
+so the search and a single `estimate` run the same code, and the training engine can later be
+checked against `memory_breakdown` rank by rank.
+
+Activations follow Korthikanti et al. 2022 (arXiv:2205.05198) §4, generalised: per layer and
+micro-batch of b sequences of s tokens, bf16 tensors kept for backward are
+- replicated across TP ranks unless sequence parallel: the two norm inputs, the QKV and MLP
+  inputs (4 × 2sbh) and, with dropout, two 1-byte masks (2 × sbh)          -> 10sbh for GPT;
+- split across TP ranks: Q, K, V, the attention-output-projection input and the MLP
+  intermediates (GELU: 2 × 2sbf; SwiGLU: 3 × 2sbf)                          -> 24sbh for GPT;
+- the s² attention terms without a fused (flash) kernel: softmax output 2as²b, with dropout its
+  mask as²b and output 2as²b                                                -> 5as²b for GPT.
+That gives Korthikanti's sbh(10 + 24/t + 5as/ht) without SP, sbh·34/t with SP and selective
+recomputation (which drops the s² terms), and 2sbh (/t with SP) for the layer input kept under
+full recomputation. The first pipeline stage of 1F1B holds min(m, p) micro-batches in flight,
+GPipe holds all m, and interleaving (v chunks) holds p + (p-1)/v, i.e. Korthikanti's
+(1 + (p-1)/(p·v)) penalty on L layers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from llmopt.models.config import ModelConfig
+from llmopt.plan.hardware import GIB, Cluster
+from llmopt.plan.workload import STATE_BYTES, Grid, Workload
+
+ACT_BYTES = 2  # bf16 activations (FP8 training keeps bf16 activations between GEMMs)
+SCHED_GPIPE, SCHED_1F1B, SCHED_INTERLEAVED = 0, 1, 2
+RC_NONE, RC_SELECTIVE, RC_FULL = 0, 1, 2
+
+
+def model_state_bytes(
+    num_params: float | np.ndarray,
+    zero_stage: int | np.ndarray,
+    shard: int | np.ndarray,
+    state_bytes: str = "megatron",
+) -> dict[str, np.ndarray]:
+    """Weights, gradients and optimizer states of `num_params` parameters on one rank.
+
+    ZeRO stage 1 shards the optimizer states over the `shard` data-parallel ranks, stage 2 also
+    the gradients, stage 3 also the weights (Rajbhandari et al. 2019, Fig. 1).
+    """
+    w, g, o = STATE_BYTES[state_bytes]
+    n = np.asarray(num_params, dtype=np.float64)
+    z = np.asarray(zero_stage)
+    d = np.asarray(shard, dtype=np.float64)
+    return {
+        "params": w * n / np.where(z >= 3, d, 1.0),
+        "grads": g * n / np.where(z >= 2, d, 1.0),
+        "optimizer": o * n / np.where(z >= 1, d, 1.0),
+    }
+
+
+def kv_heads_per_rank(model: ModelConfig, tp: np.ndarray) -> np.ndarray:
+    """KV heads held by one TP rank (replicated when tp exceeds the number of KV heads)."""
+    return np.maximum(model.num_kv_heads / np.asarray(tp, dtype=np.float64), 1.0)
+
+
+def layer_params_per_rank(model: ModelConfig, tp: np.ndarray) -> np.ndarray:
+    """Parameters of one block held by one TP rank (norm weights replicated)."""
+    h, hd = model.hidden_size, model.head_dim
+    t = np.asarray(tp, dtype=np.float64)
+    n_mlp = 3 if model.mlp == "swiglu" else 2
+    split = 2 * h * model.q_size + n_mlp * h * model.intermediate_size
+    kv = 2 * h * hd * kv_heads_per_rank(model, t)
+    bias = 0.0
+    if model.attention_bias:
+        bias = model.q_size / t + 2 * hd * kv_heads_per_rank(model, t)
+    return split / t + kv + bias + 2 * h
+
+
+def layers_per_stage(model: ModelConfig, pp: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """Layers on the most loaded pipeline stage (v chunks of ceil(L / (p·v)) layers)."""
+    pv = np.asarray(pp) * np.asarray(v)
+    return -(-model.num_layers // pv) * np.asarray(v)
+
+
+def stage_params(model: ModelConfig, grid: Grid) -> tuple[np.ndarray, np.ndarray]:
+    """Parameters per rank on the first and on the last pipeline stage.
+
+    The first stage holds the (vocab-parallel) embedding, the last the output layer and final
+    norm; with tied embeddings and pp>1 the last stage keeps its own copy (Megatron does).
+    """
+    tp, pp = grid["tp"], grid["pp"]
+    t = tp.astype(np.float64)
+    layers = layers_per_stage(model, pp, grid["v"]) * layer_params_per_rank(model, tp)
+    emb = model.vocab_size * model.hidden_size / t
+    head = np.where(model.tie_embeddings & (pp == 1), 0.0, emb) + model.hidden_size
+    first = layers + emb + np.where(pp == 1, head, 0.0)
+    last = layers + head + np.where(pp == 1, emb, 0.0)
+    return first, last
+
+
+def activation_bytes_per_layer(
+    model: ModelConfig,
+    seq_len: int,
+    micro_batch: np.ndarray | int,
+    tp: np.ndarray | int,
+    sp: np.ndarray | int | bool,
+    cp: np.ndarray | int = 1,
+    recompute: np.ndarray | int = RC_NONE,
+    flash_attention: bool = True,
+    dropout: bool = False,
+) -> np.ndarray:
+    """Bytes kept for backward by one layer for one micro-batch on one rank (module docstring)."""
+    h, a, f = model.hidden_size, model.num_heads, model.intermediate_size
+    t = np.asarray(tp, dtype=np.float64)
+    spf = np.asarray(sp, dtype=bool)
+    cpf = np.asarray(cp, dtype=np.float64)
+    rc = np.asarray(recompute)
+    tokens = np.asarray(micro_batch, dtype=np.float64) * seq_len / cpf  # per rank (CP splits s)
+    rep_div = np.where(spf, t, 1.0)
+    replicated = 4 * ACT_BYTES * h + (2 * h if dropout else 0)
+    kv = kv_heads_per_rank(model, t) * model.head_dim
+    mlp = (3 if model.mlp == "swiglu" else 2) * ACT_BYTES * f
+    split = (2 * ACT_BYTES * model.q_size + mlp) / t + 2 * ACT_BYTES * kv
+    if flash_attention:
+        scores = 4.0 * a / t  # fp32 log-sum-exp per head and query
+    else:
+        per_key = ACT_BYTES + (1 + ACT_BYTES if dropout else 0)  # softmax (+ mask, dropout out)
+        scores = per_key * a * seq_len / t  # local queries attend to all s keys
+    full = tokens * (replicated / rep_div + split + scores)
+    selective = full - np.where(flash_attention, 0.0, tokens * scores)
+    kept_input = tokens * ACT_BYTES * h / rep_div
+    return np.where(rc == RC_FULL, kept_input, np.where(rc == RC_SELECTIVE, selective, full))
+
+
+def microbatches_in_flight(
+    pp: np.ndarray, m: np.ndarray, v: np.ndarray, sched: np.ndarray
+) -> np.ndarray:
+    """Micro-batches whose activations the first stage holds at its peak (in layer-chunk units
+    of its own layers: interleaving's extra in-flight chunks count as (p-1)/v)."""
+    p = np.asarray(pp, dtype=np.float64)
+    m = np.asarray(m, dtype=np.float64)
+    vv = np.asarray(v, dtype=np.float64)
+    one_f_one_b = np.minimum(m, p)
+    interleaved = np.minimum(m, p) + (p - 1) / vv
+    return np.where(
+        sched == SCHED_GPIPE, m, np.where(sched == SCHED_1F1B, one_f_one_b, interleaved)
+    )
+
+
+def memory_breakdown(
+    model: ModelConfig, work: Workload, cluster: Cluster, grid: Grid
+) -> dict[str, np.ndarray]:
+    """Peak bytes per GPU of each plan in `grid` (max over first and last pipeline stage).
+
+    Keys: params, grads, optimizer, activations, other, total, usable (all bytes), fits (bool).
+    `other` = output-layer logits and fp32 loss buffers (last stage, one micro-batch), the
+    sequence-parallel all-gather buffer, ZeRO-3 prefetch buffers (two unsharded layers) and
+    the runtime reservation of the GPU profile.
+    """
+    tp, pp, cp, mb = grid["tp"], grid["pp"], grid["cp"], grid["mb"]
+    t = tp.astype(np.float64)
+    shard = grid["dp"] * cp
+    first_p, last_p = stage_params(model, grid)
+    s = work.seq_len
+    per_layer = activation_bytes_per_layer(
+        model, s, mb, tp, grid["sp"], cp, grid["rc"], work.flash_attention, work.dropout
+    )
+    n_layers = layers_per_stage(model, pp, grid["v"])
+    inflight = microbatches_in_flight(pp, grid["m"], grid["v"], grid["sched"])
+    act_first = per_layer * n_layers * inflight
+    # Full recompute rebuilds one layer's activations at a time during backward.
+    working = activation_bytes_per_layer(
+        model, s, mb, tp, grid["sp"], cp, RC_NONE, work.flash_attention, work.dropout
+    )
+    act_first = act_first + np.where(grid["rc"] == RC_FULL, working, 0.0)
+    act_last = np.where(
+        pp == 1, act_first, per_layer * n_layers + np.where(grid["rc"] == 2, working, 0.0)
+    )
+    tokens = mb * s / cp
+    logits = tokens * model.vocab_size / t * (ACT_BYTES + 4)  # bf16 logits + fp32 softmax/grad
+    sp_buffer = np.where(grid["sp"] == 1, tokens * model.hidden_size * ACT_BYTES, 0.0)
+    zero3_buf = np.where(
+        grid["zero"] >= 3,
+        2 * layer_params_per_rank(model, tp) * STATE_BYTES[work.state_bytes][0],
+        0.0,
+    )
+    runtime = cluster.gpu.runtime_reserved_gib * GIB
+    states_first = model_state_bytes(first_p, grid["zero"], shard, work.state_bytes)
+    states_last = model_state_bytes(last_p, grid["zero"], shard, work.state_bytes)
+    other_first = sp_buffer + zero3_buf + np.where(pp == 1, logits, 0.0)
+    other_last = sp_buffer + zero3_buf + logits
+    total_first = sum(states_first.values()) + act_first + other_first
+    total_last = sum(states_last.values()) + act_last + other_last
+    use_last = total_last > total_first
+    out = {key: np.where(use_last, states_last[key], states_first[key]) for key in states_first}
+    out["activations"] = np.where(use_last, act_last, act_first)
+    out["other"] = np.where(use_last, other_last, other_first)
+    out["total"] = np.maximum(total_first, total_last)
+    usable = cluster.gpu.usable_bytes + runtime  # `other` already counts the runtime below
+    out["other"] = out["other"] + runtime
+    out["total"] = out["total"] + runtime
+    out["usable"] = np.full_like(out["total"], usable)
+    out["fits"] = out["total"] <= usable
+    return out
