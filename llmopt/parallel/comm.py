@@ -17,13 +17,15 @@ So for the three collectives the count is always "the unsharded tensor", indepen
 algorithm (ring, tree) that moves it; the wire traffic of a ring is 2(n-1)/n of it for
 all-reduce and (n-1)/n for all-gather / reduce-scatter. Calls on a group of size 1 are skipped
 entirely and count nothing (no communication happens). Counts are per rank: each rank records
-the calls it makes.
+the calls it makes. Scalar reductions for metrics and clipping, and checkpoint gathers, run
+inside `CommCounter.paused()` and are not counted: the counts describe the model's traffic.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -34,6 +36,10 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv"
 ReduceOp = Literal["sum", "max", "min", "avg"]
 
 _REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN", "avg": "AVG"}
+
+# torch >= 2.13 renamed the tensor-in/tensor-out collectives; older releases only have these.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 CountTable = dict[str, dict[str, dict[str, int]]]  # group -> op -> {"calls", "bytes"}
 
@@ -57,6 +63,15 @@ class CommCounter:
         entry = self._table.setdefault(group, {}).setdefault(op, {"calls": 0, "bytes": 0})
         entry["calls"] += 1
         entry["bytes"] += int(nbytes)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Do not count inside this block (metric reductions, checkpoint gathers)."""
+        previous, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = previous
 
     def snapshot(self) -> CountTable:
         """A deep copy of the current table (JSON-serialisable)."""
@@ -138,7 +153,7 @@ class Group:
                 output.copy_(shard.view_as(output))
             return None
         self.counter.record(self.name, "all_gather", tensor_bytes(output))
-        return dist.all_gather_into_tensor(output, shard, group=self.pg, async_op=async_op)
+        return _ALL_GATHER(output, shard, group=self.pg, async_op=async_op)
 
     def all_gather(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """A new tensor: every rank's `tensor` concatenated along `dim`."""
@@ -165,9 +180,7 @@ class Group:
             return None
         self.counter.record(self.name, "reduce_scatter", tensor_bytes(full))
         reduce_op = getattr(dist.ReduceOp, _REDUCE_OPS[op])
-        return dist.reduce_scatter_tensor(
-            output, full, op=reduce_op, group=self.pg, async_op=async_op
-        )
+        return _REDUCE_SCATTER(output, full, op=reduce_op, group=self.pg, async_op=async_op)
 
     def reduce_scatter(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """A new tensor: this rank's slice along `dim` of the sum over ranks."""
