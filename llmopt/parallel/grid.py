@@ -160,6 +160,13 @@ class RankGrid:
         groups["world"] = Group("world", tuple(range(world)), rank, world_pg, counter)
         return cls(dims=dims, rank=rank, groups=groups, counter=counter)
 
+    @classmethod
+    def local(cls) -> RankGrid:
+        """A one-process grid (every group of size 1), usable even inside a larger job."""
+        counter = CommCounter()
+        groups = {name: Group(name, (0,), 0, None, counter) for name in (*DIMS, "world")}
+        return cls(dims=ParallelDims(1), rank=0, groups=groups, counter=counter)
+
     @property
     def tp(self) -> Group:
         return self.groups["tp"]
