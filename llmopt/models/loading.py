@@ -1,0 +1,148 @@
+"""One entry point for real weights: packaged names, GGUF files, HF directories, quantized dirs.
+
+Models are built on the meta device and the loaded tensors are assigned in place of the meta
+parameters, so no time goes into a random init that would be overwritten, and no second copy
+of the weights is ever held.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from llmopt.models.config import ModelConfig
+from llmopt.models.llama import RotaryEmbedding, Transformer
+from llmopt.models.registry import is_model_name, resolve
+from llmopt.models.tokenizer import Tokenizer
+
+QUANT_MARKER = "llmopt_quant.json"
+
+
+def resolve_spec(spec: str | Path) -> tuple[str, Path]:
+    """(kind, path) for a model spec; kind is 'gguf', 'hf' or 'quant'."""
+    spec = str(spec)
+    if is_model_name(spec):
+        return "gguf", resolve(spec)
+    path = Path(spec).expanduser()
+    if not path.exists():
+        if "/" not in spec and "\\" not in spec and not Path(spec).suffix:
+            resolve(spec)  # raises the 'unknown model' error with the known names
+        raise FileNotFoundError(f"model file or directory not found: {spec}")
+    if path.is_dir():
+        if (path / QUANT_MARKER).is_file():
+            return "quant", path
+        if (path / "config.json").is_file():
+            return "hf", path
+        raise FileNotFoundError(
+            f"{path} is a directory without config.json or {QUANT_MARKER}; expected a HF model "
+            "directory or an `llmopt quantize` output"
+        )
+    with open(path, "rb") as handle:
+        magic = handle.read(4)
+    if path.suffix == ".gguf" or magic == b"GGUF":
+        return "gguf", path
+    raise ValueError(
+        f"cannot load {path}: not a GGUF file (magic bytes {magic!r}); pass a .gguf file, a HF "
+        "directory or a packaged model name"
+    )
+
+
+def load_model(
+    spec: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> Transformer:
+    """The model named or located by `spec`, in eval mode, with weights in `dtype` on `device`."""
+    kind, path = resolve_spec(spec)
+    if kind == "quant":
+        from llmopt.compress.quant import load_quantized_model
+
+        return load_quantized_model(path, dtype=dtype, device=device)
+    if kind == "gguf":
+        from llmopt.models.gguf import open_gguf
+
+        gguf_file = open_gguf(path)
+        config = gguf_file.config()
+        tensors = gguf_file.state_dict(config, dtype)
+    else:
+        from llmopt.models.hf import iter_tensors, read_config
+
+        config = read_config(path)
+        tensors = iter_tensors(path, dtype)
+    return model_from_tensors(config, tensors, device=device, source=str(path))
+
+
+def model_from_tensors(
+    config: ModelConfig,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    device: torch.device | str = "cpu",
+    source: str = "checkpoint",
+) -> Transformer:
+    """Assemble a `Transformer` from (name, tensor) pairs without initialising it first.
+
+    Every parameter must be supplied with the shape the config implies; a tied head may be
+    supplied or not (it is the embedding either way).
+    """
+    with torch.device("meta"):
+        model = Transformer(config)
+    expected = {name: p.shape for name, p in model.state_dict().items()}
+    if config.tie_embeddings:
+        expected.pop("lm_head.weight")
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors:
+        if config.tie_embeddings and name == "lm_head.weight":
+            continue
+        if name not in expected:
+            raise ValueError(
+                f"{source}: unexpected tensor {name!r} for a {config.num_layers}-layer "
+                f"{'Qwen2' if config.attention_bias else 'Llama'}-style model"
+            )
+        if tensor.shape != expected[name]:
+            raise ValueError(
+                f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, the config implies "
+                f"{tuple(expected[name])}"
+            )
+        state[name] = tensor.to(device)
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        shown = ", ".join(missing[:4]) + (
+            f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+        )
+        raise ValueError(f"{source} lacks tensors the config needs: {shown}")
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rotary = RotaryEmbedding(config).to(device)  # non-persistent buffers stayed on meta
+    return model.eval()
+
+
+def load_tokenizer(spec: str | Path) -> Tokenizer:
+    """The tokenizer that belongs to a model spec (GGUF metadata or `tokenizer.json`)."""
+    kind, path = resolve_spec(spec)
+    if kind == "gguf":
+        from llmopt.models.gguf import open_gguf
+
+        gguf_file = open_gguf(path)
+        keys = [k for k in gguf_file.reader.fields if k.startswith("tokenizer.")]
+        if "tokenizer.ggml.tokens" not in keys:
+            raise ValueError(f"{path} carries no tokenizer (no tokenizer.ggml.tokens metadata)")
+        return Tokenizer.from_gguf_metadata({k: gguf_file.field(k) for k in keys})
+    return Tokenizer.from_directory(path)
+
+
+def save_pretrained(
+    model: Transformer, directory: str | Path, tokenizer: Tokenizer | None = None
+) -> Path:
+    """Write a HF-style directory (config.json, model.safetensors, tokenizer files).
+
+    Each file is written to a temporary name and renamed, so an interrupted save never leaves
+    a half-written file under the final name.
+    """
+    from llmopt.models.hf import save_directory
+
+    directory = Path(directory)
+    save_directory(model, directory)
+    if tokenizer is not None:
+        tokenizer.save(directory)
+    return directory

@@ -1,0 +1,240 @@
+"""Tokenizers: a thin wrapper over HF `tokenizers`, built from a `tokenizer.json` or GGUF metadata.
+
+The wrapper adds what generation needs and `tokenizers` lacks: BOS/EOS ids, the model's chat
+template (rendered with jinja2 like HF transformers does), and a save format that HF tools read.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as Backend
+
+# GGUF token types (llama.cpp's llama_token_type)
+_CONTROL, _USER_DEFINED = 3, 4
+
+# How text is split before byte-level BPE, by `tokenizer.ggml.pre` (llama.cpp's names). Each
+# reproduces the pre-tokenizer of the model's original `tokenizer.json`.
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    if pre in ("smollm", "starcoder", "refact"):  # digits one by one, then GPT-2's split
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    split = {
+        "llama-bpe": _LLAMA3_SPLIT,
+        "llama3": _LLAMA3_SPLIT,
+        "smaug-bpe": _LLAMA3_SPLIT,
+        "qwen2": _QWEN2_SPLIT,
+        "deepseek-r1-qwen": _QWEN2_SPLIT,
+        "gpt2": _GPT2_SPLIT,
+        "default": _GPT2_SPLIT,
+    }.get(pre)
+    if split is None:
+        raise ValueError(
+            f"GGUF pre-tokenizer {pre!r} is not supported; supported: smollm, starcoder, refact, "
+            "llama-bpe, llama3, smaug-bpe, qwen2, deepseek-r1-qwen, gpt2, default"
+        )
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+class Tokenizer:
+    """Text <-> token ids, plus the special ids and chat template of one model."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        bos_token_id: int | None,
+        eos_token_id: int | None,
+        chat_template: str | None = None,
+        add_bos: bool = False,
+    ) -> None:
+        self.backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.chat_template = chat_template
+        self.add_bos = add_bos  # whether the model was trained with BOS in front of text
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        """Token ids of `text`; special tokens written in the text (`<|im_start|>`) stay whole."""
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_bos:
+            if self.bos_token_id is None:
+                raise ValueError("add_bos=True but this tokenizer has no BOS token")
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        """The prompt text for `messages` ([{"role": ..., "content": ...}]), HF-style."""
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat template; drop --chat for plain text")
+        for message in messages:
+            if not isinstance(message, dict) or not {"role", "content"} <= set(message):
+                raise ValueError(f"chat message {message!r} needs 'role' and 'content' keys")
+        template = _compile_template(self.chat_template)
+        return template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self._token_text(self.bos_token_id),
+            eos_token=self._token_text(self.eos_token_id),
+        )
+
+    def _token_text(self, token_id: int | None) -> str:
+        return "" if token_id is None else self.backend.id_to_token(token_id) or ""
+
+    # ---- persistence (HF layout: tokenizer.json + tokenizer_config.json) ----
+    def save(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        config: dict[str, Any] = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": self._token_text(self.bos_token_id) or None,
+            "eos_token": self._token_text(self.eos_token_id) or None,
+            "add_bos_token": self.add_bos,
+            "chat_template": self.chat_template,
+        }
+        _atomic_write_text(directory / "tokenizer.json", self.backend.to_str())
+        _atomic_write_text(directory / "tokenizer_config.json", json.dumps(config, indent=2))
+
+    @classmethod
+    def from_directory(cls, directory: str | Path) -> Tokenizer:
+        """A HF tokenizer directory: `tokenizer.json` (+ `tokenizer_config.json` if present)."""
+        directory = Path(directory)
+        path = directory / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {directory}")
+        try:
+            backend = Backend.from_file(str(path))
+        except Exception as exc:  # tokenizers raises a bare Exception on bad JSON
+            raise ValueError(f"{path} is not a valid tokenizer.json: {exc}") from exc
+        config: dict[str, Any] = {}
+        config_path = directory / "tokenizer_config.json"
+        if config_path.is_file():
+            config = json.loads(config_path.read_text())
+        model_config: dict[str, Any] = {}
+        if (directory / "config.json").is_file():
+            model_config = json.loads((directory / "config.json").read_text())
+
+        def special(name: str) -> int | None:
+            token = config.get(name)
+            if isinstance(token, dict):
+                token = token.get("content")
+            if token:
+                return backend.token_to_id(token)
+            value = model_config.get(f"{name}_id")
+            return value[0] if isinstance(value, list) else value
+
+        template = config.get("chat_template")
+        if template is None and (directory / "chat_template.jinja").is_file():
+            template = (directory / "chat_template.jinja").read_text()
+        return cls(
+            backend,
+            bos_token_id=special("bos_token"),
+            eos_token_id=special("eos_token"),
+            chat_template=template if isinstance(template, str) else None,
+            add_bos=bool(config.get("add_bos_token", False)),
+        )
+
+    @classmethod
+    def from_gguf_metadata(cls, fields: dict[str, Any]) -> Tokenizer:
+        """Rebuild a byte-level BPE tokenizer from `tokenizer.ggml.*` values."""
+        kind = fields.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(
+                f"GGUF tokenizer model {kind!r} is not supported; supported: 'gpt2' (byte-level "
+                "BPE: SmolLM, Llama 3, Qwen2); for SentencePiece models load the HF directory"
+            )
+        tokens: list[str] = fields["tokenizer.ggml.tokens"]
+        merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges") or []]
+        vocab = {token: i for i, token in enumerate(tokens)}
+        backend = Backend(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+        backend.pre_tokenizer = _byte_level_pre_tokenizer(
+            fields.get("tokenizer.ggml.pre") or "default"
+        )
+        backend.decoder = decoders.ByteLevel()
+        types = fields.get("tokenizer.ggml.token_type") or []
+        backend.add_special_tokens(
+            [
+                AddedToken(tokens[i], special=True, normalized=False)
+                for i, t in enumerate(types)
+                if t == _CONTROL
+            ]
+        )
+        backend.add_tokens(
+            [
+                AddedToken(tokens[i], special=False, normalized=False)
+                for i, t in enumerate(types)
+                if t == _USER_DEFINED
+            ]
+        )
+        return cls(
+            backend,
+            bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=fields.get("tokenizer.ggml.eos_token_id"),
+            chat_template=fields.get("tokenizer.chat_template"),
+            add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
+        )
+
+
+@functools.lru_cache(maxsize=8)
+def _compile_template(source: str):
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str):
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(source)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
