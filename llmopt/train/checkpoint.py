@@ -1,0 +1,174 @@
+"""Sharded, atomic checkpoints that resume exactly.
+
+Layout of `<out>/checkpoints/`::
+
+    step_000040/manifest.json        step, layout (tp/pp/dp/zero), units, files, config
+    step_000040/rank00000.safetensors   that rank's fp32 master shard(s), optimizer state, RNG
+    step_000040/hf/                  (optional) consolidated weights, an HF directory that
+                                     `--init-from` loads into *any* layout
+    latest                           the name of the newest complete checkpoint
+
+Atomicity: every rank writes into `step_N.partial/` (each file itself via temp + rename);
+after a barrier rank 0 writes the manifest, renames the directory to `step_N` and then
+replaces `latest` (temp + rename). A crash at any point leaves `latest` naming the previous
+complete checkpoint; a leftover `.partial` directory is ignored and cleared by the next save.
+
+Resuming restores the fp32 masters and the optimizer state bit for bit; the compute-dtype
+parameters are re-derived from the masters exactly as after every step, and the data order
+is a function of the step, so the loss trajectory continues identically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from llmopt.parallel.data_parallel import DataParallel
+from llmopt.parallel.grid import RankGrid
+
+LATEST = "latest"
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:06d}"
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under `root`, or None."""
+    root = Path(root)
+    pointer = root / LATEST
+    if not pointer.is_file():
+        return None
+    path = root / pointer.read_text().strip()
+    if not (path / "manifest.json").is_file():
+        raise FileNotFoundError(f"{pointer} names {path}, which has no manifest.json")
+    return path
+
+
+def _layout(engine: DataParallel, grid: RankGrid) -> dict[str, Any]:
+    d = grid.dims
+    return {
+        "tp": d.tp,
+        "pp": d.pp,
+        "dp": d.dp,
+        "cp": d.cp,
+        "zero": engine.zero,
+        "param_dtype": str(engine.param_dtype),
+        "units": [[u.name, u.padded] for u in engine.units],
+    }
+
+
+def save_checkpoint(
+    root: str | Path,
+    step: int,
+    engine: DataParallel,
+    optimizer: torch.optim.Optimizer,
+    grid: RankGrid,
+    extra: dict[str, Any],
+    keep: int = 2,
+    consolidated: Callable[[Path], None] | None = None,
+    fault: Callable[[str], None] | None = None,
+) -> Path:
+    """Collective: every rank calls it. Returns the final checkpoint directory."""
+    root = Path(root)
+    final = _step_dir(root, step)
+    partial = final.with_name(final.name + ".partial")
+    if grid.rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    grid.world.barrier()
+
+    tensors: dict[str, torch.Tensor] = {}
+    for unit in engine.units:
+        tensors[f"master/{unit.name}"] = unit.master.detach().cpu().contiguous()
+    state = optimizer.state_dict()
+    for idx, per_param in state["state"].items():
+        for key, value in per_param.items():
+            if torch.is_tensor(value):
+                tensors[f"optim/{idx}/{key}"] = value.detach().cpu().contiguous().clone()
+    tensors["rng/cpu"] = torch.get_rng_state()
+    if torch.cuda.is_available():
+        tensors["rng/cuda"] = torch.cuda.get_rng_state()
+    meta = {"param_groups": json.dumps(state["param_groups"]), "rank": str(grid.rank)}
+    name = f"rank{grid.rank:05d}.safetensors"
+    tmp = partial / f".{name}.tmp"
+    save_file(tensors, str(tmp), metadata=meta)
+    os.replace(tmp, partial / name)
+    if fault is not None:
+        fault("save")
+    if consolidated is not None:
+        consolidated(partial / "hf")  # collective gather, rank 0 writes
+    grid.world.barrier()
+
+    if grid.rank == 0:
+        manifest = {
+            "step": step,
+            "layout": _layout(engine, grid),
+            "world_size": grid.dims.world_size,
+            "files": [f"rank{r:05d}.safetensors" for r in range(grid.dims.world_size)],
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            **extra,
+        }
+        _atomic_write_text(partial / "manifest.json", json.dumps(manifest, indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        _atomic_write_text(root / LATEST, final.name)
+        complete = sorted(p for p in root.glob("step_*") if not p.name.endswith(".partial"))
+        for old in complete[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    grid.world.barrier()
+    return final
+
+
+def load_checkpoint(
+    path: str | Path, engine: DataParallel, optimizer: torch.optim.Optimizer, grid: RankGrid
+) -> dict[str, Any]:
+    """Restore this rank's shard; returns the manifest. The layout must match exactly."""
+    path = Path(path)
+    manifest = json.loads((path / "manifest.json").read_text())
+    saved, here = manifest["layout"], _layout(engine, grid)
+    if saved != here:
+        diff = {k: (saved.get(k), here[k]) for k in here if saved.get(k) != here[k]}
+        shown = ", ".join(f"{k}: checkpoint {a} vs run {b}" for k, (a, b) in diff.items())
+        raise ValueError(
+            f"checkpoint {path} has a different layout ({shown}); to continue in a new "
+            f"layout start from its consolidated weights with --init-from {path / 'hf'} "
+            "(the optimizer state restarts)"
+        )
+    file = path / f"rank{grid.rank:05d}.safetensors"
+    if not file.is_file():
+        raise FileNotFoundError(f"checkpoint shard missing: {file}")
+    tensors = load_file(str(file))
+    with torch.no_grad():
+        for unit in engine.units:
+            unit.master.copy_(tensors[f"master/{unit.name}"])
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as handle:
+        meta = handle.metadata()
+    state: dict[str, Any] = {"state": {}, "param_groups": json.loads(meta["param_groups"])}
+    for key, value in tensors.items():
+        if key.startswith("optim/"):
+            _, idx, name = key.split("/", 2)
+            state["state"].setdefault(int(idx), {})[name] = value
+    optimizer.load_state_dict(state)
+    torch.set_rng_state(tensors["rng/cpu"])
+    if "rng/cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["rng/cuda"])
+    engine.update_params()
+    return manifest

@@ -1,0 +1,126 @@
+"""`llmopt train`: launch the trainer under torchrun (or in this process for one rank).
+
+`llmopt train --nproc-per-node 2 --config run.toml --steps 50` resolves the configuration
+(defaults < file < flags), writes it to `<out_dir>/run_config.json` and runs
+`python -m torch.distributed.run --nproc-per-node 2 -m llmopt.train --config <that file>`:
+torchrun is the launcher (and its multi-node flags the scale-out path); there is no home-made
+one. `python -m llmopt.train` is what each torchrun worker runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from llmopt.train.config import TrainConfig, add_config_arguments, config_from_args
+
+
+def _worker_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m llmopt.train",
+        description="One training worker (run it through torchrun).",
+    )
+    add_config_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print a JSON summary on rank 0")
+    return parser
+
+
+def _summary(result, cfg: TrainConfig) -> dict:
+    return {
+        "steps_done": len(result.losses),
+        "start_step": result.start_step,
+        "first_loss": result.losses[0] if result.losses else None,
+        "last_loss": result.losses[-1] if result.losses else None,
+        "losses": result.losses,
+        "checkpoint": result.checkpoint,
+        "log_file": result.log_file,
+        "comm_last_step": result.comm_per_step,
+        "out_dir": cfg.out_dir,
+    }
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    import os
+
+    import torch.distributed as dist
+
+    from llmopt.train.trainer import train
+
+    cfg = config_from_args(args)
+    result = train(cfg)
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        summary = _summary(result, cfg)
+        if args.json:
+            print(json.dumps(summary))
+        else:
+            print(
+                f"trained steps {result.start_step + 1}..{result.start_step + len(result.losses)}"
+                f": loss {summary['first_loss']} -> {summary['last_loss']}; "
+                f"log {result.log_file}; checkpoint {result.checkpoint}"
+            )
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+def main_worker(argv: list[str] | None = None) -> int:
+    args = _worker_parser().parse_args(argv)
+    try:
+        return run_worker(args)
+    except (ValueError, FileNotFoundError, KeyError) as exc:
+        print(f"llmopt train: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "train",
+        help="distributed training (TP/SP/DP/ZeRO) launched by torchrun",
+        description=__doc__.split("\n\n")[0],
+    )
+    add_config_arguments(parser)
+    parser.add_argument(
+        "--nproc-per-node", type=int, default=1, help="processes per node (torchrun)"
+    )
+    parser.add_argument("--nnodes", default="1", help="torchrun --nnodes (e.g. 2 or 1:4)")
+    parser.add_argument("--node-rank", type=int, default=None, help="torchrun --node-rank")
+    parser.add_argument("--master-addr", default=None, help="torchrun --master-addr")
+    parser.add_argument("--master-port", type=int, default=None, help="torchrun --master-port")
+    parser.add_argument("--json", action="store_true", help="print a JSON summary")
+    parser.set_defaults(func=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)  # validates before anything is launched
+    if args.nproc_per_node < 1:
+        raise ValueError(f"--nproc-per-node={args.nproc_per_node} must be >= 1")
+    single = args.nproc_per_node == 1 and str(args.nnodes) == "1"
+    if single:
+        return run_worker(args)
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config_file = out / "run_config.json"
+    tmp = config_file.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(cfg.to_dict(), indent=1))
+    tmp.replace(config_file)
+    cmd = [sys.executable, "-m", "torch.distributed.run"]
+    cmd += ["--nproc-per-node", str(args.nproc_per_node), "--nnodes", str(args.nnodes)]
+    for flag, value in (
+        ("--node-rank", args.node_rank),
+        ("--master-addr", args.master_addr),
+        ("--master-port", args.master_port),
+    ):
+        if value is not None:
+            cmd += [flag, str(value)]
+    if str(args.nnodes) == "1" and args.master_port is None:
+        cmd += ["--standalone"]
+    cmd += ["-m", "llmopt.train", "--config", str(config_file)]
+    if args.json:
+        cmd.append("--json")
+    env = dict(__import__("os").environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return subprocess.call(cmd, env=env)

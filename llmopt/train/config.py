@@ -1,0 +1,211 @@
+"""Training configuration: one validated dataclass, read from TOML (or JSON) plus overrides.
+
+Precedence: dataclass defaults < config file < command-line flags. Every field is a flag
+(`--global-batch 16`, `--sequence-parallel/--no-sequence-parallel`), generated from the
+dataclass so the file, the flags and the docs cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmopt.parallel.recompute import RECOMPUTE_MODES
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+PRECISIONS = ("fp32", "bf16", "fp8")
+FP8_RECIPES = ("current", "delayed")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+
+
+class TrainConfigError(ValueError):
+    """A training configuration that cannot run."""
+
+
+@dataclass
+class TrainConfig:
+    # model
+    model: str = "smollm2-135m"  # a preset name (random init) ...
+    init_from: str | None = None  # ... or weights: packaged name, .gguf, HF dir, checkpoint dir
+    num_layers: int | None = None  # shape overrides of the preset (small runs on CPU)
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    # data
+    tokenizer: str = "smollm2-135m"
+    corpus: str = "corpus:web-bible"  # corpus:NAME, a text file, or random (synthetic tokens)
+    max_chars: int | None = None
+    seq_len: int = 128
+    global_batch: int = 8  # sequences per optimizer step, all DP ranks together
+    micro_batch: int = 2  # sequences per forward/backward on one DP rank
+    # optimisation
+    steps: int = 100
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip: float = 1.0
+    seed: int = 0
+    # parallelism
+    tp: int = 1
+    pp: int = 1
+    dp: int = -1
+    sequence_parallel: bool = False
+    zero: int = 0
+    recompute: str = "none"
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    microbatches: int | None = None
+    # precision
+    precision: str = "fp32"
+    fp8_recipe: str = "current"
+    reduce_dtype: str = "fp32"
+    # bookkeeping
+    out_dir: str = "runs/train"
+    log_every: int = 1
+    save_every: int = 0  # 0: only at the end
+    keep_checkpoints: int = 2
+    resume: bool = False
+    timeout_s: float = 120.0
+    peak_tflops: float | None = None  # per device; None: measured dense-matmul peak
+    progress: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        positive = ("seq_len", "global_batch", "micro_batch", "tp", "pp", "virtual_stages")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise TrainConfigError(f"{name}={value!r} must be a positive integer")
+        if self.steps < 0:
+            raise TrainConfigError(f"steps={self.steps} must be >= 0")
+        if self.dp != -1 and self.dp < 1:
+            raise TrainConfigError(f"dp={self.dp} must be positive (or -1: the rest of the world)")
+        if self.zero not in (0, 1, 2, 3):
+            raise TrainConfigError(f"zero={self.zero!r} is not a ZeRO stage; choose 0, 1, 2 or 3")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise TrainConfigError(
+                f"recompute={self.recompute!r} is not valid; choose one of {RECOMPUTE_MODES}"
+            )
+        if self.precision not in PRECISIONS:
+            raise TrainConfigError(
+                f"precision={self.precision!r} is not valid; choose one of {PRECISIONS}"
+            )
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise TrainConfigError(
+                f"fp8_recipe={self.fp8_recipe!r} is not valid; choose one of {FP8_RECIPES}"
+            )
+        if self.reduce_dtype not in ("fp32", "bf16"):
+            raise TrainConfigError(f"reduce_dtype={self.reduce_dtype!r}: choose 'fp32' or 'bf16'")
+        if self.schedule not in SCHEDULES:
+            raise TrainConfigError(
+                f"schedule={self.schedule!r} is not valid; choose one of {SCHEDULES}"
+            )
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise TrainConfigError(f"need 0 <= min_lr ({self.min_lr}) <= lr ({self.lr}), lr > 0")
+        if self.warmup_steps < 0:
+            raise TrainConfigError(f"warmup_steps={self.warmup_steps} must be >= 0")
+        if self.log_every < 1 or self.save_every < 0 or self.keep_checkpoints < 1:
+            raise TrainConfigError("log_every and keep_checkpoints must be >= 1, save_every >= 0")
+        if self.timeout_s <= 0:
+            raise TrainConfigError(f"timeout_s={self.timeout_s} must be positive")
+
+    # ---- derived ----
+    def micro_steps(self, dp: int) -> int:
+        """Gradient-accumulation steps per optimizer step for a DP degree."""
+        per_rank, rem = divmod(self.global_batch, dp)
+        if rem:
+            raise TrainConfigError(f"global_batch={self.global_batch} is not divisible by dp={dp}")
+        n, rem = divmod(per_rank, self.micro_batch)
+        if rem:
+            raise TrainConfigError(
+                f"global_batch/dp={per_rank} is not divisible by micro_batch={self.micro_batch}"
+            )
+        return n
+
+    # ---- serialisation ----
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        flat: dict[str, Any] = {}
+        for key, value in data.items():
+            # TOML tables ([model], [parallel]...) are only grouping: flatten them.
+            if isinstance(value, dict) and key != "extra":
+                flat.update(value)
+            else:
+                flat[key] = value
+        flat = {k.replace("-", "_"): v for k, v in flat.items()}
+        unknown = set(flat) - known
+        if unknown:
+            raise TrainConfigError(
+                f"unknown training config keys {sorted(unknown)}; valid keys: {sorted(known)}"
+            )
+        return cls(**flat)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> TrainConfig:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"training config not found: {path}")
+        text = path.read_text()
+        try:
+            data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+            raise TrainConfigError(f"{path} is not valid {path.suffix[1:].upper()}: {exc}") from exc
+        return cls.from_dict(data)
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+
+# ---- command-line flags generated from the dataclass ----
+def _flag_type(hint: Any):
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    base = args[0] if args else hint
+    return base
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--config FILE` plus one flag per TrainConfig field (default: not given)."""
+    parser.add_argument("--config", help="TOML (or JSON) training config; flags override it")
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        if f.name == "extra":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        base = _flag_type(hints[f.name])
+        default = f.default if f.default is not dataclasses.MISSING else None
+        help_text = f"(default: {default})"
+        if base is bool:
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
+        else:
+            parser.add_argument(flag, type=base, default=None, help=help_text)
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """Defaults < --config file < flags."""
+    base = TrainConfig.from_file(args.config) if getattr(args, "config", None) else TrainConfig()
+    changes = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(TrainConfig)
+        if f.name != "extra" and getattr(args, f.name, None) is not None
+    }
+    return base.replace(**changes)

@@ -1,0 +1,345 @@
+"""The training loop: grid -> model -> TP/SP -> recompute -> DP/ZeRO -> AdamW, with logging,
+checkpoints and clean failure.
+
+`train(config)` runs on every rank of a torchrun job (or alone). Rank 0 shows a rich progress
+bar and writes the JSON-lines log; every step record carries loss (mean over all tokens of the
+global batch), gradient norm, learning rate, tokens/s, MFU against a stated peak, memory and
+the counted communication of that step per group and op.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from llmopt.models.config import ModelConfig
+from llmopt.models.llama import Transformer, build_model
+from llmopt.models.presets import get_preset
+from llmopt.parallel.comm import CommCounter
+from llmopt.parallel.data_parallel import DataParallel
+from llmopt.parallel.grid import ParallelDims, RankGrid, init_distributed
+from llmopt.parallel.recompute import apply_activation_checkpointing
+from llmopt.parallel.tensor_parallel import apply_tensor_parallel, lm_loss
+from llmopt.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from llmopt.train.config import TrainConfig, TrainConfigError
+from llmopt.train.data import TokenData
+
+FAULT_ENV = "LLMOPT_FAULT"  # "kind:rank:step", kind in raise|kill|kill-in-save (tests)
+
+
+@dataclass
+class TrainResult:
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    start_step: int = 0
+    checkpoint: str | None = None
+    comm_per_step: dict = field(default_factory=dict)
+    log_file: str | None = None
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to lr, then cosine decay to min_lr at the last step."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(cfg.steps - cfg.warmup_steps, 1)
+    progress = min((step - cfg.warmup_steps) / span, 1.0)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def model_config(cfg: TrainConfig) -> ModelConfig:
+    base = get_preset(cfg.model)
+    changes = {
+        name: getattr(cfg, name)
+        for name in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads")
+        if getattr(cfg, name) is not None
+    }
+    changes["max_seq_len"] = max(base.max_seq_len, cfg.seq_len)
+    return base.replace(**changes)
+
+
+def build_initial_model(cfg: TrainConfig, device: torch.device) -> Transformer:
+    if cfg.init_from:
+        from llmopt.models.loading import load_model
+
+        model = load_model(cfg.init_from, dtype=torch.float32, device=device)
+        if cfg.seq_len > model.config.max_seq_len:
+            raise TrainConfigError(
+                f"seq_len={cfg.seq_len} exceeds the model context {model.config.max_seq_len}"
+            )
+        return model.train()
+    return build_model(model_config(cfg), seed=cfg.seed, device=device).train()
+
+
+def _fault(point: str, step: int, rank: int) -> None:
+    """Test hook: fail on purpose as LLMOPT_FAULT says (kind:rank:step)."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    kind, f_rank, f_step = spec.split(":")
+    if int(f_rank) != rank or int(f_step) != step:
+        return
+    if kind == "raise" and point == "step":
+        raise RuntimeError(f"injected failure at step {step}")
+    if (kind == "kill" and point == "step") or (kind == "kill-in-save" and point == "save"):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _measured_peak_tflops(device: torch.device, dtype: torch.dtype) -> float:
+    """Dense matmul throughput of this device (the MFU denominator when none is stated)."""
+    n = 1024
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    reps = 8
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e12
+
+
+def flops_per_token(config: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x parameters (matmuls, fwd+bwd) + 12 L h T attention."""
+    return 6 * config.num_parameters() + 12 * config.num_layers * config.q_size * seq_len
+
+
+def _memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # peak RSS (Linux KiB)
+
+
+def train(cfg: TrainConfig) -> TrainResult:
+    """Run training as configured on this rank; returns what rank 0 logged."""
+    device, _backend = init_distributed(cfg.timeout_s)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    dims = ParallelDims(world, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp)
+    if dims.pp > 1:
+        raise TrainConfigError(
+            f"pp={dims.pp}: pipeline parallelism is not wired into this trainer yet "
+            "(llmopt.parallel.pipeline); use pp=1"
+        )
+    grid = RankGrid.create(dims, timeout_s=cfg.timeout_s)
+    try:
+        return _train(cfg, grid, device)
+    except BaseException as exc:
+        if world > 1 and not isinstance(exc, KeyboardInterrupt):
+            print(
+                f"llmopt train: {grid.describe()} failed: {type(exc).__name__}: {exc}",
+                file=sys.stderr,
+                flush=True,
+            )
+        raise
+
+
+def _train(cfg: TrainConfig, grid: RankGrid, device: torch.device) -> TrainResult:
+    dims = grid.dims
+    n_micro = cfg.micro_steps(dims.dp)
+    torch.manual_seed(cfg.seed)
+    model = build_initial_model(cfg, device)
+    mcfg = model.config
+    dims.validate_model(mcfg, cfg.seq_len, cfg.sequence_parallel)
+    data = TokenData.from_config(
+        cfg.corpus, cfg.tokenizer, cfg.max_chars, cfg.seq_len, cfg.seed, mcfg.vocab_size
+    )
+    if cfg.precision == "fp8":
+        try:
+            from llmopt.precision.fp8 import convert_to_fp8
+        except ImportError as exc:
+            raise TrainConfigError(
+                f"precision=fp8 needs llmopt.precision.fp8.convert_to_fp8, unavailable: {exc}"
+            ) from exc
+        convert_to_fp8(model, cfg.fp8_recipe)
+    apply_tensor_parallel(model, grid.tp, sequence_parallel=cfg.sequence_parallel)
+    apply_activation_checkpointing(model, cfg.recompute)
+    param_dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
+    reduce_dtype = torch.bfloat16 if cfg.reduce_dtype == "bf16" else torch.float32
+    engine = DataParallel(
+        model, grid, zero=cfg.zero, param_dtype=param_dtype, reduce_dtype=reduce_dtype
+    )
+    optimizer = torch.optim.AdamW(
+        engine.master_params(),
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        foreach=False,
+    )
+
+    out = Path(cfg.out_dir)
+    ckpt_root = out / "checkpoints"
+    rank0 = grid.rank == 0
+    result = TrainResult()
+    start = 0
+    if cfg.resume:
+        found = latest_checkpoint(ckpt_root)
+        if found is not None:
+            with grid.counter.paused():
+                manifest = load_checkpoint(found, engine, optimizer, grid)
+            start = manifest["step"]
+            result.checkpoint = str(found)
+    result.start_step = start
+
+    peak = cfg.peak_tflops or _measured_peak_tflops(device, param_dtype)
+    log = None
+    if rank0:
+        out.mkdir(parents=True, exist_ok=True)
+        result.log_file = str(out / "train_log.jsonl")
+        log = open(result.log_file, "a")  # noqa: SIM115 - closed in finally
+        header = {
+            "event": "start",
+            "config": cfg.to_dict(),
+            "model": mcfg.to_dict(),
+            "parameters": mcfg.num_parameters(),
+            "layout": {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "world": dims.world_size},
+            "micro_steps": n_micro,
+            "start_step": start,
+            "peak_tflops_per_device": peak,
+            "peak_source": "stated" if cfg.peak_tflops else "measured dense matmul",
+            "device": str(device),
+        }
+        log.write(json.dumps(header) + "\n")
+        log.flush()
+
+    progress = _progress(cfg, rank0, start)
+    tokens_per_step = cfg.global_batch * cfg.seq_len
+    flops_step = flops_per_token(mcfg, cfg.seq_len) * tokens_per_step
+    try:
+        for step in range(start, cfg.steps):
+            lr = lr_at(step, cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            before = grid.counter.snapshot()
+            t0 = time.perf_counter()
+            inputs, targets = data.batch(step, cfg.global_batch, grid.dp.rank, dims.dp)
+            inputs, targets = inputs.to(device), targets.to(device)
+            loss_sum = torch.zeros((), dtype=torch.float64)
+            for i, (tok, tgt) in enumerate(zip(inputs.chunk(n_micro), targets.chunk(n_micro))):
+                last = i == n_micro - 1
+                with engine.no_sync() if not last else _Nothing():
+                    loss = lm_loss(model, tok, tgt) / n_micro
+                    loss.backward()
+                loss_sum += loss.detach().double().cpu()
+            _fault("step", step, grid.rank)
+            grad_norm = engine.step(optimizer, cfg.clip)
+            with grid.counter.paused():
+                grid.dp.all_reduce(loss_sum)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            comm = CommCounter.delta(grid.counter.snapshot(), before)
+            loss_value = loss_sum.item() / dims.dp
+            record = {
+                "event": "step",
+                "step": step + 1,
+                "loss": loss_value,
+                "grad_norm": grad_norm,
+                "lr": lr,
+                "step_time_s": dt,
+                "tokens_per_s": tokens_per_step / dt,
+                "mfu": flops_step / dt / (peak * 1e12 * dims.world_size),
+                "memory_bytes": _memory_bytes(device),
+                "comm": comm,
+            }
+            result.losses.append(loss_value)
+            result.steps.append(record)
+            result.comm_per_step = comm
+            if rank0 and log is not None:
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+            if progress is not None:
+                progress.update(step + 1, record)
+            if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
+                result.checkpoint = str(_save(cfg, ckpt_root, step + 1, engine, optimizer, grid))
+    finally:
+        if progress is not None:
+            progress.close()
+        if log is not None:
+            log.write(json.dumps({"event": "end", "steps_done": len(result.losses)}) + "\n")
+            log.close()
+    return result
+
+
+def _save(cfg, root, step, engine, optimizer, grid) -> Path:
+    def consolidated(directory: Path) -> None:
+        state = engine.full_state_dict()
+        if grid.rank == 0:
+            from llmopt.models.loading import save_pretrained
+
+            model = build_model(engine.model.config, seed=None)
+            model.load_state_dict(state, strict=False)
+            save_pretrained(model, directory)
+
+    with grid.counter.paused():
+        return save_checkpoint(
+            root,
+            step,
+            engine,
+            optimizer,
+            grid,
+            extra={"config": cfg.to_dict()},
+            keep=cfg.keep_checkpoints,
+            consolidated=consolidated,
+            fault=lambda point: _fault(point, step, grid.rank),
+        )
+
+
+class _Nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _progress:
+    """Rich progress bar plus a per-step line on rank 0 (None elsewhere)."""
+
+    def __new__(cls, cfg: TrainConfig, rank0: bool, start: int):
+        if not (rank0 and cfg.progress):
+            return None
+        return super().__new__(cls)
+
+    def __init__(self, cfg: TrainConfig, rank0: bool, start: int) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.cfg = cfg
+        self.bar = Progress(
+            TextColumn("train"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TextColumn("{task.fields[info]}"),
+            TimeRemainingColumn(),
+            console=Console(stderr=True),  # stdout stays clean for --json
+        )
+        self.task = self.bar.add_task("train", total=cfg.steps, completed=start, info="")
+        self.bar.start()
+
+    def update(self, step: int, record: dict) -> None:
+        info = (
+            f"loss {record['loss']:.4f} | gnorm {record['grad_norm']:.3f} | "
+            f"{record['tokens_per_s']:.0f} tok/s | MFU {100 * record['mfu']:.1f}%"
+        )
+        self.bar.update(self.task, completed=step, info=info)
+        if step % self.cfg.log_every == 0:
+            self.bar.console.log(f"step {step}: {info}")
+
+    def close(self) -> None:
+        self.bar.stop()
