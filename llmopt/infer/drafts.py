@@ -165,6 +165,7 @@ class NGramDraft:
         # n -> {n-gram: end position of its latest occurrence that has a following token}
         self._index: dict[int, dict[tuple[int, ...], int]] = {}
         self._indexed = 0  # n-grams ending before this position are indexed
+        self.start([], 0)
 
     def start(self, prompt_ids: list[int], max_len: int) -> None:
         self._context = []
