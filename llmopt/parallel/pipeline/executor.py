@@ -15,7 +15,7 @@ last micro-batch trained").
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
@@ -55,7 +55,9 @@ class PipelineExecutor:
     `activation_shape(micro_batch_size, seq_len)` gives the shape of the tensors that cross
     stages (default [b, T, hidden]; sequence parallelism shards T). `no_sync()` is entered for
     every backward except each chunk's last one, so data parallelism can skip its gradient
-    reduction on inner micro-batches. `record_events` keeps wall-clock compute events for
+    reduction on inner micro-batches; stages in `defer_sync_stages` run every backward inside
+    it (their reduction is launched by the caller, e.g. after summing tied weights' gradients
+    across stages). `record_events` keeps wall-clock compute events for
     timelines and measured bubbles.
     """
 
@@ -70,6 +72,7 @@ class PipelineExecutor:
         dtype: torch.dtype | None = None,
         tied_embeddings: bool = False,
         no_sync: Callable[[], AbstractContextManager] | None = None,
+        defer_sync_stages: Collection[int] = (),
         record_events: bool = False,
     ) -> None:
         if group.size != schedule.pp:
@@ -93,6 +96,7 @@ class PipelineExecutor:
         self.device = param.device if param is not None else torch.device("cpu")
         self.tied_embeddings = tied_embeddings and schedule.pp > 1
         self.no_sync = no_sync
+        self.defer_sync_stages = frozenset(defer_sync_stages)
         self.record_events = record_events
 
     # ---- one training step ----
@@ -171,8 +175,9 @@ class PipelineExecutor:
             else:
                 y = outputs.pop(key)
                 remaining_bwd[action.stage] -= 1
-                last_for_chunk = remaining_bwd[action.stage] == 0
-                ctx = self.no_sync() if self.no_sync and not last_for_chunk else nullcontext()
+                sync = remaining_bwd[action.stage] == 0
+                sync = sync and action.stage not in self.defer_sync_stages
+                ctx = self.no_sync() if self.no_sync and not sync else nullcontext()
                 with ctx:
                     if stage.is_last:
                         y.backward()

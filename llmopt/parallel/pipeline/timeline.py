@@ -43,37 +43,17 @@ def render_text(events: Sequence[Sequence[Event]], pp: int | None = None, unit: 
     return "\n".join(rows)
 
 
-def render_png(
-    events: Sequence[Sequence[Event]],
-    path: str | Path,
-    *,
-    pp: int | None = None,
-    title: str = "",
-    time_unit: str = "",
-) -> Path:
-    """Gantt chart of the step (forward blue, backward green, darker for later chunks).
-
-    Written atomically: a reader never sees a half-written picture.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    pp = pp or len(events)
-    path = Path(path)
+def _draw(ax, events: Sequence[Sequence[Event]], pp: int, title: str, time_unit: str) -> None:
     fwd_colors = ["#4c78a8", "#1f4e79", "#7fa7d1", "#0b2a4a"]
     bwd_colors = ["#59a14f", "#2d6a27", "#8cd17d", "#173d12"]
-    makespan = max((e.end for rank in events for e in rank), default=1.0)
-    fig, ax = plt.subplots(
-        figsize=(max(6.0, min(18.0, 0.5 * sum(map(len, events)) / pp)), 0.6 * pp + 1.2)
-    )
+    origin = min((e.start for rank in events for e in rank), default=0.0)
+    makespan = max((e.end - origin for rank in events for e in rank), default=1.0)
     for r, rank_events in enumerate(events):
         for e in rank_events:
             chunk = e.action.stage // pp
             palette = fwd_colors if e.action.op == "F" else bwd_colors
             ax.broken_barh(
-                [(e.start, e.end - e.start)],
+                [(e.start - origin, e.end - e.start)],
                 (r - 0.4, 0.8),
                 facecolors=palette[chunk % len(palette)],
                 edgecolor="white",
@@ -81,7 +61,7 @@ def render_png(
             )
             if (e.end - e.start) / makespan > 0.012:
                 ax.text(
-                    (e.start + e.end) / 2,
+                    (e.start + e.end) / 2 - origin,
                     r,
                     str(e.action.mb),
                     ha="center",
@@ -89,19 +69,56 @@ def render_png(
                     fontsize=7,
                     color="white",
                 )
-    ax.set_yticks(range(pp))
-    ax.set_yticklabels([f"rank {r}" for r in range(pp)])
-    ax.invert_yaxis()
+    ax.set_yticks(range(len(events)))
+    ax.set_yticklabels([f"rank {r}" for r in range(len(events))])
+    ax.set_ylim(len(events) - 0.5, -0.5)
     ax.set_xlim(0, makespan)
     ax.set_xlabel(f"time{f' ({time_unit})' if time_unit else ''}")
     if title:
         ax.set_title(title, fontsize=10)
+
+
+def render_png(
+    events: Sequence[Sequence[Event]] | Sequence[tuple[str, Sequence[Sequence[Event]]]],
+    path: str | Path,
+    *,
+    pp: int | None = None,
+    title: str = "",
+    time_unit: str = "",
+) -> Path:
+    """Gantt chart of a step (forward blue, backward green, darker for later chunks).
+
+    `events` is one step's per-rank events, or a list of (title, events) panels stacked in one
+    figure (e.g. gpipe / 1f1b / interleaved side by side). Time starts at the earliest event.
+    Written atomically: a reader never sees a half-written picture.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = (
+        list(events)
+        if events and isinstance(events[0], tuple) and isinstance(events[0][0], str)
+        else [(title, events)]
+    )
+    rows = sum(len(ev) for _, ev in panels)
+    n_events = max(sum(map(len, ev)) / max(1, len(ev)) for _, ev in panels)
+    fig, axes = plt.subplots(
+        len(panels),
+        1,
+        figsize=(max(6.0, min(16.0, 0.35 * n_events)), 0.55 * rows + 1.1 * len(panels)),
+        squeeze=False,
+    )
+    for ax, (panel_title, panel_events) in zip(axes[:, 0], panels):
+        _draw(ax, panel_events, pp or len(panel_events), panel_title, time_unit)
     fig.tight_layout()
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".png", dir=path.parent)
     os.close(fd)
     try:
-        fig.savefig(tmp, dpi=120)
+        fig.savefig(tmp, dpi=110)
         os.replace(tmp, path)
     finally:
         plt.close(fig)

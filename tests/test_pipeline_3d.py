@@ -1,0 +1,144 @@
+"""3D parallelism (TP/SP x PP x DP/ZeRO, with recompute) against one process, on gloo.
+
+Each rank computes the single-process reference for the global batch itself (tiny model),
+then runs its part: the loss of step 1 (as logged, on every rank), this rank's reduced
+gradients (TP- and ZeRO-gathered) before the first optimizer step, and the loss of step 2
+after an SGD step must match.
+
+Tolerance 1e-5 relative (loss; gradients norm-wise per tensor): TP all-reduces, DP averaging
+and micro-batch accumulation reorder fp32 sums (observed ~1e-7). SGD keeps the step-2 check
+free of Adam's amplification of near-zero gradients.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmopt.models import ModelConfig, build_model
+from llmopt.parallel.pipeline.executor import cross_entropy_sum
+from llmopt.parallel.pipeline.schedule import ScheduleError
+from tests.dist_helpers import run_distributed
+
+TOL = 1e-5
+SEQ, MB, LR = 8, 2, 0.1
+
+
+def _config(tie: bool) -> ModelConfig:
+    return ModelConfig(
+        name="tiny-3d",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        max_seq_len=32,
+        tie_embeddings=tie,
+    )
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def _worker(rank: int, world: int, cases: list[dict]):
+    from llmopt.parallel.grid import ParallelDims, RankGrid
+    from llmopt.parallel.pipeline.parallelize import PipelineConfig, build_pipeline_model
+
+    report = []
+    for case in cases:
+        cfg = _config(case.get("tie", False))
+        grid = RankGrid.create(ParallelDims(world, tp=case["tp"], pp=case["pp"]))
+        dp, m = grid.dp.size, case["m"]
+        gen = torch.Generator().manual_seed(7)
+        data = torch.randint(0, cfg.vocab_size, (2, dp * m * MB, SEQ + 1), generator=gen)
+        tokens, labels = data[..., :-1], data[..., 1:]
+
+        ref = build_model(cfg, seed=3)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+        ref_losses = []
+        for step in range(2):
+            loss = cross_entropy_sum(ref(tokens[step]), labels[step]) / labels[step].numel()
+            loss.backward()
+            if step == 0:
+                ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+                ref_grads["lm_head.weight"] = ref.lm_head.weight.grad.clone()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            ref_losses.append(loss.item())
+
+        pm = build_pipeline_model(
+            build_model(cfg, seed=3),
+            grid,
+            PipelineConfig(case["schedule"], m, case.get("v", 1)),
+            zero=case.get("zero", 0),
+            sequence_parallel=case.get("sp", False),
+            recompute=case.get("recompute", "none"),
+        )
+        opt = torch.optim.SGD(pm.master_params(), lr=LR)
+        rows = slice(grid.dp.rank * m * MB, (grid.dp.rank + 1) * m * MB)
+        result = pm.forward_backward(tokens[0][rows], labels[0][rows])
+        loss1 = pm.global_loss(result)
+        grads = pm.full_grads()
+        optimizer_step(pm, opt)
+        loss2 = pm.train_step(tokens[1][rows], labels[1][rows], opt).loss
+
+        for got, want in ((loss1, ref_losses[0]), (loss2, ref_losses[1])):
+            assert abs(got - want) <= TOL * abs(want), (case, got, want)
+        assert grads, "every rank holds parameters"
+        worst = 0.0
+        for name, g in grads.items():
+            err = _rel(g, ref_grads[name])
+            assert err <= TOL, f"{case}: grad {name} rel err {err:.2e}"
+            worst = max(worst, err)
+        report.append(worst)
+    return report
+
+
+def optimizer_step(pm, opt) -> None:
+    pm.dp.clip_grad_norm_(None)
+    opt.step()
+    pm.dp.update_params()
+    pm.dp.zero_grad()
+
+
+CASES_8 = [
+    # The issue's example: tp2 . pp2 . dp2 with ZeRO-1 and selective recompute.
+    dict(tp=2, pp=2, schedule="1f1b", m=3, zero=1, recompute="selective"),
+    dict(tp=2, pp=2, schedule="interleaved-1f1b", v=2, m=2, zero=2, sp=True, recompute="full"),
+]
+CASES_4 = [
+    dict(tp=1, pp=2, schedule="gpipe", m=2, zero=3, tie=True),
+    dict(tp=2, pp=2, schedule="1f1b", m=2, zero=0, sp=True, tie=True),
+    dict(tp=1, pp=4, schedule="1f1b", m=4, zero=2),
+]
+
+
+@pytest.mark.parametrize("world,cases", [(4, CASES_4), (8, CASES_8)])
+def test_3d_matches_single_process(world, cases):
+    reports = run_distributed(_worker, world, cases, timeout_s=300)
+    assert all(len(r) == len(cases) for r in reports)
+
+
+def test_bad_pipeline_configs_are_rejected_clearly():
+    from llmopt.parallel.comm import CommCounter, Group
+    from llmopt.parallel.grid import ParallelDims, RankGrid
+    from llmopt.parallel.pipeline.parallelize import PipelineConfig, PipelineModel
+
+    with pytest.raises(ScheduleError, match="unknown schedule 'zb'; choose from gpipe"):
+        PipelineConfig("zb")
+    with pytest.raises(ScheduleError, match="microbatches=0 must be a positive integer"):
+        PipelineConfig("1f1b", 0)
+    counter = CommCounter()
+    groups = {d: Group(d, (0,), 0, None, counter) for d in ("tp", "cp", "dp", "world")}
+    groups["pp"] = Group("pp", (0, 1, 2, 3), 0, None, counter)  # rank 0 of a pp=4 grid
+    grid = RankGrid(ParallelDims(4, pp=4), 0, groups, counter)
+    model = build_model(_config(False), seed=0)
+    with pytest.raises(ScheduleError, match="zero=3 with pp=4 > 2 is not supported"):
+        PipelineModel(model, grid, PipelineConfig("1f1b", 4), zero=3)
+    with pytest.raises(ScheduleError, match="interleaved-1f1b needs microbatches >= pp"):
+        PipelineModel(model, grid, PipelineConfig("interleaved-1f1b", 2, 2))
+    with pytest.raises(ScheduleError, match=r"num_layers=4 is fewer than pp\*v=8 stages"):
+        PipelineModel(model, grid, PipelineConfig("interleaved-1f1b", 4, 2))
+    assert not hasattr(model, "tp_group")  # rejected before the model was touched
