@@ -27,7 +27,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -180,11 +180,15 @@ def role_dtype(recipe: Recipe, role: TensorRole) -> torch.dtype:
 # Per-tensor scaling state
 # ---------------------------------------------------------------------------------------------
 
-AmaxGroup = dist.ProcessGroup | None | Literal["auto"]
+# A torch ProcessGroup, the engine's counted `llmopt.parallel.comm.Group` (anything with
+# `all_reduce(tensor, op="max")`), None (no reduction) or "auto" (the world when initialised).
+AmaxGroup = Any
 
 
-def _resolve_group(group: AmaxGroup) -> dist.ProcessGroup | None:
-    if group == "auto":
+def _resolve_group(group: AmaxGroup) -> Any:
+    if isinstance(group, str):
+        if group != "auto":
+            raise Fp8Error(f"amax_group={group!r}: pass a process group, None or 'auto'")
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             return dist.group.WORLD
         return None
@@ -194,7 +198,11 @@ def _resolve_group(group: AmaxGroup) -> dist.ProcessGroup | None:
 def reduce_amax(amax: torch.Tensor, group: AmaxGroup) -> torch.Tensor:
     """All-reduce MAX over `group` (in place) so all ranks derive the same scale."""
     group = _resolve_group(group)
-    if group is not None and dist.get_world_size(group) > 1:
+    if group is None:
+        return amax
+    if hasattr(group, "all_reduce"):  # counted engine group; a no-op when its size is 1
+        group.all_reduce(amax, op="max")
+    elif dist.get_world_size(group) > 1:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     return amax
 
@@ -397,12 +405,16 @@ class Float8Linear(nn.Linear):
     def from_linear(
         cls, linear: nn.Linear, recipe: str | Recipe = "current", gemm: GemmKind = "scaled_mm"
     ) -> Float8Linear:
-        """Wrap an existing linear layer, sharing its parameters."""
+        """Wrap an existing linear layer, sharing its parameters.
+
+        Everything the old module carried comes along (its hooks, e.g. tensor parallelism's
+        output all-reduce, and attributes such as `tp_dim` on its parameters), so FP8 can be
+        applied before or after sharding.
+        """
         new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.in_features, new.out_features = linear.in_features, linear.out_features
-        new.weight = linear.weight
-        new.bias = linear.bias
+        new.__dict__.update(
+            {k: v.copy() if isinstance(v, dict) else v for k, v in linear.__dict__.items()}
+        )
         new._setup_fp8(make_recipe(recipe), gemm)
         return new
 
@@ -484,6 +496,7 @@ def convert_to_fp8(
     on_bad_shape: a layer whose dims are not multiples of 16: "error" or "keep" it as is.
     """
     recipe = make_recipe(recipe)
+    _resolve_group(amax_group)  # validates early; "auto" is resolved again at each use
     if fallback not in ("error", "emulate"):
         raise Fp8Error(f"fallback={fallback!r} is not supported; choose 'error' or 'emulate'")
     if on_bad_shape not in ("error", "keep"):
