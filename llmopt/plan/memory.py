@@ -123,7 +123,14 @@ def activation_bytes_per_layer(
         per_key = ACT_BYTES + (1 + ACT_BYTES if dropout else 0)  # softmax (+ mask, dropout out)
         scores = per_key * a * seq_len / t  # local queries attend to all s keys
     full = tokens * (replicated / rep_div + split + scores)
-    selective = full - np.where(flash_attention, 0.0, tokens * scores)
+    if flash_attention:
+        # With fused attention there is no s² term to drop; "selective" then means op-level
+        # recomputation of the cheap memory-bound ops (torchtitan's selective AC): the norm
+        # outputs (QKV and MLP inputs) and the SwiGLU product are rebuilt, GEMM outputs kept.
+        dropped = 2 * ACT_BYTES * h / rep_div + (ACT_BYTES * f / t if model.mlp == "swiglu" else 0)
+        selective = full - tokens * dropped
+    else:
+        selective = full - tokens * scores
     kept_input = tokens * ACT_BYTES * h / rep_div
     return np.where(rc == RC_FULL, kept_input, np.where(rc == RC_SELECTIVE, selective, full))
 

@@ -42,6 +42,9 @@ class Workload:
     state_bytes: str = "megatron"
     tp_comm_overlap: bool = False  # TP collectives overlapped with GEMMs (TE userbuffers)
     dp_comm_overlap: bool = True  # gradient reduce overlapped with backward (bucketed)
+    # Fused elementwise kernels (Megatron/TE, torch.compile). False: eager PyTorch, where an
+    # fp32-upcasting RMSNorm, complex-number RoPE and unfused SwiGLU move several times the bytes.
+    fused_kernels: bool = True
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "global_batch"):

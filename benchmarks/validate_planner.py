@@ -1,0 +1,311 @@
+"""Validate the planner against published training runs.
+
+    python benchmarks/validate_planner.py --runs ../shared/anchors/published_runs.csv
+
+Each row's exact configuration is evaluated with `llmopt.plan` and the prediction is converted
+into the quantity and FLOP convention the source reported (Narayanan Eq. 3 TFLOP/s, which counts
+the recomputed forward; Megatron model TFLOP/s; iteration time; tokens/s), so like is compared
+with like. Fields the source left blank or "not reported" are chosen by the planner itself (the
+fastest plan that fits, with every reported field held fixed) and printed as assumptions.
+The last line is `median_abs_rel_err=<x> p90_abs_rel_err=<y> n=<rows>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from llmopt.models.config import ModelConfig
+from llmopt.plan.hardware import Cluster, customize, get_cluster
+from llmopt.plan.search import build_grid, evaluate, plan_at
+from llmopt.plan.workload import RECOMPUTES, SCHEDULES, Workload, megatron_flops
+
+REQUIRED = (
+    "row_id", "model", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "seq_len", "vocab",
+    "gpu_type", "total_gpus", "tp", "pp", "dp", "cp", "virtual_pp_stages", "micro_batch",
+    "global_batch_seqs", "recompute", "sequence_parallel", "zero_fsdp", "tflops_per_gpu_reported",
+    "tflops_convention", "tokens_per_s_per_gpu_reported", "step_time_s_reported", "notes",
+)  # fmt: skip
+
+
+def _int(value: str) -> int | None:
+    m = re.fullmatch(r"\s*(\d+)\s*", value or "")
+    return int(m.group(1)) if m else None
+
+
+def _float(value: str) -> float | None:
+    try:
+        return float((value or "").replace(",", ""))
+    except ValueError:
+        return None
+
+
+@dataclasses.dataclass
+class RowSetup:
+    model: ModelConfig
+    work: Workload
+    cluster: Cluster
+    constraints: dict[str, int]
+    assumptions: list[str]
+
+
+def setup_row(row: dict[str, str]) -> RowSetup:
+    """Model, workload, cluster and the reported parts of the mapping for one CSV row."""
+    notes: list[str] = []
+    name = row["model"]
+    h = int(row["hidden"])
+    heads = int(row["heads"])
+    llama = "llama" in name.lower()
+    ffn = _int(row["ffn_hidden"])
+    if ffn is None:
+        ffn = 4 * h
+        notes.append("ffn=4h (GPT shape)")
+    model = ModelConfig(
+        name=name,
+        vocab_size=int(row["vocab"]),
+        hidden_size=h,
+        intermediate_size=ffn,
+        num_layers=int(row["layers"]),
+        num_heads=heads,
+        num_kv_heads=_int(row["kv_heads"]) or heads,
+        max_seq_len=int(row["seq_len"]),
+        mlp="swiglu" if llama else "gelu",
+        tie_embeddings=not llama,
+    )
+    gpu = row["gpu_type"]
+    n_gpus = int(row["total_gpus"])
+    key = "dgx-h100" if "H100" in gpu else "dgx-a100-80gb" if "A100" in gpu else None
+    if key is None:
+        raise ValueError(f"row {row['row_id']}: unknown gpu_type {gpu!r}")
+    if n_gpus % 8:
+        raise ValueError(f"row {row['row_id']}: total_gpus={n_gpus} is not a multiple of 8")
+    cluster = get_cluster(key, n_gpus // 8)
+    peak = _float(row.get("peak_tflops_dense_16bit", ""))
+    if peak:
+        cluster = customize(cluster, **{"gpu.peak_bf16_tflops": peak})
+    if "96GB" in gpu:
+        cluster = customize(cluster, **{"gpu.hbm_gib": 89.4})
+        notes.append("H100 96GB: HBM 89.4 GiB")
+    era_2021_22 = "A100" in gpu
+    rec = row["recompute"].lower()
+    zero_txt = row["zero_fsdp"].lower()
+    megatron = "zero-3" not in zero_txt and "fsdp" not in zero_txt
+    deepspeed = "zero-3" in zero_txt and "fsdp" not in zero_txt
+    # fp16 mixed precision (2021): fp16 gradients all-reduced, fp32 master + Adam (16 B/param);
+    # bf16 Megatron/torchtitan accumulate and reduce gradients in fp32 (18 B/param).
+    fp16 = row.get("precision", "").startswith("fp16 mixed")
+    work = Workload(
+        seq_len=int(row["seq_len"]),
+        global_batch=int(row["global_batch_seqs"]),
+        precision="bf16",
+        flash_attention=not era_2021_22,
+        dropout=not llama,
+        state_bytes="zero" if deepspeed or fp16 else "megatron",
+        tp_comm_overlap="tp-comm-overlap" in row["notes"],
+        dp_comm_overlap=not (era_2021_22 and megatron),
+        fused_kernels="eager" not in row.get("precision", ""),
+    )
+    notes.append(
+        f"flash={'yes' if work.flash_attention else 'no (pre-2022 Megatron)'}, "
+        f"dp_overlap={'yes' if work.dp_comm_overlap else 'no'}"
+    )
+    c: dict[str, int] = {}
+    for key in ("tp", "pp", "dp", "cp"):
+        v = _int(row[key])
+        if v is not None:
+            c[key] = v
+    c.setdefault("cp", 1)
+    mb = _int(row["micro_batch"])
+    if mb is not None:
+        c["mb"] = mb
+    v = _int(row["virtual_pp_stages"])
+    if v is not None:
+        c["v"] = v
+        c["sched"] = SCHEDULES.index("interleaved" if v > 1 else "1f1b")
+    elif c.get("pp", 1) == 1:
+        c["v"], c["sched"] = 1, SCHEDULES.index("1f1b")
+    if rec.startswith("full"):
+        c["rc"] = RECOMPUTES.index("full")
+    elif rec.startswith("selective"):
+        c["rc"] = RECOMPUTES.index("selective")
+    sp = row["sequence_parallel"].strip().lower()
+    if sp in ("yes", "no"):
+        c["sp"] = int(sp == "yes")
+    elif c.get("tp", 1) == 1:
+        c["sp"] = 0
+    if "zero-3" in zero_txt:
+        c["zero"] = 3
+    elif "distributed optimizer" in zero_txt:
+        c["zero"] = 1
+    elif zero_txt.startswith("none"):
+        c["zero"] = 0
+    return RowSetup(model, work, cluster, c, notes)
+
+
+def predict(setup: RowSetup):
+    """Best plan under the row's constraints; prefers plans that fit, else the leanest."""
+    model, work, cluster = setup.model, setup.work, setup.cluster
+    grid = build_grid(model, work, cluster, setup.constraints)
+    if len(grid["tp"]) == 0:
+        raise ValueError(f"no plan matches {setup.constraints}")
+    ev = evaluate(model, work, cluster, grid, with_comm=False)
+    ok = np.flatnonzero(ev.valid)
+    if len(ok):
+        best = ok[np.argmin(ev.time["total"][ok])]
+        fits = True
+    else:
+        ok = np.flatnonzero(ev.structural)
+        if not len(ok):
+            raise ValueError(f"no structurally valid plan for {setup.constraints}")
+        best = ok[np.argmin(ev.memory["total"][ok])]
+        fits = False
+    sub = {k: v[[best]] for k, v in grid.items()}
+    plan = plan_at(evaluate(model, work, cluster, sub), 0, work.precision)
+    chosen = []
+    names = {"mb": "micro_batch", "rc": "recompute", "sp": "sp", "v": "v", "zero": "zero"}
+    p = plan.parallel
+    values = {
+        "mb": p.micro_batch,
+        "rc": p.recompute,
+        "sp": int(p.sp),
+        "v": f"{p.virtual_stages} ({p.schedule})",
+        "zero": p.zero_stage,
+    }
+    for key, label in names.items():
+        if key not in setup.constraints:
+            chosen.append(f"{label}={values[key]} (planner's choice)")
+    if not fits:
+        chosen.append("predicted not to fit; leanest plan used")
+    return plan, chosen
+
+
+def measured_and_predicted(row: dict[str, str], setup: RowSetup, step_s: float):
+    """(metric name, measured, predicted) in the row's own convention."""
+    model, work = setup.model, setup.work
+    n = int(row["total_gpus"])
+    conv = row["tflops_convention"]
+    tflops = _float(row["tflops_per_gpu_reported"])
+    B, s, L, h, V = work.global_batch, work.seq_len, model.num_layers, model.hidden_size, None
+    V = model.vocab_size
+    if tflops is not None:
+        if "96" in conv or "Eq.3" in conv:
+            flops = megatron_flops(B, s, L, h, V, recompute=True)
+            return "TFLOP/s (Eq.3, 96)", tflops, flops / step_s / n / 1e12
+        flops = megatron_flops(B, s, L, h, V, recompute=False)
+        return "TFLOP/s (model, 72)", tflops, flops / step_s / n / 1e12
+    t = _float(row["step_time_s_reported"])
+    if t is not None:
+        # Compare as throughput so the error has the same sense as the other rows.
+        return "iteration/s", 1 / t, 1 / step_s
+    tps = _float(row["tokens_per_s_per_gpu_reported"])
+    if tps is not None:
+        return "tokens/s/GPU", tps, work.tokens_per_step / step_s / n
+    raise ValueError(f"row {row['row_id']}: no measured throughput column is filled")
+
+
+def main(argv: list[str] | None = None) -> int:
+    default_csv = Path(__file__).resolve().parents[2] / "shared/anchors/published_runs.csv"
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", default=str(default_csv), help="CSV of published runs")
+    ap.add_argument("--out", default="runs/validate_planner.json", help="JSON results path")
+    ap.add_argument("--plot", default=None, help="write a predicted-vs-measured PNG here")
+    args = ap.parse_args(argv)
+    path = Path(args.runs)
+    if not path.is_file():
+        raise SystemExit(f"validate_planner: no runs CSV at {path}")
+    with path.open(newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    missing = [c for c in REQUIRED if rows and c not in rows[0]]
+    if not rows or missing:
+        raise SystemExit(f"validate_planner: {path} lacks columns {missing or 'rows'}")
+    console = Console(width=200)
+    table = Table(title=f"planner vs published runs ({path.name})")
+    for col in ("row", "model", "GPUs", "mapping", "metric", "measured", "predicted", "err"):
+        table.add_column(
+            col, justify="right" if col in ("GPUs", "measured", "predicted", "err") else "left"
+        )
+    table.add_column("assumed", overflow="fold")
+    results = []
+    for row in rows:
+        setup = setup_row(row)
+        plan, chosen = predict(setup)
+        metric, meas, pred = measured_and_predicted(row, setup, plan.step_time_s["total"])
+        err = pred / meas - 1
+        p = plan.parallel
+        mapping = f"t{p.tp} p{p.pp} d{p.dp} mb{p.micro_batch} v{p.virtual_stages} z{p.zero_stage} {p.recompute}"
+        results.append(
+            {
+                "row_id": row["row_id"],
+                "model": row["model"],
+                "gpus": int(row["total_gpus"]),
+                "metric": metric,
+                "measured": meas,
+                "predicted": pred,
+                "rel_err": err,
+                "plan": plan.to_dict(),
+                "assumptions": setup.assumptions + chosen,
+            }
+        )
+        table.add_row(
+            row["row_id"], row["model"], row["total_gpus"], mapping, metric,
+            f"{meas:.4g}", f"{pred:.4g}", f"{err:+.1%}", "; ".join(setup.assumptions + chosen),
+        )  # fmt: skip
+    console.print(table)
+    errs = [abs(r["rel_err"]) for r in results]
+    med = statistics.median(errs)
+    p90 = float(np.percentile(errs, 90))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "runs": str(path),
+        "median_abs_rel_err": med,
+        "p90_abs_rel_err": p90,
+        "rows": results,
+    }
+    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as fh:
+        json.dump(payload, fh, indent=1)
+    os.replace(tmp, out)
+    if args.plot:
+        _plot(results, Path(args.plot))
+    print(f"median_abs_rel_err={med:.4f} p90_abs_rel_err={p90:.4f} n={len(results)}")
+    return 0
+
+
+def _plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    errs = [100 * r["rel_err"] for r in results]
+    ax.bar(
+        [r["row_id"] for r in results], errs, color=["C0" if abs(e) <= 10 else "C3" for e in errs]
+    )
+    ax.axhline(0, color="k", lw=0.5)
+    ax.set_xlabel("published run (row_id)")
+    ax.set_ylabel("predicted / measured throughput - 1 (%)")
+    ax.set_title("llmopt plan vs published runs")
+    ax.tick_params(axis="x", labelrotation=90, labelsize=7)
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(tmp, dpi=120)
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""Collectives of one training step, per process group, as pure functions of the plan.
+
+`collectives()` lists, for one rank, every collective it joins in a step: process group
+(tp, cp, pp, dp), operation (all-reduce, all-gather, reduce-scatter, send, recv), phase
+(forward, backward, recompute, step), number of calls and payload bytes per call. The training
+engine can be checked against it call for call. Payload conventions (what NCCL is handed):
+all-reduce = the tensor, all-gather = the gathered output, reduce-scatter = the unscattered
+input, send/recv = the message. Bytes a rank puts on the wire per call: all-reduce
+2(n-1)/n·payload (ring), all-gather / reduce-scatter (n-1)/n·payload, send = payload, recv = 0.
+
+Rank order is Megatron's (tp fastest, then cp, dp, pp): a TP group crosses nodes iff
+tp > gpus_per_node, CP iff tp·cp > gpus_per_node, DP iff tp·cp·dp > gpus_per_node, and PP
+neighbours iff the whole model-replica grid tp·cp·dp·pp spans more than one node.
+
+What is counted per micro-batch and layer: TP (Megatron), without sequence parallelism two
+all-reduces of the b·s·h activation forward and two backward; with it two all-gathers and two
+reduce-scatters each way; full recomputation repeats the forward ones. The vocab-parallel
+embedding adds a forward all-reduce (SP: reduce-scatter, backward all-gather); the output layer
+a backward all-reduce of its input gradient (SP: forward all-gather, backward reduce-scatter)
+and three fp32 all-reduces of per-token scalars in the cross-entropy. CP all-gathers K and V
+forward and reduce-scatters their gradients backward. PP sends each micro-batch's activation
+(split over TP ranks: Narayanan's scatter/gather optimisation, or SP's sharding) forward and its
+gradient backward at each of the v chunk boundaries. DP over dp·cp ranks: ZeRO-0 all-reduces
+gradients once per step; ZeRO-1 (distributed optimizer) reduce-scatters gradients and
+all-gathers updated bf16 weights once per step; ZeRO-2 reduce-scatters each micro-batch's
+gradients (they are sharded, so accumulation happens in the shard) and all-gathers weights
+once; ZeRO-3 all-gathers weights before forward and again before backward and
+reduce-scatters gradients, every micro-batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from llmopt.models.config import ModelConfig
+from llmopt.plan.hardware import Cluster
+from llmopt.plan.memory import ACT_BYTES, RC_FULL, kv_heads_per_rank, stage_params
+from llmopt.plan.workload import STATE_BYTES, Grid, ParallelConfig, Workload
+
+OPS = ("all-reduce", "all-gather", "reduce-scatter", "send", "recv")
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """One kind of collective on one rank of every plan in a grid (arrays over plans)."""
+
+    group: str  # tp | cp | pp | dp
+    op: str
+    phase: str  # forward | backward | recompute | step
+    stage: str  # all | first | last: which pipeline stages issue it
+    calls: np.ndarray  # per step
+    payload_bytes: np.ndarray  # per call
+    group_size: np.ndarray
+    inter_node: np.ndarray  # bool
+
+    @property
+    def wire_bytes_per_call(self) -> np.ndarray:
+        n = self.group_size.astype(np.float64)
+        if self.op == "all-reduce":
+            return 2 * (n - 1) / n * self.payload_bytes
+        if self.op in ("all-gather", "reduce-scatter"):
+            return (n - 1) / n * self.payload_bytes
+        if self.op == "send":
+            return self.payload_bytes * 1.0
+        return self.payload_bytes * 0.0
+
+    @property
+    def wire_bytes(self) -> np.ndarray:
+        return self.calls * self.wire_bytes_per_call
+
+    def seconds_per_call(self, cluster: Cluster) -> np.ndarray:
+        """Ring bandwidth term plus a tree-like latency term (log2 n steps; 2× for all-reduce)."""
+        intra, inter = cluster.intra_node, cluster.inter_node
+        bw = np.where(self.inter_node, inter.bytes_per_s, intra.bytes_per_s)
+        lat = np.where(self.inter_node, inter.latency_us, intra.latency_us) * 1e-6
+        steps = np.ceil(np.log2(np.maximum(self.group_size, 2)))
+        if self.op == "all-reduce":
+            steps = 2 * steps
+        elif self.op in ("send", "recv"):
+            steps = np.ones_like(steps)
+        active = self.group_size > 1
+        return np.where(active, steps * lat + self.wire_bytes_per_call / bw, 0.0)
+
+
+def layout(cluster: Cluster, grid: Grid) -> dict[str, np.ndarray]:
+    """Whether each group's traffic crosses the inter-node network (Megatron rank order)."""
+    g = cluster.gpus_per_node
+    tp, cp, dp, pp = grid["tp"], grid["cp"], grid["dp"], grid["pp"]
+    return {
+        "tp": tp > g,
+        "cp": tp * cp > g,
+        "dp": tp * cp * dp > g,
+        "pp": tp * cp * dp * pp > g,
+    }
+
+
+def collectives(
+    model: ModelConfig, work: Workload, cluster: Cluster, grid: Grid
+) -> list[Collectives]:
+    """Every collective of one step on one rank, for each plan of `grid` (module docstring)."""
+    tp, cp, dp, pp = grid["tp"], grid["cp"], grid["dp"], grid["pp"]
+    mb, m, v, sp, rc = grid["mb"], grid["m"], grid["v"], grid["sp"] == 1, grid["rc"]
+    inter = layout(cluster, grid)
+    from llmopt.plan.memory import layers_per_stage
+
+    n_layers = layers_per_stage(model, pp, v)
+    s_local = work.seq_len / cp
+    tokens = mb * s_local
+    act = tokens * model.hidden_size * ACT_BYTES
+    w_bytes, g_bytes, _ = STATE_BYTES[work.state_bytes]
+    out: list[Collectives] = []
+
+    def add(group, op, phase, stage, calls, payload, size, crosses):
+        calls = np.where(size > 1, calls, 0) * np.ones_like(payload)
+        out.append(Collectives(group, op, phase, stage, calls, payload * 1.0, size, crosses))
+
+    # Tensor parallel.
+    per_mb = 2 * n_layers * m
+    no_sp, with_sp = np.where(sp, 0, per_mb), np.where(sp, per_mb, 0)
+    for phase, active in (("forward", 1), ("backward", 1), ("recompute", rc == RC_FULL)):
+        add("tp", "all-reduce", phase, "all", no_sp * active, act, tp, inter["tp"])
+        add("tp", "all-gather", phase, "all", with_sp * active, act, tp, inter["tp"])
+        add("tp", "reduce-scatter", phase, "all", with_sp * active, act, tp, inter["tp"])
+    add("tp", "all-reduce", "forward", "first", np.where(sp, 0, m), act, tp, inter["tp"])
+    add("tp", "reduce-scatter", "forward", "first", np.where(sp, m, 0), act, tp, inter["tp"])
+    add("tp", "all-gather", "backward", "first", np.where(sp, m, 0), act, tp, inter["tp"])
+    add("tp", "all-gather", "forward", "last", np.where(sp, m, 0), act, tp, inter["tp"])
+    add("tp", "all-reduce", "backward", "last", np.where(sp, 0, m), act, tp, inter["tp"])
+    add("tp", "reduce-scatter", "backward", "last", np.where(sp, m, 0), act, tp, inter["tp"])
+    add("tp", "all-reduce", "forward", "last", 3 * m, tokens * 4.0, tp, inter["tp"])
+
+    # Context parallel: K and V of the full sequence (heads of this TP rank).
+    kv = mb * work.seq_len * 2 * kv_heads_per_rank(model, tp) * model.head_dim * ACT_BYTES
+    add("cp", "all-gather", "forward", "all", n_layers * m, kv, cp, inter["cp"])
+    add("cp", "all-gather", "recompute", "all", n_layers * m * (rc == RC_FULL), kv, cp, inter["cp"])
+    add("cp", "reduce-scatter", "backward", "all", n_layers * m, kv, cp, inter["cp"])
+
+    # Pipeline parallel: v chunk boundaries per micro-batch, each way.
+    msg = act / tp
+    calls = v * m
+    for phase in ("forward", "backward"):
+        add("pp", "send", phase, "all", calls, msg, pp, inter["pp"])
+        add("pp", "recv", phase, "all", calls, msg, pp, inter["pp"])
+
+    # Data parallel / ZeRO over dp·cp ranks, on the larger of the first and last stages.
+    first_p, last_p = stage_params(model, grid)
+    params = np.maximum(first_p, last_p)
+    d = dp * cp
+    z = grid["zero"]
+    grads, weights = params * g_bytes, params * w_bytes
+    add("dp", "all-reduce", "step", "all", (z == 0) * 1, grads, d, inter["dp"])
+    rs_calls = np.where(z == 1, 1, np.where(z >= 2, m, 0))
+    add("dp", "reduce-scatter", "backward", "all", rs_calls, grads, d, inter["dp"])
+    add("dp", "all-gather", "step", "all", ((z == 1) | (z == 2)) * 1, weights, d, inter["dp"])
+    add("dp", "all-gather", "forward", "all", (z == 3) * m, weights, d, inter["dp"])
+    add("dp", "all-gather", "backward", "all", (z == 3) * m, weights, d, inter["dp"])
+    return out
+
+
+def collectives_for(
+    model: ModelConfig, work: Workload, cluster: Cluster, par: ParallelConfig, stage: str = "first"
+) -> list[dict]:
+    """The collectives one rank of pipeline stage `stage` ('first' or 'last') issues per step,
+    as plain dicts with nonzero call counts — what an engine trace should match exactly.
+
+    A pipeline stage that is both first and last (pp=1) issues both sets. Pipeline sends and
+    receives are listed for an interior stage (v·m each way per direction).
+    """
+    if stage not in ("first", "last"):
+        raise ValueError(f"stage={stage!r}; choose 'first' or 'last'")
+    rows = []
+    for c in collectives(model, work, cluster, par.to_grid()):
+        if c.stage not in ("all", stage) and not (par.pp == 1 and c.stage != "all"):
+            continue
+        calls = int(c.calls[0])
+        if calls == 0:
+            continue
+        rows.append(
+            {
+                "group": c.group,
+                "op": c.op,
+                "phase": c.phase,
+                "calls": calls,
+                "payload_bytes": float(c.payload_bytes[0]),
+                "group_size": int(c.group_size[0]),
+                "link": "inter_node" if bool(c.inter_node[0]) else "intra_node",
+                "wire_bytes": float(c.wire_bytes[0]),
+            }
+        )
+    return rows
+
+
+def summarize(rows: list[dict]) -> dict[tuple[str, str], dict[str, float]]:
+    """Totals per (group, op): calls, payload bytes and wire bytes per step."""
+    out: dict[tuple[str, str], dict[str, float]] = {}
+    for r in rows:
+        t = out.setdefault((r["group"], r["op"]), {"calls": 0, "bytes": 0.0, "wire_bytes": 0.0})
+        t["calls"] += r["calls"]
+        t["bytes"] += r["calls"] * r["payload_bytes"]
+        t["wire_bytes"] += r["wire_bytes"]
+    return out

@@ -1,0 +1,249 @@
+"""Sentences that say why a plan ranks where it does, and why another was rejected.
+
+Explanations are computed, not templated opinions: every trade-off quoted (recompute, ZeRO
+stage, TP placement) comes from evaluating the plan's neighbours with the same cost model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from llmopt.models.config import ModelConfig
+from llmopt.plan.comm import collectives_for
+from llmopt.plan.hardware import GIB, Cluster
+from llmopt.plan.search import (
+    Plan,
+    build_grid,
+    evaluate,
+    msg_at,
+    plan_at,
+    ranked,
+)
+from llmopt.plan.workload import RECOMPUTES, ParallelConfig, Workload
+
+MFU_FORMULA = (
+    "MFU = model FLOPs per step / (step time x GPUs x dense bf16 peak), model FLOPs = "
+    "3 x tokens x (layers x (2 x matmul weights + 4 x s x heads x head_dim) + 2 x h x V) "
+    "(Megatron's 72Bslh^2(1+s/6h+V/12lh) generalised to GQA/SwiGLU); HFU adds recomputed FLOPs."
+)
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:.1f} GiB"
+
+
+def _variant(
+    model: ModelConfig, work: Workload, cluster: Cluster, par: ParallelConfig, **changes
+) -> Plan | None:
+    try:
+        alt = dataclasses.replace(par, **changes)
+    except ValueError:
+        return None
+    ev = evaluate(model, work, cluster, alt.to_grid())
+    return plan_at(ev, 0, work.precision)
+
+
+def explain(
+    model: ModelConfig,
+    work: Workload,
+    cluster: Cluster,
+    plan: Plan,
+    runner_up: Plan | None = None,
+) -> list[str]:
+    """Why this plan: placement of each group, memory, bubble, recompute and ZeRO trade-offs."""
+    p = plan.parallel
+    g = cluster.gpus_per_node
+    out: list[str] = []
+    t = plan.step_time_s
+    if p.tp > 1:
+        where = (
+            f"inside a node on {cluster.intra_node.name}"
+            if p.tp <= g
+            else f"across {p.tp // g} nodes over {cluster.inter_node.name}"
+        )
+        out.append(
+            f"TP={p.tp} keeps its per-layer collectives ("
+            + ("2 all-gathers + 2 reduce-scatters" if p.sp else "2 all-reduces")
+            + f" per layer per micro-batch, forward and again backward) {where}; they cost "
+            f"{t['tp_comm_exposed']:.2f} s of the "
+            f"{t['total']:.2f} s step."
+        )
+    else:
+        out.append(
+            "No tensor parallelism: every GPU runs whole layers, so no per-layer collectives."
+        )
+    if p.pp > 1:
+        span = "spans nodes" if p.tp * p.cp * p.dp * p.pp > g else "stays inside a node"
+        bubble = (p.pp - 1) / (p.virtual_stages * p.num_microbatches)
+        sched = p.schedule + (f" with v={p.virtual_stages}" if p.virtual_stages > 1 else "")
+        out.append(
+            f"PP={p.pp} {span}: only point-to-point activations cross between stages "
+            f"({t['pp_p2p']:.2f} s); the {sched} bubble (p-1)/(v*m) = {bubble:.1%} costs "
+            f"{t['pp_bubble']:.2f} s."
+        )
+    d = p.dp * p.cp
+    if d > 1:
+        link = "InfiniBand" if p.tp * p.cp * p.dp > g else "NVLink"
+        out.append(
+            f"Data parallelism over {d} ranks ({'dp' if p.cp == 1 else 'dp x cp'}) reduces "
+            f"gradients over {link}; {t['dp_comm_exposed']:.2f} s of it is not hidden behind "
+            "backward."
+        )
+    if p.cp > 1:
+        out.append(
+            f"Context parallelism CP={p.cp} splits each sequence into {p.cp} chunks (K/V "
+            f"all-gathered per layer), cutting activations {p.cp}x."
+        )
+    m = plan.memory_bytes
+    zero_text = {
+        0: "no ZeRO (every rank keeps full states)",
+        1: f"ZeRO-1 shards optimizer states over {d} ranks",
+        2: f"ZeRO-2 shards optimizer states and gradients over {d} ranks",
+        3: f"ZeRO-3 shards weights, gradients and optimizer states over {d} ranks",
+    }[p.zero_stage]
+    usable = m["total"] if not plan.fits else None
+    out.append(
+        f"Memory per GPU: weights {_gib(m['params'])}, gradients {_gib(m['grads'])}, optimizer "
+        f"{_gib(m['optimizer'])} ({zero_text}, {work.state_bytes} convention "
+        f"{ {'megatron': 18, 'zero': 16}[work.state_bytes] } B/param), activations "
+        f"{_gib(m['activations'])} (recompute={p.recompute}, micro-batch {p.micro_batch}), "
+        f"other {_gib(m['other'])}; total {_gib(m['total'])} of "
+        f"{cluster.gpu.hbm_gib * (1 - cluster.gpu.allocator_margin):.1f} GiB usable"
+        + (" -- does NOT fit." if usable else ".")
+    )
+    # Recompute trade-off, from the neighbours of this plan.
+    for rc in RECOMPUTES:
+        if rc == p.recompute:
+            continue
+        alt = _variant(model, work, cluster, p, recompute=rc)
+        if alt is None:
+            continue
+        dt = alt.step_time_s["total"] - t["total"]
+        dm = alt.memory_bytes["total"] - m["total"]
+        fit = "fits" if alt.fits else "does not fit"
+        out.append(
+            f"recompute={rc} would change step time by {dt:+.2f} s ({dt / t['total']:+.1%}) "
+            f"and memory by {dm / GIB:+.1f} GiB ({fit})."
+        )
+    if d > 1:
+        for z in range(4):
+            if z == p.zero_stage:
+                continue
+            alt = _variant(model, work, cluster, p, zero_stage=z)
+            if alt is None:
+                continue
+            dt = alt.step_time_s["total"] - t["total"]
+            dm = alt.memory_bytes["total"] - m["total"]
+            m_ = p.num_microbatches
+            extra = {
+                0: " (all-reduce of full gradients once per step)",
+                1: " (reduce-scatter gradients, all-gather weights once per step)",
+                2: f" (reduce-scatters gradients every micro-batch: {m_} per step)",
+                3: f" (all-gathers weights before forward and backward of each of {m_} "
+                "micro-batches)",
+            }[z]
+            out.append(
+                f"ZeRO-{z}{extra}: {dt:+.2f} s per step, {dm / GIB:+.1f} GiB per GPU"
+                f"{'' if alt.fits else ', does not fit'}."
+            )
+    cb = plan.comm_bytes
+    if cb:
+        out.append(
+            f"Each GPU sends {cb['intra_node'] / 1e9:.1f} GB over NVLink and "
+            f"{cb['inter_node'] / 1e9:.1f} GB over the network per step."
+        )
+    out.append(
+        f"Predicted {plan.tokens_per_s:,.0f} tokens/s, MFU {plan.mfu:.1%}, HFU {plan.hfu:.1%}. "
+        + MFU_FORMULA
+    )
+    if runner_up is not None:
+        dt = runner_up.step_time_s["total"] - t["total"]
+        r = runner_up.parallel
+        out.append(
+            f"Runner-up {r.short()}, zero={r.zero_stage}, recompute={r.recompute}, "
+            f"mb={r.micro_batch} is {dt / t['total']:+.1%} slower."
+        )
+    return out
+
+
+def why_not(
+    model: ModelConfig,
+    work: Workload,
+    cluster: Cluster,
+    constraints: dict[str, int],
+    best: Plan,
+    all_times: np.ndarray,
+) -> list[str]:
+    """Why the best plan does not have these settings: its rank, or each rule that rejects it."""
+    grid = build_grid(model, work, cluster, constraints)
+    spec = ",".join(f"{k}={v}" for k, v in constraints.items())
+    if len(grid["tp"]) == 0:
+        n = cluster.num_gpus
+        for key in ("tp", "pp", "dp", "cp"):
+            if key in constraints and n % constraints[key]:
+                return [f"{spec}: {key}={constraints[key]} does not divide the {n} GPUs."]
+        return [
+            f"{spec}: no mapping exists: the GPU count {n} must factor as tp*pp*dp*cp with dp "
+            f"dividing the global batch {work.global_batch} and micro-batch dividing the "
+            "per-replica batch."
+        ]
+    ev = evaluate(model, work, cluster, grid)
+    order = ranked(ev)
+    if len(order):
+        i = int(order[0])
+        plan = plan_at(ev, i, work.precision)
+        total = plan.step_time_s["total"]
+        rank = int(np.sum(all_times < total - 1e-12)) + 1
+        slower = total / best.step_time_s["total"] - 1
+        lines = [
+            f"{spec}: best such plan ({plan.parallel.short()}, zero={plan.parallel.zero_stage}, "
+            f"recompute={plan.parallel.recompute}, mb={plan.parallel.micro_batch}) is valid and "
+            f"ranks #{rank}, {slower:+.1%} slower than the top plan."
+        ]
+        diffs = {
+            k: plan.step_time_s[k] - best.step_time_s[k] for k in plan.step_time_s if k != "total"
+        }
+        worst = sorted(diffs.items(), key=lambda kv: -kv[1])[:3]
+        lines.append(
+            "Where the time goes versus the top plan: "
+            + ", ".join(f"{k} {v:+.2f} s" for k, v in worst if abs(v) > 1e-4)
+            + "."
+        )
+        cb = (plan.comm_bytes or {}).get("inter_node", 0.0)
+        lines.append(
+            f"It sends {cb / 1e9:.1f} GB per GPU per step over the network versus "
+            f"{best.comm_bytes.get('inter_node', 0.0) / 1e9:.1f} GB for the top plan."
+        )
+        return lines
+    lines = [f"{spec}: rejected, no plan with these settings is valid:"]
+    for msg, mask in ev.reasons:
+        if mask.any():
+            j = int(np.flatnonzero(mask)[0])
+            text = msg_at(msg.replace("{mem_gib}", "{{mem_gib}}"), grid, j)
+            if "{mem_gib}" in text:
+                k = np.flatnonzero(ev.structural)
+                if len(k) == 0:
+                    continue
+                j = int(k[np.argmin(ev.memory["total"][k])])
+                text = text.replace("{mem_gib}", f"{ev.memory['total'][j] / GIB:.1f}")
+                text = "even the leanest variant " + text
+            lines.append(f"  - {text} ({int(mask.sum())} of {len(mask)} variants)")
+    return lines
+
+
+def link_report(
+    model: ModelConfig, work: Workload, cluster: Cluster, par: ParallelConfig
+) -> list[dict]:
+    """Per group and op: link crossed, calls and wire GB per GPU per step (last stage)."""
+    rows = collectives_for(model, work, cluster, par, stage="last")
+    merged: dict[tuple[str, str, str], dict] = {}
+    for r in rows:
+        key = (r["group"], r["op"], r["link"])
+        e = merged.setdefault(
+            key, {"group": r["group"], "op": r["op"], "link": r["link"], "calls": 0, "wire_gb": 0.0}
+        )
+        e["calls"] += r["calls"]
+        e["wire_gb"] += r["wire_bytes"] / 1e9
+    return list(merged.values())

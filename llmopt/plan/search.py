@@ -1,0 +1,447 @@
+"""Enumerate, prune and rank parallel plans; evaluate one plan; explain rejections.
+
+The search space is built as numpy arrays (one entry per plan) and every plan is scored by the
+same vectorised memory and time model `estimate` uses, so ranking 10^5-10^6 plans takes well
+under a second. Structural rules prune first (each with the reason `--why-not` prints), then
+memory, then time.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from llmopt.models.config import ModelConfig
+from llmopt.plan.hardware import GIB, Cluster
+from llmopt.plan.memory import memory_breakdown
+from llmopt.plan.timing import comm_bytes_per_gpu, step_time
+from llmopt.plan.workload import (
+    RECOMPUTES,
+    SCHEDULES,
+    Grid,
+    ParallelConfig,
+    Workload,
+    grid_row,
+    model_flops_per_step,
+    recompute_flops_per_step,
+)
+
+GRID_KEYS = ("tp", "pp", "dp", "cp", "sp", "zero", "mb", "m", "v", "sched", "rc")
+MAX_MICRO_BATCH = 32
+# Context parallelism is for long sequences. The model does not charge ring attention's per-step
+# costs (2·cp half-chunk flash calls, cp-1 exchange latencies), which grow as chunks shrink, so
+# the search only splits sequences into chunks of at least this many tokens (Llama 3 used CP
+# only for its long-context phase; NeMo's Llama-3-70B recipe uses CP=2 at 8192).
+MIN_CP_CHUNK = 4096
+VIRTUAL_STAGES = (2, 3, 4, 6, 8)
+
+# Spellings accepted in constraints ("tp=8,pp=4,zero=3,recompute=full").
+ALIASES = {
+    "zero_stage": "zero",
+    "micro_batch": "mb",
+    "num_microbatches": "m",
+    "virtual_stages": "v",
+    "vp": "v",
+    "schedule": "sched",
+    "recompute": "rc",
+}
+
+
+@dataclass
+class Plan:
+    """One evaluated plan: the mapping and everything the model predicts for it."""
+
+    parallel: ParallelConfig
+    fits: bool
+    memory_bytes: dict[str, float]
+    step_time_s: dict[str, float]
+    tokens_per_s: float
+    mfu: float
+    hfu: float
+    comm_bytes: dict[str, float]
+    rejected: list[str] = field(default_factory=list)
+    explanation: list[str] = field(default_factory=list)
+    rank: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        p = self.parallel
+        mem = {k: self.memory_bytes[k] / GIB for k in self.memory_bytes}
+        return {
+            "tp": p.tp,
+            "pp": p.pp,
+            "dp": p.dp,
+            "cp": p.cp,
+            "sp": p.sp,
+            "zero_stage": p.zero_stage,
+            "micro_batch": p.micro_batch,
+            "num_microbatches": p.num_microbatches,
+            "schedule": p.schedule,
+            "virtual_stages": p.virtual_stages,
+            "recompute": p.recompute,
+            "precision": self.precision,
+            "fits": self.fits,
+            "memory_gib": {k: round(v, 3) for k, v in mem.items()},
+            "step_time_s": {k: round(v, 6) for k, v in self.step_time_s.items()},
+            "tokens_per_s": round(self.tokens_per_s, 1),
+            "mfu": round(self.mfu, 4),
+            "hfu": round(self.hfu, 4),
+            "comm_bytes_per_gpu_per_step": {k: float(v) for k, v in self.comm_bytes.items()},
+            "rejected": self.rejected,
+            "rank": self.rank,
+            "explanation": self.explanation,
+        }
+
+    precision: str = "bf16"
+
+
+@dataclass
+class Evaluation:
+    """Scores of every plan of a grid (arrays aligned with `grid`)."""
+
+    grid: Grid
+    valid: np.ndarray  # structural rules and memory
+    structural: np.ndarray
+    reasons: list[tuple[str, np.ndarray]]  # (message, mask of plans it rejects)
+    memory: dict[str, np.ndarray]
+    time: dict[str, np.ndarray]
+    comm: dict[str, np.ndarray] | None
+    mfu: np.ndarray
+    hfu: np.ndarray
+    tokens_per_s: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.grid["tp"])
+
+    def plan(self, i: int, precision: str) -> Plan:
+        return Plan(
+            parallel=grid_row(self.grid, i),
+            fits=bool(self.memory["fits"][i]),
+            memory_bytes={
+                k: float(self.memory[k][i])
+                for k in ("params", "grads", "optimizer", "activations", "other", "total")
+            },
+            step_time_s={k: float(v[i]) for k, v in self.time.items()},
+            tokens_per_s=float(self.tokens_per_s[i]),
+            mfu=float(self.mfu[i]),
+            hfu=float(self.hfu[i]),
+            comm_bytes={k: float(v[i]) for k, v in (self.comm or {}).items()},
+            precision=precision,
+        )
+
+
+def msg_at(msg: str, grid: Grid, i: int) -> str:
+    values = {k: int(grid[k][i]) for k in GRID_KEYS}
+    values["world"] = values["tp"] * values["pp"] * values["dp"] * values["cp"]
+    values["pv"] = values["pp"] * values["v"]
+    values["dpmbm"] = values["dp"] * values["mb"] * values["m"]
+    return msg.format(**values)
+
+
+def structural_reasons(
+    model: ModelConfig, work: Workload, cluster: Cluster, grid: Grid
+) -> list[tuple[str, np.ndarray]]:
+    """Rules a plan must satisfy before its cost matters, each with a one-line reason."""
+    tp, pp, dp, cp, v = grid["tp"], grid["pp"], grid["dp"], grid["cp"], grid["v"]
+    L, heads, kv = model.num_layers, model.num_heads, model.num_kv_heads
+    n = cluster.num_gpus
+    return [
+        (f"tp*pp*dp*cp={{world}} must equal the {n} GPUs", tp * pp * dp * cp != n),
+        (f"tp={{tp}} does not divide num_heads={heads}", heads % tp != 0),
+        (
+            f"tp={{tp}} and num_kv_heads={kv}: one must divide the other",
+            (kv % tp != 0) & (tp % kv != 0),
+        ),
+        (f"pp*virtual_stages={{pv}} exceeds num_layers={L}", pp * v > L),
+        (
+            f"interleaving needs num_layers={L} divisible by pp*v={{pv}}",
+            (grid["sched"] == 2) & (L % (pp * v) != 0),
+        ),
+        (
+            "interleaving needs num_microbatches={m} divisible by pp={pp}",
+            (grid["sched"] == 2) & (grid["m"] % pp != 0),
+        ),
+        (
+            f"dp*micro_batch*num_microbatches={{dpmbm}} != global batch {work.global_batch}",
+            dp * grid["mb"] * grid["m"] != work.global_batch,
+        ),
+        (
+            f"cp={{cp}} needs seq_len={work.seq_len} divisible by 2*cp (load-balanced causal)",
+            (cp > 1) & (work.seq_len % (2 * cp) != 0),
+        ),
+        ("sequence parallel needs tp>1", (grid["sp"] == 1) & (tp == 1)),
+        (
+            "zero={zero} has no data-parallel ranks to shard over (dp*cp=1)",
+            (grid["zero"] > 0) & (dp * cp == 1),
+        ),
+        ("schedule needs pp>1", (grid["sched"] != 1) & (pp == 1)),
+    ]
+
+
+def evaluate(
+    model: ModelConfig, work: Workload, cluster: Cluster, grid: Grid, with_comm: bool = True
+) -> Evaluation:
+    """Memory, time, MFU of every plan in `grid` and why each invalid one is invalid."""
+    if work.precision == "fp8":
+        cluster.gpu.peak_flops("fp8")  # raises when the GPU has no FP8
+    reasons = structural_reasons(model, work, cluster, grid)
+    structural = np.ones(len(grid["tp"]), dtype=bool)
+    for _, mask in reasons:
+        structural &= ~mask
+    mem = memory_breakdown(model, work, cluster, grid)
+    reasons.append(
+        (
+            "needs {mem_gib} GiB per GPU, more than the "
+            + f"{mem['usable'][0] / GIB:.1f} GiB usable",
+            ~mem["fits"],
+        )
+    )
+    valid = structural & mem["fits"]
+    time = step_time(model, work, cluster, grid)
+    total = time["total"]
+    n = cluster.num_gpus
+    peak = cluster.gpu.peak_flops("bf16")
+    mflops = model_flops_per_step(model, work)
+    rc_flops = np.array([recompute_flops_per_step(model, work, r) for r in RECOMPUTES])
+    mfu = mflops / (total * n * peak)
+    hfu = (mflops + rc_flops[grid["rc"]]) / (total * n * peak)
+    comm = comm_bytes_per_gpu(model, work, cluster, grid) if with_comm else None
+    return Evaluation(
+        grid, valid, structural, reasons, mem, time, comm, mfu, hfu, work.tokens_per_step / total
+    )
+
+
+def _fill_msg(ev: Evaluation, i: int, msg: str) -> str:
+    return msg.replace("{mem_gib}", f"{ev.memory['total'][i] / GIB:.1f}")
+
+
+def plan_at(ev: Evaluation, i: int, precision: str) -> Plan:
+    p = ev.plan(i, precision)
+    p.rejected = [
+        _fill_msg(ev, i, msg_at(msg.replace("{mem_gib}", "{{mem_gib}}"), ev.grid, i))
+        for msg, mask in ev.reasons
+        if mask[i]
+    ]
+    return p
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def build_grid(
+    model: ModelConfig, work: Workload, cluster: Cluster, constraints: dict[str, int] | None = None
+) -> Grid:
+    """All candidate plans, already restricted to `constraints` (grid keys -> value).
+
+    Only combinations that can possibly be valid are generated (tp·pp·dp·cp = GPUs, dp divides
+    the batch, micro-batch divides the per-replica batch); the rest of the rules are checked by
+    `structural_reasons` so that `--why-not` can name them.
+    """
+    c = dict(constraints or {})
+    n = cluster.num_gpus
+    B, s = work.global_batch, work.seq_len
+
+    def options(key: str, default: list[int]) -> list[int]:
+        return [c[key]] if key in c else default
+
+    outer: list[tuple[int, ...]] = []
+    divs = _divisors(n)
+    for tp in options("tp", divs):
+        if n % tp:
+            continue
+        cps = [x for x in divs if s % (2 * x) == 0 and s // x >= MIN_CP_CHUNK] or [1]
+        for cp in options("cp", sorted(set(cps) | {1})):
+            if n % (tp * cp):
+                continue
+            rest = n // (tp * cp)
+            for pp in options("pp", [d for d in _divisors(rest) if d <= model.num_layers]):
+                if rest % pp:
+                    continue
+                dp = rest // pp
+                if "dp" in c and c["dp"] != dp:
+                    continue
+                if B % dp:
+                    continue
+                per_replica = B // dp
+                mbs = [x for x in _divisors(per_replica) if x <= MAX_MICRO_BATCH]
+                for mb in options("mb", mbs):
+                    if per_replica % mb:
+                        continue
+                    m = per_replica // mb
+                    if "m" in c and c["m"] != m:
+                        continue
+                    scheds = [(1, 1)]
+                    if pp > 1:
+                        scheds = [(0, 1), (1, 1)] + [(2, v) for v in VIRTUAL_STAGES]
+                    for sched, v in scheds:
+                        if "sched" in c and c["sched"] != sched:
+                            continue
+                        if "v" in c and c["v"] != v:
+                            continue
+                        outer.append((tp, pp, dp, cp, mb, m, v, sched))
+    if not outer:
+        return {k: np.zeros(0, dtype=np.int64) for k in GRID_KEYS}
+    base = np.array(outer, dtype=np.int64)
+    inner = list(
+        itertools.product(
+            options("zero", [0, 1, 2, 3]), options("rc", [0, 1, 2]), options("sp", [0, 1])
+        )
+    )
+    inner_a = np.array(inner, dtype=np.int64)
+    rep = np.repeat(base, len(inner), axis=0)
+    tile = np.tile(inner_a, (len(base), 1))
+    grid = {
+        "tp": rep[:, 0],
+        "pp": rep[:, 1],
+        "dp": rep[:, 2],
+        "cp": rep[:, 3],
+        "mb": rep[:, 4],
+        "m": rep[:, 5],
+        "v": rep[:, 6],
+        "sched": rep[:, 7],
+        "zero": tile[:, 0],
+        "rc": tile[:, 1],
+        "sp": tile[:, 2],
+    }
+    if not constraints:  # drop plans that are trivially redundant (SP without TP, ZeRO alone)
+        keep = ~((grid["sp"] == 1) & (grid["tp"] == 1))
+        keep &= ~((grid["zero"] > 0) & (grid["dp"] * grid["cp"] == 1))
+        keep &= ~((grid["sched"] == 2) & (model.num_layers % (grid["pp"] * grid["v"]) != 0))
+        keep &= ~((grid["sched"] == 2) & (grid["m"] % grid["pp"] != 0))
+        grid = {k: v[keep] for k, v in grid.items()}
+    return grid
+
+
+def parse_constraints(spec: str) -> dict[str, int]:
+    """'tp=8,pp=4,zero=3,recompute=full,schedule=interleaved,sp=1' -> grid constraints."""
+    out: dict[str, int] = {}
+    if not spec.strip():
+        return out
+    for part in spec.replace(" ", "").split(","):
+        if not part:
+            continue
+        key, eq, value = part.partition("=")
+        if not eq:
+            raise ValueError(f"bad mapping item {part!r}; expected key=value, e.g. tp=8")
+        key = ALIASES.get(key.lower(), key.lower())
+        if key not in GRID_KEYS:
+            valid = sorted(set(GRID_KEYS) | set(ALIASES))
+            raise ValueError(f"unknown mapping key {key!r}; valid: {', '.join(valid)}")
+        if key == "sched":
+            if value not in SCHEDULES:
+                raise ValueError(f"schedule={value!r}; choose from {', '.join(SCHEDULES)}")
+            out[key] = SCHEDULES.index(value)
+        elif key == "rc":
+            if value not in RECOMPUTES:
+                raise ValueError(f"recompute={value!r}; choose from {', '.join(RECOMPUTES)}")
+            out[key] = RECOMPUTES.index(value)
+        elif key == "sp" and value.lower() in ("true", "false", "yes", "no", "on", "off"):
+            out[key] = int(value.lower() in ("true", "yes", "on"))
+        else:
+            try:
+                out[key] = int(value)
+            except ValueError:
+                raise ValueError(f"{key}={value!r} must be an integer") from None
+            if out[key] < 0 or (out[key] == 0 and key not in ("zero", "sp", "rc")):
+                raise ValueError(f"{key}={value} must be positive")
+    return out
+
+
+# Plans predicted within this fraction of each other are ties: the model's own error is larger
+# (median ~6 % on published runs). Within a band, prefer fewer per-micro-batch collectives and
+# less machinery: lower ZeRO stage, less recomputation, no context parallelism, then less TP.
+TIE_BAND = 0.01
+
+
+def ranked(ev: Evaluation) -> np.ndarray:
+    """Indices of valid plans, fastest first (1 % bands; see TIE_BAND)."""
+    idx = np.flatnonzero(ev.valid)
+    if len(idx) == 0:
+        return idx
+    g = ev.grid
+    t = ev.time["total"][idx]
+    band = np.floor((t / t.min() - 1) / TIE_BAND)
+    order = np.lexsort((t, g["tp"][idx], g["cp"][idx], g["rc"][idx], g["zero"][idx], band))
+    return idx[order]
+
+
+@dataclass
+class SearchResult:
+    plans: list[Plan]
+    evaluated: int
+    valid: int
+    evaluation: Evaluation
+
+
+def search(
+    model: ModelConfig,
+    work: Workload,
+    cluster: Cluster,
+    top_k: int = 10,
+    constraints: dict[str, int] | None = None,
+) -> SearchResult:
+    """Rank every valid plan; raise ValueError naming the shortfall when nothing fits."""
+    grid = build_grid(model, work, cluster, constraints)
+    if len(grid["tp"]) == 0:
+        raise ValueError(_no_candidates_message(model, work, cluster, constraints))
+    ev = evaluate(model, work, cluster, grid, with_comm=False)
+    order = ranked(ev)
+    if len(order) == 0:
+        raise ValueError(_nothing_fits_message(model, work, cluster, ev, constraints))
+    top = order[:top_k]
+    sub = {k: v[top] for k, v in grid.items()}
+    top_ev = evaluate(model, work, cluster, sub, with_comm=True)
+    plans = []
+    for j in range(len(top)):
+        p = plan_at(top_ev, j, work.precision)
+        p.rank = j + 1
+        plans.append(p)
+    return SearchResult(plans, len(grid["tp"]), int(ev.valid.sum()), ev)
+
+
+def _no_candidates_message(model, work, cluster, constraints) -> str:
+    what = f" with {constraints}" if constraints else ""
+    for key in ("tp", "pp", "dp", "cp"):
+        if constraints and key in constraints and cluster.num_gpus % constraints[key]:
+            return f"{key}={constraints[key]} does not divide the {cluster.num_gpus} GPUs"
+    return (
+        f"no mapping of {cluster.num_gpus} GPUs{what} divides global batch "
+        f"{work.global_batch} and the model's layers; change the batch, the GPU count or the "
+        "constraints"
+    )
+
+
+def _nothing_fits_message(model, work, cluster, ev: Evaluation, constraints) -> str:
+    what = f" with {constraints}" if constraints else ""
+    if not ev.structural.any():
+        counts: dict[str, int] = {}
+        for msg, mask in ev.reasons[:-1]:
+            if mask.any():
+                counts[msg_at(msg, ev.grid, int(np.flatnonzero(mask)[0]))] = int(mask.sum())
+        first = next(iter(counts))
+        return f"no valid mapping{what} for {model.name}: e.g. {first}"
+    idx = np.flatnonzero(ev.structural)
+    best = idx[np.argmin(ev.memory["total"][idx])]
+    need = ev.memory["total"][best] / GIB
+    have = ev.memory["usable"][best] / GIB
+    p = grid_row(ev.grid, int(best))
+    return (
+        f"{model.name} does not fit on {cluster.nodes}x{cluster.gpus_per_node} "
+        f"{cluster.gpu.name}{what}: the leanest plan ({p.short()}, zero={p.zero_stage}, "
+        f"recompute={p.recompute}, micro_batch={p.micro_batch}) needs {need:.1f} GiB per GPU, "
+        f"{need - have:.1f} GiB more than the {have:.1f} GiB usable"
+    )
+
+
+def estimate(model: ModelConfig, work: Workload, cluster: Cluster, par: ParallelConfig) -> Plan:
+    """Evaluate one fully specified plan (even an invalid one: `rejected` says why)."""
+    if par.world_size != cluster.num_gpus:
+        raise ValueError(
+            f"tp*pp*dp*cp={par.world_size} but the cluster has {cluster.num_gpus} GPUs "
+            f"({cluster.nodes} nodes x {cluster.gpus_per_node})"
+        )
+    ev = evaluate(model, work, cluster, par.to_grid())
+    return plan_at(ev, 0, work.precision)

@@ -1,0 +1,181 @@
+"""Step time of a training plan, vectorised over candidate plans.
+
+Per micro-batch and layer on the busiest pipeline stage (the last one, which also runs the
+output layer):
+- GEMMs: 2·(matmul weights per TP rank)·tokens forward, twice that backward, at
+  `peak × gemm_efficiency` (FP8 GEMMs at the FP8 peak × fp8_gemm_efficiency);
+- attention core: 4·s·(heads·head_dim)/t FLOPs per token forward; a fused (flash) kernel skips
+  the masked half of causal attention and runs at `attention_efficiency`, the unfused path
+  (Megatron 2021-22) computes the full s² at GEMM efficiency;
+- memory-bound kernels (norms, residual adds, RoPE, activation function, softmax and dropout
+  without flash) move bytes at `hbm_bandwidth × hbm_efficiency`; backward moves twice the bytes;
+- recomputation: full repeats the forward (and its TP collectives), selective repeats the
+  attention core (free with flash attention, whose backward recomputes it anyway);
+- TP collectives on the link the group crosses, exposed unless `tp_comm_overlap`
+  (then `1 - comm_overlap_efficiency` stays exposed); CP collectives hide behind attention.
+Pipeline: step = m·τ_last + (p-1)/v·τ_mean (Narayanan's bubble (p-1)/(v·m)), plus point-to-point
+sends, plus the DP/ZeRO collectives not hidden behind backward (or forward, for parameter
+gathers), plus the optimizer step, a memory-bound pass over the local shard
+(`ADAM_BYTES_PER_PARAM`).
+
+MFU = model FLOPs per step / (step time · GPUs · dense bf16 peak); HFU adds recomputed FLOPs
+(see `llmopt.plan.workload`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from llmopt.models.config import ModelConfig
+from llmopt.plan.comm import Collectives, collectives
+from llmopt.plan.hardware import Cluster
+from llmopt.plan.memory import (
+    ACT_BYTES,
+    RC_FULL,
+    RC_SELECTIVE,
+    kv_heads_per_rank,
+    layers_per_stage,
+    model_state_bytes,
+    stage_params,
+)
+from llmopt.plan.workload import Grid, Workload
+
+# Adam step, bytes moved per local parameter: read fp32 master, grad, m, v (16), write master,
+# m, v (12) and the bf16 weight copy (2), plus a read of the gradient for the norm/clip (4).
+ADAM_BYTES_PER_PARAM = 34.0
+
+
+def _sum_time(cs: list[Collectives], cluster: Cluster, **match: object) -> np.ndarray:
+    total = 0.0
+    for c in cs:
+        if all(getattr(c, k) in (v if isinstance(v, tuple) else (v,)) for k, v in match.items()):
+            total = total + c.calls * c.seconds_per_call(cluster)
+    return np.asarray(total, dtype=np.float64)
+
+
+def step_time(
+    model: ModelConfig, work: Workload, cluster: Cluster, grid: Grid
+) -> dict[str, np.ndarray]:
+    """Seconds per step and its parts for each plan of `grid` (module docstring)."""
+    gpu = cluster.gpu
+    tp, cp, pp, m, v = grid["tp"], grid["cp"], grid["pp"], grid["m"], grid["v"]
+    t = tp.astype(np.float64)
+    sp = grid["sp"] == 1
+    rc = grid["rc"]
+    h, f, s, a = model.hidden_size, model.intermediate_size, work.seq_len, model.num_heads
+    tokens = grid["mb"] * s / cp
+    gemm_rate = gpu.peak_flops(work.precision) * (
+        gpu.fp8_gemm_efficiency if work.precision == "fp8" else gpu.gemm_efficiency
+    )
+    bf16 = gpu.peak_flops("bf16")
+    hbm = gpu.hbm_bandwidth_gbs * 1e9 * gpu.hbm_efficiency
+    kv_dim = kv_heads_per_rank(model, tp) * model.head_dim
+    n_mlp = 3 if model.mlp == "swiglu" else 2
+
+    # Forward of one layer for one micro-batch.
+    gemm_params = (2 * h * model.q_size + n_mlp * h * f) / t + 2 * h * kv_dim
+    t_gemm = tokens * 2 * gemm_params / gemm_rate
+    attn_flops = tokens * 4.0 * s * model.q_size / t
+    if work.flash_attention:
+        t_attn = 0.5 * attn_flops / (bf16 * gpu.attention_efficiency)
+    else:
+        t_attn = attn_flops / (bf16 * gpu.gemm_efficiency)
+    # Elements (bf16 units) moved per token by memory-bound kernels. Fused: two norms read and
+    # write h (4h), two residual adds read 2h and write h (6h), RoPE reads and writes Q and K,
+    # SwiGLU reads two f and writes one (GELU + bias: 4f). Eager PyTorch (fp32-upcast RMSNorm
+    # ~6 kernels, 36 bytes per element; complex RoPE ~28 bytes; silu then mul 10 bytes):
+    # norms 36h, RoPE 14(q+k), SwiGLU 5f.
+    norms = 4 * h if work.fused_kernels else 36 * h
+    replicated = norms + 6 * h + (5 * h if work.dropout else 0)
+    act_fn = ((3 if work.fused_kernels else 5) if model.mlp == "swiglu" else 4) * f / t
+    rope = (2 if work.fused_kernels else 14) * (model.q_size / t + kv_dim)
+    softmax = 0.0 if work.flash_attention else (2 + (2.5 if work.dropout else 0)) * a * s / t
+    elem_fwd = replicated / np.where(sp, t, 1.0) + act_fn + rope
+    t_elem = tokens * ACT_BYTES * (elem_fwd + softmax) / hbm
+    t_softmax = tokens * ACT_BYTES * softmax / hbm
+    layer_fwd = t_gemm + t_attn + t_elem
+
+    # Output layer and loss (last stage): logits GEMM, fp32 softmax/cross-entropy passes.
+    head_fwd = tokens * 2 * h * model.vocab_size / t / gemm_rate
+    head_fwd = head_fwd + tokens * model.vocab_size / t * (ACT_BYTES + 3 * 4) / hbm
+
+    n_layers = layers_per_stage(model, pp, v)
+    fwd_mb = n_layers * layer_fwd
+    compute_mb_layers = 3 * fwd_mb
+    compute_mb_last = compute_mb_layers + 3 * head_fwd
+    # Selective: Megatron recomputes the attention core; with flash attention (which already
+    # recomputes it) selective means op-level recomputation of the memory-bound ops.
+    if work.flash_attention:
+        selective = n_layers * (t_elem - t_softmax)
+    else:
+        selective = n_layers * (t_attn + t_softmax)
+    recompute_mb = np.where(rc == RC_FULL, fwd_mb, np.where(rc == RC_SELECTIVE, selective, 0.0))
+
+    cs = collectives(model, work, cluster, grid)
+    tp_hidden = gpu.comm_overlap_efficiency if work.tp_comm_overlap else 0.0
+    tp_all = _sum_time(cs, cluster, group="tp", stage="all") / m
+    tp_last = _sum_time(cs, cluster, group="tp", stage="last") / m
+    tp_exposed_mb = (1 - tp_hidden) * (tp_all + tp_last)
+    cp_mb = _sum_time(cs, cluster, group="cp") / m
+    attn_mb = n_layers * 3 * t_attn * np.where(rc == RC_FULL, 4 / 3, 1.0)
+    cp_exposed_mb = np.maximum(0.0, cp_mb - gpu.comm_overlap_efficiency * attn_mb)
+
+    tau_last = compute_mb_last + recompute_mb + tp_exposed_mb + cp_exposed_mb
+    tau_mean = tau_last - (3 * head_fwd + (1 - tp_hidden) * tp_last) * (1 - 1 / pp)
+    bubble = (pp - 1) / v * tau_mean
+    p2p = _sum_time(cs, cluster, group="pp", op="send")
+
+    # Data parallel / ZeRO collectives and what of them hides behind compute.
+    hide = gpu.comm_overlap_efficiency if work.dp_comm_overlap else 0.0
+    fwd_window = hide * fwd_mb
+    bwd_window = hide * 2 * fwd_mb
+    grad_once = _sum_time(cs, cluster, group="dp", phase="step", op="all-reduce")
+    z = grid["zero"]
+    rs_total = _sum_time(cs, cluster, group="dp", op="reduce-scatter")
+    ag_step = _sum_time(cs, cluster, group="dp", op="all-gather", phase="step")
+    ag_fwd = _sum_time(cs, cluster, group="dp", op="all-gather", phase="forward") / m
+    ag_bwd = _sum_time(cs, cluster, group="dp", op="all-gather", phase="backward") / m
+    rs_mb = rs_total / m
+    first_layer = 1 / n_layers  # the first bucket/layer's gather cannot hide
+    dp01 = np.maximum(0.0, grad_once + rs_total - bwd_window) + np.maximum(
+        0.0, ag_step - fwd_window
+    )
+    dp2 = m * np.maximum(0.0, rs_mb - bwd_window) + np.maximum(0.0, ag_step - fwd_window)
+    dp3 = m * (
+        np.maximum(0.0, ag_fwd - fwd_window)
+        + np.maximum(0.0, ag_bwd + rs_mb - bwd_window)
+        + first_layer * np.where(hide > 0, ag_fwd + rs_mb, 0.0)
+    )
+    dp_exposed = np.where(z <= 1, dp01, np.where(z == 2, dp2, dp3))
+
+    first_p, last_p = stage_params(model, grid)
+    opt_params = model_state_bytes(np.maximum(first_p, last_p), z, grid["dp"] * cp, "zero")
+    optimizer = opt_params["optimizer"] / 12 * ADAM_BYTES_PER_PARAM / hbm
+
+    out = {
+        "compute": m * compute_mb_last,
+        "recompute": m * recompute_mb,
+        "tp_comm_exposed": m * tp_exposed_mb,
+        "cp_comm_exposed": m * cp_exposed_mb,
+        "pp_bubble": bubble,
+        "pp_p2p": p2p,
+        "dp_comm_exposed": dp_exposed,
+        "optimizer": optimizer,
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def comm_bytes_per_gpu(
+    model: ModelConfig, work: Workload, cluster: Cluster, grid: Grid
+) -> dict[str, np.ndarray]:
+    """Wire bytes one GPU of the busiest (last) stage sends per step, by link."""
+    intra = inter = 0.0
+    for c in collectives(model, work, cluster, grid):
+        if c.stage == "first":
+            wire = np.where(grid["pp"] == 1, c.wire_bytes, 0.0)
+        else:
+            wire = c.wire_bytes
+        inter = inter + np.where(c.inter_node, wire, 0.0)
+        intra = intra + np.where(c.inter_node, 0.0, wire)
+    return {"intra_node": np.asarray(intra), "inter_node": np.asarray(inter)}

@@ -1,0 +1,95 @@
+"""`llmopt plan` command line: default run, JSON schema, estimate, compare, why-not, errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llmopt.cli import main
+
+PLAN_KEYS = {
+    "tp", "pp", "dp", "cp", "sp", "zero_stage", "micro_batch", "num_microbatches", "schedule",
+    "virtual_stages", "recompute", "precision", "fits", "memory_gib", "step_time_s",
+    "tokens_per_s", "mfu", "hfu", "comm_bytes_per_gpu_per_step", "explanation",
+}  # fmt: skip
+TIME_KEYS = {
+    "total", "compute", "recompute", "tp_comm_exposed", "pp_bubble", "pp_p2p",
+    "dp_comm_exposed", "optimizer",
+}  # fmt: skip
+
+
+def _json(capsys, argv):
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_default_plan_prints_table_and_explanation(capsys):
+    assert main(["plan"]) == 0
+    out = capsys.readouterr().out
+    assert "llama-3-70b on 8x8 H100" in out
+    assert "Why the top plan" in out and "MFU" in out
+    assert "PP=" in out and "spans nodes" in out
+
+
+def test_plan_json_schema(capsys):
+    data = _json(capsys, ["plan", "--json", "--top-k", "3"])
+    assert len(data["plans"]) == 3
+    for plan in data["plans"]:
+        assert PLAN_KEYS <= set(plan)
+        assert TIME_KEYS <= set(plan["step_time_s"])
+        assert set(plan["memory_gib"]) == {
+            "params", "grads", "optimizer", "activations", "other", "total",
+        }  # fmt: skip
+        assert set(plan["comm_bytes_per_gpu_per_step"]) == {"intra_node", "inter_node"}
+    assert data["plans"][0]["explanation"]
+
+
+def test_estimate_json_lists_collectives_with_links(capsys):
+    data = _json(
+        capsys,
+        ["plan", "estimate", "--tp", "8", "--pp", "8", "--sp", "--micro-batch", "2", "--json"],
+    )
+    assert data["plan"]["dp"] == 1 and data["plan"]["num_microbatches"] == 512
+    links = {(c["group"], c["link"]) for c in data["collectives"]}
+    assert ("tp", "intra_node") in links and ("pp", "inter_node") in links
+
+
+def test_compare_tp_across_nodes_is_slower_with_more_network_bytes(capsys):
+    data = _json(capsys, ["plan", "compare", "tp=8,pp=8", "tp=16,pp=4", "dp=64,zero=3", "--json"])
+    by = {m["spec"]: m for m in data["mappings"]}
+    inside, across = by["tp=8,pp=8"]["plan"], by["tp=16,pp=4"]["plan"]
+    assert across["step_time_s"]["total"] > inside["step_time_s"]["total"]
+    net = "comm_bytes_per_gpu_per_step"
+    assert across[net]["inter_node"] > inside[net]["inter_node"]
+    z3 = by["dp=64,zero=3"]["collectives"]
+    assert any(c["group"] == "dp" and c["op"] == "all-gather" for c in z3)
+
+
+def test_why_not(capsys):
+    assert main(["plan", "--why-not", "tp=16"]) == 0
+    out = capsys.readouterr().out
+    assert "tp=16: best such plan" in out and "slower than the top plan" in out
+    assert main(["plan", "--why-not", "tp=8,pp=1,zero=0"]) == 0
+    out = capsys.readouterr().out
+    assert "rejected" in out and "GiB per GPU, more than" in out
+    data = _json(capsys, ["plan", "--why-not", "tp=3", "--json"])
+    assert "tp=3 does not divide the 64 GPUs" in data["why_not"]["explanation"][0]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["plan", "--nodes", "0"], "--nodes=0 must be a positive integer"),
+        (["plan", "--model", "llama-3.1-405b", "--nodes", "1"], "GiB more than"),
+        (["plan", "--model", "nope"], "unknown model preset 'nope'"),
+        (["plan", "--ib-gbs", "-1"], "bandwidth_gbs=-1.0 must be a positive number"),
+        (["plan", "--heads", "60"], "num_kv_heads=8 does not divide num_heads=60"),
+        (["plan", "--global-batch-tokens", "5000"], "multiple of --seq-len=4096"),
+        (["plan", "--precision", "fp8", "--cluster", "dgx-a100-80gb"], "has no FP8"),
+    ],
+)
+def test_errors_are_one_line(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
