@@ -1,0 +1,91 @@
+"""Checkpoints: exact resume, a crash during a save, layout changes, and failure behaviour.
+
+The real corpus and tokenizer are used (a tiny model on web-bible, SmolLM2's vocabulary).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from llmopt.train.config import TrainConfig
+from llmopt.train.trainer import FAULT_ENV, train
+from tests.dist_helpers import run_distributed
+
+TINY = dict(
+    corpus="corpus:web-bible",
+    max_chars=60_000,
+    num_layers=2,
+    hidden_size=64,
+    intermediate_size=128,
+    num_heads=4,
+    num_kv_heads=2,
+    seq_len=32,
+    global_batch=4,
+    micro_batch=1,
+    steps=6,
+    lr=3e-3,
+    warmup_steps=2,
+    progress=False,
+    peak_tflops=1.0,
+    timeout_s=20,
+)
+
+
+def _train_worker(rank: int, world: int, cfg: dict, fault: str | None) -> list[float]:
+    if fault:
+        os.environ[FAULT_ENV] = fault
+    return train(TrainConfig(**cfg)).losses
+
+
+def test_resume_is_exact_and_a_crash_during_save_keeps_the_previous_checkpoint(tmp_path):
+    full = dict(TINY, out_dir=str(tmp_path / "a"), zero=1, save_every=3)
+    reference = run_distributed(_train_worker, 2, full, None)[0]
+    assert len(reference) == 6 and reference[-1] < reference[0]
+
+    # Rank 1 is killed while writing the step-4 checkpoint.
+    crashed = dict(TINY, out_dir=str(tmp_path / "b"), zero=1, save_every=2)
+    with pytest.raises(AssertionError, match="rank 1 died"):
+        run_distributed(_train_worker, 2, crashed, "kill-in-save:1:4", timeout_s=120)
+    ckpts = tmp_path / "b" / "checkpoints"
+    assert (ckpts / "latest").read_text() == "step_000002"
+    assert (ckpts / "step_000004.partial").is_dir()
+
+    resumed = run_distributed(_train_worker, 2, dict(crashed, resume=True), None)[0]
+    assert resumed == reference[2:]  # bit-identical trajectory from step 3 on
+    assert (ckpts / "latest").read_text() == "step_000006"
+    manifest = json.loads((ckpts / "step_000006" / "manifest.json").read_text())
+    assert manifest["layout"]["dp"] == 2 and manifest["layout"]["zero"] == 1
+
+    # A different layout cannot resume the sharded state, and says what to do instead ...
+    with pytest.raises(ValueError, match=r"different layout \(dp: checkpoint 2 vs run 1"):
+        train(TrainConfig(**dict(crashed, resume=True, steps=7)))
+    # ... which works: the consolidated weights load into any layout (here one process).
+    hf = ckpts / "step_000006" / "hf"
+    again = train(TrainConfig(**dict(TINY, out_dir=str(tmp_path / "c"), init_from=str(hf))))
+    assert again.losses[0] < reference[0] - 0.5
+
+
+def _launch(tmp_path: Path, fault: str) -> tuple[subprocess.CompletedProcess, float]:
+    args = [sys.executable, "-m", "llmopt", "train", "--nproc-per-node", "2"]
+    for key, value in dict(TINY, out_dir=str(tmp_path), steps=4).items():
+        flag = "--" + key.replace("_", "-")
+        args += [flag] if value is True else ["--no-progress"] if value is False else [flag, str(value)]
+    env = dict(os.environ, **{FAULT_ENV: fault, "OMP_NUM_THREADS": "1"})
+    start = time.monotonic()
+    proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=180)
+    return proc, time.monotonic() - start
+
+
+def test_a_killed_rank_ends_the_job_with_a_message_naming_it(tmp_path):
+    proc, elapsed = _launch(tmp_path, "kill:1:2")
+    assert proc.returncode != 0
+    assert elapsed < TINY["timeout_s"] + 60
+    # torchrun's failure summary names the rank that died and how.
+    assert "rank: 1" in proc.stderr and "SIGKILL" in proc.stderr
