@@ -98,6 +98,10 @@ def setup_row(row: dict[str, str]) -> RowSetup:
     if "96GB" in gpu:
         cluster = customize(cluster, **{"gpu.hbm_gib": 89.4})
         notes.append("H100 96GB: HBM 89.4 GiB")
+    watts = re.search(r"(\d+)\s*W\b", gpu)
+    if watts:
+        cluster = customize(cluster, **{"gpu.power_limit_w": float(watts.group(1))})
+        notes.append(f"power limit {watts.group(1)} W")
     era_2021_22 = "A100" in gpu
     rec = row["recompute"].lower()
     zero_txt = row["zero_fsdp"].lower()

@@ -94,9 +94,32 @@ def test_pipeline_sends_per_chunk_boundary():
         tp=4, pp=4, dp=4, sp=True, micro_batch=1, num_microbatches=256,
         schedule="interleaved", virtual_stages=2,
     )  # fmt: skip
-    t = _totals(par)
-    assert t[("pp", "send")]["calls"] == 2 * 2 * 256  # v chunks x m, forward and backward
-    assert t[("pp", "send")]["bytes"] == pytest.approx(2 * 2 * 256 * 4096 * 8192 * 2 / 4)
+    msg = 4096 * 8192 * 2 / 4  # SP-sharded activation of one micro-batch
+    calls = {}
+    for stage in ("first", "last"):
+        for r in collectives_for(MODEL, WORK, CLUSTER, par, stage):
+            if r["group"] == "pp":
+                key = (stage, r["op"], r["phase"])
+                calls[key] = calls.get(key, 0) + r["calls"]
+                assert r["payload_bytes"] == msg and r["link"] == "inter_node"
+    v_m = 2 * 256
+    # The model's first chunk has no predecessor, its last chunk no successor.
+    assert calls[("first", "send", "forward")] == v_m
+    assert calls[("first", "recv", "forward")] == v_m - 256
+    assert calls[("first", "send", "backward")] == v_m - 256
+    assert calls[("first", "recv", "backward")] == v_m
+    assert calls[("last", "send", "forward")] == v_m - 256
+    assert calls[("last", "recv", "forward")] == v_m
+    assert calls[("last", "send", "backward")] == v_m
+    assert calls[("last", "recv", "backward")] == v_m - 256
+
+
+def test_single_stage_has_no_pipeline_traffic():
+    par = ParallelConfig(tp=8, pp=1, dp=8, sp=True, num_microbatches=128)
+    for stage in ("first", "last"):
+        assert not [
+            r for r in collectives_for(MODEL, WORK, CLUSTER, par, stage) if r["group"] == "pp"
+        ]
 
 
 def test_vectorised_bytes_equal_the_explicit_list():

@@ -49,7 +49,7 @@ class Collectives:
     group: str  # tp | cp | pp | dp
     op: str
     phase: str  # forward | backward | recompute | step
-    stage: str  # all | first | last: which pipeline stages issue it
+    stage: str  # all | first | last | not_first | not_last: pipeline stages that issue it
     calls: np.ndarray  # per step
     payload_bytes: np.ndarray  # per call
     group_size: np.ndarray
@@ -137,12 +137,19 @@ def collectives(
     add("cp", "all-gather", "recompute", "all", n_layers * m * (rc == RC_FULL), kv, cp, inter["cp"])
     add("cp", "reduce-scatter", "backward", "all", n_layers * m, kv, cp, inter["cp"])
 
-    # Pipeline parallel: v chunk boundaries per micro-batch, each way.
+    # Pipeline parallel, per micro-batch: each of the v chunks sends its output forward except
+    # the model's last chunk (last stage), and its input gradient backward except the model's
+    # first chunk (first stage); receives mirror that.
     msg = act / tp
-    calls = v * m
-    for phase in ("forward", "backward"):
-        add("pp", "send", phase, "all", calls, msg, pp, inter["pp"])
-        add("pp", "recv", phase, "all", calls, msg, pp, inter["pp"])
+    inner, edge = (v - 1) * m, m
+    add("pp", "send", "forward", "all", inner, msg, pp, inter["pp"])
+    add("pp", "send", "forward", "not_last", edge, msg, pp, inter["pp"])
+    add("pp", "recv", "forward", "all", inner, msg, pp, inter["pp"])
+    add("pp", "recv", "forward", "not_first", edge, msg, pp, inter["pp"])
+    add("pp", "send", "backward", "all", inner, msg, pp, inter["pp"])
+    add("pp", "send", "backward", "not_first", edge, msg, pp, inter["pp"])
+    add("pp", "recv", "backward", "all", inner, msg, pp, inter["pp"])
+    add("pp", "recv", "backward", "not_last", edge, msg, pp, inter["pp"])
 
     # Data parallel / ZeRO over dp·cp ranks, on the larger of the first and last stages.
     first_p, last_p = stage_params(model, grid)
@@ -159,20 +166,33 @@ def collectives(
     return out
 
 
+def applies(kind: str, stage: str, pp: np.ndarray | int) -> np.ndarray:
+    """Whether a collective of stage kind `kind` is issued by the 'first' or 'last' pipeline
+    stage (with pp=1 the one stage is both)."""
+    single = np.asarray(pp) == 1
+    if kind in ("all", stage):
+        return np.ones_like(single)
+    if kind in ("first", "last"):  # the other end: only when it is the same stage
+        return single
+    if kind == f"not_{stage}":
+        return np.zeros_like(single)
+    return ~single  # not_first seen from the last stage, not_last from the first
+
+
 def collectives_for(
     model: ModelConfig, work: Workload, cluster: Cluster, par: ParallelConfig, stage: str = "first"
 ) -> list[dict]:
     """The collectives one rank of pipeline stage `stage` ('first' or 'last') issues per step,
     as plain dicts with nonzero call counts — what an engine trace should match exactly.
 
-    A pipeline stage that is both first and last (pp=1) issues both sets. Pipeline sends and
-    receives are listed for an interior stage (v·m each way per direction).
+    A pipeline stage that is both first and last (pp=1) issues both sets. An interior stage
+    issues what the 'first' list shows for TP plus v·m pipeline sends and receives each way.
     """
     if stage not in ("first", "last"):
         raise ValueError(f"stage={stage!r}; choose 'first' or 'last'")
     rows = []
     for c in collectives(model, work, cluster, par.to_grid()):
-        if c.stage not in ("all", stage) and not (par.pp == 1 and c.stage != "all"):
+        if not bool(applies(c.stage, stage, par.pp)):
             continue
         calls = int(c.calls[0])
         if calls == 0:

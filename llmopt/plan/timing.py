@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from llmopt.models.config import ModelConfig
-from llmopt.plan.comm import Collectives, collectives
+from llmopt.plan.comm import Collectives, applies, collectives
 from llmopt.plan.hardware import Cluster
 from llmopt.plan.memory import (
     ACT_BYTES,
@@ -64,10 +64,9 @@ def step_time(
     rc = grid["rc"]
     h, f, s, a = model.hidden_size, model.intermediate_size, work.seq_len, model.num_heads
     tokens = grid["mb"] * s / cp
-    gemm_rate = gpu.peak_flops(work.precision) * (
-        gpu.fp8_gemm_efficiency if work.precision == "fp8" else gpu.gemm_efficiency
-    )
-    bf16 = gpu.peak_flops("bf16")
+    gemm_rate = gpu.peak_flops(work.precision) * gpu.clock_scale
+    gemm_rate *= gpu.fp8_gemm_efficiency if work.precision == "fp8" else gpu.gemm_efficiency
+    bf16 = gpu.peak_flops("bf16") * gpu.clock_scale
     hbm = gpu.hbm_bandwidth_gbs * 1e9 * gpu.hbm_efficiency
     kv_dim = kv_heads_per_rank(model, tp) * model.head_dim
     n_mlp = 3 if model.mlp == "swiglu" else 2
@@ -172,10 +171,7 @@ def comm_bytes_per_gpu(
     """Wire bytes one GPU of the busiest (last) stage sends per step, by link."""
     intra = inter = 0.0
     for c in collectives(model, work, cluster, grid):
-        if c.stage == "first":
-            wire = np.where(grid["pp"] == 1, c.wire_bytes, 0.0)
-        else:
-            wire = c.wire_bytes
+        wire = np.where(applies(c.stage, "last", grid["pp"]), c.wire_bytes, 0.0)
         inter = inter + np.where(c.inter_node, wire, 0.0)
         intra = intra + np.where(c.inter_node, 0.0, wire)
     return {"intra_node": np.asarray(intra), "inter_node": np.asarray(inter)}
