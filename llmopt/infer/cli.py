@@ -1,0 +1,161 @@
+"""`llmopt generate`: text generation from the command line (thin layer over `generate`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "generate",
+        help="generate text with a model (KV cache, sampling, --draft)",
+        description="Generate a continuation of --prompt (or a chat reply with --chat). Greedy by "
+        "default; --temperature > 0 samples (with --top-k/--top-p, reproducible with --seed).",
+    )
+    add_model_arguments(parser)
+    parser.add_argument(
+        "--prompt", required=True, help="prompt text (the user message with --chat)"
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (64)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely (0 = off)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass to keep (1 = off)")
+    parser.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    parser.add_argument(
+        "--chat", action="store_true", help="wrap the prompt in the model's chat template"
+    )
+    parser.add_argument("--system", default=None, help="system message for --chat")
+    parser.add_argument(
+        "--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token"
+    )
+    parser.add_argument(
+        "--no-stream", action="store_true", help="print the text at the end, not token by token"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object (no stream)")
+    try:
+        from llmopt.infer.speculative import add_speculative_arguments
+    except ImportError:  # speculative decoding is optional for plain generation
+        pass
+    else:
+        add_speculative_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """--model/--dtype/--threads, shared with `llmopt eval`."""
+    parser.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="packaged name (smollm2-135m), .gguf file, HF directory or `llmopt quantize` output",
+    )
+    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weight/compute dtype")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
+
+
+class TextStream:
+    """Prints decoded text as tokens arrive, holding back incomplete UTF-8 sequences."""
+
+    def __init__(self, tokenizer, out=None) -> None:
+        self.tokenizer = tokenizer
+        self.out = out or sys.stdout  # looked up now: sys.stdout may be swapped after import
+        self.ids: list[int] = []
+        self.printed = ""
+
+    def __call__(self, token_id: int) -> None:
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # a multi-byte character split across tokens
+            return
+        self.out.write(text[len(self.printed) :])
+        self.out.flush()
+        self.printed = text
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from llmopt.infer.generate import generate
+    from llmopt.infer.sampling import SamplingConfig
+    from llmopt.models.loading import load_model, load_tokenizer
+
+    if args.max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens} must be >= 0")
+    if args.system is not None and not args.chat:
+        raise ValueError("--system only applies with --chat")
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    tokenizer = load_tokenizer(args.model)
+    model = load_model(args.model, dtype=torch_dtype(args.dtype))
+    load_s = time.perf_counter() - t0
+    if args.chat:
+        messages = [{"role": "system", "content": args.system}] if args.system else []
+        messages.append({"role": "user", "content": args.prompt})
+        prompt_text = tokenizer.apply_chat_template(messages)
+    else:
+        prompt_text = args.prompt
+    prompt_ids = tokenizer.encode(prompt_text, add_bos=tokenizer.add_bos)
+    eos = None if args.ignore_eos else tokenizer.eos_token_id
+    speculative = getattr(args, "draft", None)
+    stream = None if args.json or args.no_stream or speculative else TextStream(tokenizer)
+    t0 = time.perf_counter()
+    stats: dict[str, Any] = {}
+    if speculative:
+        from llmopt.infer.speculative import run_speculative_from_args
+
+        ids, stats = run_speculative_from_args(args, model, tokenizer, prompt_ids, sampling)
+    else:
+        ids = generate(
+            model,
+            prompt_ids,
+            max_new_tokens=args.max_new_tokens,
+            sampling=sampling,
+            seed=args.seed,
+            eos_token_id=eos,
+            on_token=stream,
+        )
+    seconds = time.perf_counter() - t0
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    stopped = "eos" if eos is not None and ids and ids[-1] == eos else "length"
+    if args.json:
+        result: dict[str, Any] = {
+            "model": args.model,
+            "prompt": prompt_text,
+            "prompt_tokens": len(prompt_ids),
+            "text": text,
+            "token_ids": ids,
+            "new_tokens": len(ids),
+            "stop_reason": stopped,
+            "load_s": round(load_s, 3),
+            "generate_s": round(seconds, 3),
+            "tokens_per_s": round(len(ids) / seconds, 2) if seconds > 0 else None,
+        }
+        if stats:
+            result["speculative"] = stats
+        print(json.dumps(result, indent=2))
+        return 0
+    if stream is None:
+        sys.stdout.write(text)
+    sys.stdout.write("\n")
+    rate = f"{len(ids) / seconds:.1f} tok/s" if seconds > 0 else "n/a"
+    print(
+        f"[{len(prompt_ids)} prompt + {len(ids)} new tokens, {rate}, stop: {stopped}, "
+        f"load {load_s:.1f}s]",
+        file=sys.stderr,
+    )
+    if stats:
+        print(json.dumps(stats, indent=2), file=sys.stderr)
+    return 0
