@@ -8,10 +8,10 @@ import torch
 from llmopt.infer.generate import generate
 from llmopt.infer.sampling import SamplingConfig, logits_to_probs
 
+GREEDY = SamplingConfig()
 
-def _naive(
-    model, prompt: list[int], n: int, sampling=SamplingConfig(), generator=None
-) -> list[int]:
+
+def _naive(model, prompt: list[int], n: int, sampling=GREEDY, generator=None) -> list[int]:
     """Reference decoder: full recompute of the whole sequence for every token, no cache."""
     ids = list(prompt)
     for _ in range(n):
