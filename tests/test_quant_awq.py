@@ -1,0 +1,137 @@
+"""AWQ: exact scale folding, and the seed's mechanism on a model with salient input channels."""
+
+import copy
+
+import torch
+
+from llmopt.compress.quant.apply import quantize_model
+from llmopt.compress.quant.awq import _apply_scale, scaling_groups
+from llmopt.models import ModelConfig, build_model
+
+SALIENT = [5, 77]
+
+
+def outlier_model():
+    """A small MHA model whose MLP inputs carry 40x activation outliers in two channels."""
+    cfg = ModelConfig(
+        name="outliers",
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=4,
+        max_seq_len=128,
+    )
+    model = build_model(cfg, seed=0).eval()
+    with torch.no_grad():
+        for block in model.layers:
+            block.post_attention_layernorm.weight[SALIENT] = 40.0
+            block.input_layernorm.weight[[9, 100]] = 40.0
+    return model
+
+
+def _tokens(seed, n, t=64):
+    return torch.randint(0, 256, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+def test_scale_folding_keeps_the_model_equivalent():
+    model = outlier_model()
+    block = copy.deepcopy(model.layers[0])
+    x = torch.randn(2, 16, 128)
+    cos, sin = model.rotary(0, 16, x.dtype)
+    with torch.no_grad():
+        ref = block(x, cos, sin)
+        selected = {n for n, m in block.named_modules() if isinstance(m, torch.nn.Linear)}
+        groups = scaling_groups(block, selected, cos, sin)
+        # MHA + SwiGLU: all four fold points exist
+        assert [g.prev_name for g in groups] == [
+            "input_layernorm",
+            "self_attn.v_proj",
+            "post_attention_layernorm",
+            "mlp.up_proj",
+        ]
+        gen = torch.Generator().manual_seed(0)
+        for g in groups:
+            width = block.get_submodule(g.names[0]).in_features
+            _apply_scale(g, block, torch.rand(width, generator=gen) * 4 + 0.25)
+        out = block(x, cos, sin)
+    # fp32 re-association of scaled products only
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+def _mlp_channel_errors(qmodel, fp_model, h):
+    """Per input channel, sum_t x_c^2 * ||dW_eff[:, c]||^2 of gate_proj, and the MLP output MSE.
+
+    For AWQ the norm weight absorbed 1/s, so the effective weight seen by the fp input is
+    Q(W s) / s with s = fp_norm / awq_norm. (gate_proj, not up_proj: AWQ also rescales up's
+    rows against down_proj, so up's weights are not comparable one to one.)
+    """
+    fp_block, q_block = fp_model.layers[0], qmodel.layers[0]
+    x = fp_block.post_attention_layernorm(h).reshape(-1, h.shape[-1])
+    s = fp_block.post_attention_layernorm.weight / q_block.post_attention_layernorm.weight
+    contrib = torch.zeros(h.shape[-1])
+    w = fp_block.mlp.gate_proj.weight
+    w_eff = q_block.mlp.gate_proj.dequantize() / s
+    contrib += x.pow(2).sum(0) * (w_eff - w).pow(2).sum(0)
+    out_fp = fp_block.mlp(fp_block.post_attention_layernorm(h))
+    out_q = q_block.mlp(q_block.post_attention_layernorm(h))
+    return contrib, (out_q - out_fp).pow(2).mean().item()
+
+
+def test_awq_recovers_the_error_rtn_makes_on_salient_channels():
+    model = outlier_model()
+    calib = _tokens(1, 8)
+    rtn = quantize_model(model, "rtn", bits=4, group_size=32)
+    awq = quantize_model(model, "awq", bits=4, group_size=32, calib_tokens=calib)
+    captured = {}
+    model.layers[0].post_attention_layernorm.register_forward_pre_hook(
+        lambda _m, a: captured.setdefault("h", a[0].detach())
+    )
+    with torch.no_grad():
+        model(_tokens(2, 4))  # held-out tokens
+        rtn_contrib, rtn_mse = _mlp_channel_errors(rtn, model, captured["h"])
+        awq_contrib, awq_mse = _mlp_channel_errors(awq, model, captured["h"])
+    rtn_share = rtn_contrib[SALIENT].sum() / rtn_contrib.sum()
+    # 2 of 128 channels carry 1600x the squared activation: they dominate RTN's error
+    assert rtn_share > 0.8, f"RTN salient share {rtn_share:.3f}"
+    # AWQ removes most of the salient channels' error and most of the MLP output error
+    assert awq_contrib[SALIENT].sum() < 0.2 * rtn_contrib[SALIENT].sum()
+    assert awq_mse < 0.4 * rtn_mse, (awq_mse, rtn_mse)
+
+    report = awq.quant_report["layers"][0]["groups"]
+    mlp_group = next(g for g in report if g["prev"] == "post_attention_layernorm")
+    # the searched α is not 0 (0 would be plain RTN) and the largest scales sit on the outliers
+    assert mlp_group["alpha"] > 0
+    assert set(mlp_group["top_channels"][:2]) == set(SALIENT), mlp_group
+    assert mlp_group["loss_awq"] < 0.5 * mlp_group["loss_rtn"], mlp_group
+    scales = awq.quant_report["scales"]["layers.0.post_attention_layernorm"]
+    assert scales[SALIENT].min() > 3 * scales.median()  # 40x outliers, s = x^alpha
+    print(
+        f"\nRTN salient share {rtn_share:.3f}; MLP MSE RTN {rtn_mse:.3e} -> AWQ {awq_mse:.3e}; "
+        f"alpha={mlp_group['alpha']}, s[salient]={scales[SALIENT].tolist()}, "
+        f"median s={scales.median():.3f}"
+    )
+
+
+def test_awq_model_error_below_rtn_and_input_untouched():
+    model = outlier_model()
+    before = copy.deepcopy(model.state_dict())
+    calib = _tokens(1, 8)
+    awq = quantize_model(model, "awq", bits=4, group_size=32, calib_tokens=calib)
+    rtn = quantize_model(model, "rtn", bits=4, group_size=32)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])
+    ev = _tokens(3, 4)
+    with torch.no_grad():
+        ref = model(ev)
+        e_awq = (awq(ev) - ref).pow(2).mean()
+        e_rtn = (rtn(ev) - ref).pow(2).mean()
+    assert e_awq < 0.5 * e_rtn, (e_awq, e_rtn)
+
+
+def test_awq_requires_calibration_tokens(tiny_model):
+    import pytest
+
+    with pytest.raises(ValueError, match="method 'awq' needs calibration tokens"):
+        quantize_model(tiny_model, "awq")
