@@ -52,6 +52,14 @@ def _float(value: str) -> float | None:
         return None
 
 
+GPU_KEYS = (
+    ("B200", "dgx-b200"),
+    ("H200", "dgx-h200"),
+    ("H100", "dgx-h100"),
+    ("A100", "dgx-a100-80gb"),
+)
+
+
 @dataclasses.dataclass
 class RowSetup:
     model: ModelConfig
@@ -86,51 +94,66 @@ def setup_row(row: dict[str, str]) -> RowSetup:
     )
     gpu = row["gpu_type"]
     n_gpus = int(row["total_gpus"])
-    key = "dgx-h100" if "H100" in gpu else "dgx-a100-80gb" if "A100" in gpu else None
+    key = next((k for tag, k in GPU_KEYS if tag in gpu), None)
     if key is None:
         raise ValueError(f"row {row['row_id']}: unknown gpu_type {gpu!r}")
-    if n_gpus % 8:
+    if n_gpus > 8 and n_gpus % 8:
         raise ValueError(f"row {row['row_id']}: total_gpus={n_gpus} is not a multiple of 8")
-    cluster = get_cluster(key, n_gpus // 8)
+    cluster = get_cluster(key, max(n_gpus // 8, 1), min(n_gpus, 8))
     peak = _float(row.get("peak_tflops_dense_16bit", ""))
     if peak:
         cluster = customize(cluster, **{"gpu.peak_bf16_tflops": peak})
-    if "96GB" in gpu:
-        cluster = customize(cluster, **{"gpu.hbm_gib": 89.4})
-        notes.append("H100 96GB: HBM 89.4 GiB")
+    gb = re.search(r"(\d+)\s*GB", gpu)
+    if gb and abs(float(gb.group(1)) - cluster.gpu.hbm_gib / 0.99) > 2:
+        gib = round(float(gb.group(1)) * 0.99, 1)  # "80 GB" boards expose 79.2 GiB
+        cluster = customize(cluster, **{"gpu.hbm_gib": gib})
+        notes.append(f"{gb.group(1)} GB board: HBM {gib} GiB usable")
     watts = re.search(r"(\d+)\s*W\b", gpu)
     if watts:
         cluster = customize(cluster, **{"gpu.power_limit_w": float(watts.group(1))})
         notes.append(f"power limit {watts.group(1)} W")
-    era_2021_22 = "A100" in gpu
+    years = [
+        int(y)
+        for y in re.findall(r"\b(20[12]\d)\b", row.get("source", "") + row.get("locator", ""))
+    ]
+    # Megatron-LM before 2023: no fused flash attention, gradient all-reduce after backward.
+    early = bool(years) and min(years) <= 2022
+    prec = row.get("precision", "").lower()
     rec = row["recompute"].lower()
     zero_txt = row["zero_fsdp"].lower()
-    megatron = "zero-3" not in zero_txt and "fsdp" not in zero_txt
+    sharded = "fsdp" in zero_txt or "zero-3" in zero_txt
     deepspeed = "zero-3" in zero_txt and "fsdp" not in zero_txt
     # fp16 mixed precision (2021): fp16 gradients all-reduced, fp32 master + Adam (16 B/param);
     # bf16 Megatron/torchtitan accumulate and reduce gradients in fp32 (18 B/param).
-    fp16 = row.get("precision", "").startswith("fp16 mixed")
+    fp16 = prec.startswith("fp16 mixed")
+    fp8 = "fp8" in prec.split("(")[0] or "float8" in prec
     work = Workload(
         seq_len=int(row["seq_len"]),
         global_batch=int(row["global_batch_seqs"]),
-        precision="bf16",
-        flash_attention=not era_2021_22,
+        precision="fp8" if fp8 else "bf16",
+        flash_attention=not early,
         dropout=not llama,
         state_bytes="zero" if deepspeed or fp16 else "megatron",
-        tp_comm_overlap="tp-comm-overlap" in row["notes"],
-        dp_comm_overlap=not (era_2021_22 and megatron),
-        fused_kernels="eager" not in row.get("precision", ""),
+        tp_comm_overlap=any(
+            k in (prec + row["notes"]).lower() for k in ("tp-comm-overlap", "async tp")
+        ),
+        dp_comm_overlap=not (early and not sharded),
+        fused_kernels="eager" not in prec or "compile" in prec,
     )
     notes.append(
-        f"flash={'yes' if work.flash_attention else 'no (pre-2022 Megatron)'}, "
-        f"dp_overlap={'yes' if work.dp_comm_overlap else 'no'}"
+        f"flash={'yes' if work.flash_attention else 'no (Megatron <= 2022)'}, "
+        f"dp_overlap={'yes' if work.dp_comm_overlap else 'no'}, "
+        f"kernels={'fused' if work.fused_kernels else 'eager'}, {work.state_bytes} B/param"
+        + (", fp8 GEMMs" if fp8 else "")
     )
     c: dict[str, int] = {}
     for key in ("tp", "pp", "dp", "cp"):
         v = _int(row[key])
         if v is not None:
             c[key] = v
-    c.setdefault("cp", 1)
+    if "cp" not in c:
+        c["cp"] = 1
+        notes.append("cp=1 (blank)")
     mb = _int(row["micro_batch"])
     if mb is not None:
         c["mb"] = mb
@@ -144,14 +167,18 @@ def setup_row(row: dict[str, str]) -> RowSetup:
         c["rc"] = RECOMPUTES.index("full")
     elif rec.startswith("selective"):
         c["rc"] = RECOMPUTES.index("selective")
+    elif rec.startswith(("none", "no")):
+        c["rc"] = RECOMPUTES.index("none")
     sp = row["sequence_parallel"].strip().lower()
     if sp in ("yes", "no"):
         c["sp"] = int(sp == "yes")
     elif c.get("tp", 1) == 1:
         c["sp"] = 0
-    if "zero-3" in zero_txt:
+    if sharded:
         c["zero"] = 3
-    elif "distributed optimizer" in zero_txt:
+    elif "zero-2" in zero_txt:
+        c["zero"] = 2
+    elif "zero-1" in zero_txt or zero_txt.startswith("distributed optimizer"):
         c["zero"] = 1
     elif zero_txt.startswith("none"):
         c["zero"] = 0
@@ -204,6 +231,14 @@ def measured_and_predicted(row: dict[str, str], setup: RowSetup, step_s: float):
     B, s, L, h, V = work.global_batch, work.seq_len, model.num_layers, model.hidden_size, None
     V = model.vocab_size
     if tflops is not None:
+        if "6N" in conv:  # torchtitan: 6·(params without embedding) + 12·L·h·s per token
+            n_params = model.num_parameters() - model.embedding_parameters()
+            per_token = 6 * n_params + 12 * L * model.q_size * s
+            return (
+                "TFLOP/s (6N+12Lhs)",
+                tflops,
+                per_token * work.tokens_per_step / step_s / n / 1e12,
+            )
         if "96" in conv or "Eq.3" in conv:
             flops = megatron_flops(B, s, L, h, V, recompute=True)
             return "TFLOP/s (Eq.3, 96)", tflops, flops / step_s / n / 1e12
@@ -216,6 +251,11 @@ def measured_and_predicted(row: dict[str, str], setup: RowSetup, step_s: float):
     tps = _float(row["tokens_per_s_per_gpu_reported"])
     if tps is not None:
         return "tokens/s/GPU", tps, work.tokens_per_step / step_s / n
+    mfu = re.match(r"\s*([\d.]+)\s*%", row.get("mfu_reported", ""))
+    if mfu:
+        peak = setup.cluster.gpu.peak_flops("bf16")
+        pred = megatron_flops(B, s, L, h, V, recompute=False) / step_s / n / peak
+        return "MFU (72)", float(mfu.group(1)) / 100, pred
     raise ValueError(f"row {row['row_id']}: no measured throughput column is filled")
 
 
