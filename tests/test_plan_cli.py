@@ -93,3 +93,17 @@ def test_errors_are_one_line(capsys, argv, message):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_hf_config_and_explicit_dims(capsys, tmp_path):
+    from llmopt.models.presets import get_preset
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(get_preset("llama-3-8b").to_hf_config()))
+    data = _json(capsys, ["plan", "--model", str(path), "--nodes", "1", "--json", "--top-k", "1"])
+    assert data["parameters"] == get_preset("llama-3-8b").num_parameters()
+    assert data["plans"][0]["fits"]
+    argv = ["plan", "--model", "llama-3-8b", "--layers", "16", "--nodes", "1", "--json"]
+    data = _json(capsys, argv)
+    assert data["model"] == "llama-3-8b (custom)"
+    assert data["parameters"] < get_preset("llama-3-8b").num_parameters()
