@@ -1,0 +1,196 @@
+"""GPTQ (Frantar et al. 2023): quantize columns one at a time, pushing each column's rounding
+error onto the not-yet-quantized columns through the inverse Hessian of the layer's loss.
+
+For a linear layer with calibration inputs X, the loss ||W X - Q X||^2 has Hessian
+H = 2 X X^T. With the upper Cholesky factor U of H^{-1} (after 1% mean-diagonal damping),
+quantizing column j with error e_j = (w_j - q_j) / U_jj updates the remaining columns by
+-e_j U_j,j+1: — applied lazily, 128 columns at a time, as a rank-128 update. Optional
+act-order visits columns by decreasing H_jj; group parameters are then fixed upfront from the
+contiguous groups of the original weight ("static groups"), so the packed format and the
+kernels stay unchanged.
+
+Layer by layer (and, with `gptq_true_sequential`, sub-layer by sub-layer: qkv, o, gate/up,
+down), each layer's Hessian is collected from inputs produced by the already-quantized layers.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmopt.compress.quant.apply import block_linears, layer_progress, replace_with_packed
+from llmopt.compress.quant.config import QuantConfig
+from llmopt.compress.quant.formats import (
+    PackedWeight,
+    compute_qparams,
+    effective_group,
+    num_groups,
+    pack_codes,
+)
+
+SEQUENTIAL_ORDER = (
+    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    ("self_attn.o_proj",),
+    ("mlp.gate_proj", "mlp.up_proj"),
+    ("mlp.down_proj",),
+)
+
+
+class _Captured(Exception):
+    """Raised by a hook once every requested input was seen: the rest of the block is skipped."""
+
+
+def collect_hessians(
+    block: nn.Module, names: list[str], x: torch.Tensor, cos, sin
+) -> dict[str, torch.Tensor]:
+    """H = 2 X X^T / n for each named linear's input, from one (truncated) block forward."""
+    hessians: dict[str, torch.Tensor] = {}
+    hooks = []
+    for name in names:
+
+        def hook(_m, args, name=name):
+            inp = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            hessians[name] = 2.0 * (inp.t() @ inp) / inp.shape[0]
+            if len(hessians) == len(names):
+                raise _Captured
+
+        hooks.append(block.get_submodule(name).register_forward_pre_hook(hook))
+    try:
+        block(x, cos, sin)
+    except _Captured:
+        pass
+    finally:
+        for h in hooks:
+            h.remove()
+    missing = set(names) - set(hessians)
+    if missing:
+        raise RuntimeError(f"block forward never reached {sorted(missing)}")
+    return hessians
+
+
+@torch.no_grad()
+def gptq_solve(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    bits: int,
+    group_size: int,
+    sym: bool = False,
+    damp: float = 0.01,
+    block_size: int = 128,
+    act_order: bool = False,
+) -> tuple[PackedWeight, float]:
+    """GPTQ-quantize one weight [out, in] given its input Hessian [in, in].
+
+    Returns the packed weight and the summed proxy loss sum((w - q)^2 / U_jj^2) / 2.
+    """
+    w = weight.detach().float().clone()
+    out_f, in_f = w.shape
+    h = hessian.float().clone()
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    gs = effective_group(in_f, group_size)
+    maxq = 2**bits - 1
+
+    scales = torch.zeros(out_f, num_groups(in_f, group_size))
+    zeros = torch.zeros_like(scales)
+    static = group_size == -1 or act_order  # params fixed before any error feedback
+    if static:
+        scales, zeros = compute_qparams(w, bits, group_size, sym)
+    perm = torch.argsort(torch.diag(h), descending=True) if act_order else torch.arange(in_f)
+    w = w[:, perm]
+    h = h[perm][:, perm]
+
+    h += damp * torch.mean(torch.diag(h)) * torch.eye(in_f)
+    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+
+    if group_size != -1 and not act_order:
+        block_size = max(gs, block_size // gs * gs)  # groups never straddle a lazy block
+    codes = torch.zeros(out_f, in_f, dtype=torch.uint8)
+    loss = 0.0
+    for i1 in range(0, in_f, block_size):
+        i2 = min(i1 + block_size, in_f)
+        w1 = w[:, i1:i2].clone()
+        err1 = torch.zeros_like(w1)
+        u1 = u[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = int(perm[i1 + i])
+            g = col // gs
+            if not static and col % gs == 0:
+                scales[:, g : g + 1], zeros[:, g : g + 1] = compute_qparams(
+                    w1[:, i : i + gs], bits, -1, sym
+                )
+            s, z = scales[:, g], zeros[:, g]
+            col_w = w1[:, i]
+            q = torch.clamp(torch.round(col_w / s) + z, 0, maxq)
+            dq = (q - z) * s
+            codes[:, col] = q.to(torch.uint8)
+            d = u1[i, i]
+            e = (col_w - dq) / d
+            loss += float((e * e).sum()) / 2
+            w1[:, i:] -= e[:, None] * u1[i, i:][None, :]
+            err1[:, i] = e
+        w[:, i2:] -= err1 @ u[i1:i2, i2:]
+    packed = PackedWeight(
+        qweight=pack_codes(codes, bits),
+        scales=scales.half(),
+        zeros=zeros.to(torch.uint8),
+        bits=bits,
+        group_size=group_size,
+        in_features=in_f,
+    )
+    return packed, loss
+
+
+def gptq_quantize(
+    model: nn.Module, config: QuantConfig, calib_tokens: torch.Tensor, progress: bool
+) -> dict[str, Any]:
+    """Quantize every block in place, feeding quantized outputs forward; returns a report."""
+    _, t = calib_tokens.shape
+    x = model.embed_tokens(calib_tokens).float()
+    cos, sin = model.rotary(0, t, x.dtype)
+    layers_report = []
+    with layer_progress(len(model.layers), f"GPTQ W{config.bits}", progress) as advance:
+        for i, block in enumerate(model.layers):
+            linears = block_linears(block, config)
+            if config.gptq_true_sequential:
+                order = [[n for n in stage if n in linears] for stage in SEQUENTIAL_ORDER]
+                order = [stage for stage in order if stage]
+                rest = set(linears) - {n for stage in order for n in stage}
+                if rest:
+                    order.append(sorted(rest))
+            else:
+                order = [list(linears)]
+            packed_all: dict[str, PackedWeight] = {}
+            losses = {}
+            for stage in order:
+                hessians = collect_hessians(block, stage, x, cos, sin)
+                for name in stage:
+                    lin = linears[name]
+                    packed, loss = gptq_solve(
+                        lin.weight,
+                        hessians[name],
+                        config.bits,
+                        config.group_size,
+                        config.sym,
+                        damp=config.gptq_damp,
+                        block_size=config.gptq_block_size,
+                        act_order=config.gptq_act_order,
+                    )
+                    # later stages see this layer's quantized output (fp matmul of the
+                    # dequantised weight: same numbers as QuantLinear, faster for calibration)
+                    lin.weight.data = packed.dequantize()
+                    packed_all[name], losses[name] = packed, loss
+            x = block(x, cos, sin)
+            for name, packed in packed_all.items():
+                replace_with_packed(block, name, packed, config)
+            layers_report.append({"layer": i, "loss": {k: _finite(v) for k, v in losses.items()}})
+            advance()
+    return {"layers": layers_report}
+
+
+def _finite(v: float) -> float | None:
+    return v if math.isfinite(v) else None
