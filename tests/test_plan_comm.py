@@ -34,8 +34,12 @@ def test_tp_sequence_parallel_counts_and_bytes():
     assert fwd_ag[0]["payload_bytes"] == act
     assert fwd_ag[0]["link"] == "intra_node"
     assert fwd_ag[0]["wire_bytes"] == pytest.approx(fwd_ag[0]["calls"] * act * 7 / 8)
-    # No all-reduce inside layers with SP; the first stage's embedding uses a reduce-scatter.
-    assert not any(r["op"] == "all-reduce" and r["group"] == "tp" for r in rows)
+    # With SP the only TP all-reduce is the per-step one of the partial norm-weight gradients
+    # (2 norms per layer, fp32); the embedding uses a reduce-scatter.
+    ar = [r for r in rows if r["op"] == "all-reduce" and r["group"] == "tp"]
+    assert [(r["phase"], r["calls"], r["payload_bytes"]) for r in ar] == [
+        ("step", 1, 2 * layers * 8192 * 4)
+    ]
 
 
 def test_tp_without_sp_uses_all_reduce_and_full_recompute_repeats_forward():
@@ -147,3 +151,17 @@ def test_cp_gathers_kv_each_layer():
     kv = 16384 * 2 * 1 * 128 * 2  # seq x (K,V) x kv heads per rank (8/8) x head_dim x bf16
     assert t[("cp", "all-gather")]["calls"] == 80 * 16
     assert t[("cp", "all-gather")]["bytes"] == pytest.approx(80 * 16 * kv)
+
+
+def test_tied_embeddings_swap_gradients_between_first_and_last_stage():
+    gpt = get_preset("gpt3-175b")
+    work = Workload(seq_len=2048, global_batch=64)
+    par = ParallelConfig(tp=8, pp=8, dp=1, sp=True, num_microbatches=64)
+    grad = 51200 * 12288 / 8 * 4  # vocab-parallel shard of the fp32 gradient
+    for stage in ("first", "last"):
+        rows = collectives_for(gpt, work, CLUSTER, par, stage)
+        step = [r for r in rows if r["phase"] == "step" and r["group"] == "pp"]
+        assert sorted(r["op"] for r in step) == ["recv", "send"]
+        assert all(r["calls"] == 1 and r["payload_bytes"] == grad for r in step)
+    untied = collectives_for(MODEL, WORK, CLUSTER, par.__class__(tp=8, pp=8, num_microbatches=1024))
+    assert not [r for r in untied if r["phase"] == "step" and r["group"] == "pp"]

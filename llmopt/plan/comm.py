@@ -17,10 +17,12 @@ all-reduces of the b·s·h activation forward and two backward; with it two all-
 reduce-scatters each way; full recomputation repeats the forward ones. The vocab-parallel
 embedding adds a forward all-reduce (SP: reduce-scatter, backward all-gather); the output layer
 a backward all-reduce of its input gradient (SP: forward all-gather, backward reduce-scatter)
-and three fp32 all-reduces of per-token scalars in the cross-entropy. CP all-gathers K and V
+and three fp32 all-reduces of per-token scalars in the cross-entropy; with SP, one all-reduce
+per step of the partial norm-weight gradients. CP all-gathers K and V
 forward and reduce-scatters their gradients backward. PP sends each micro-batch's activation
 (split over TP ranks: Narayanan's scatter/gather optimisation, or SP's sharding) forward and its
-gradient backward at each of the v chunk boundaries. DP over dp·cp ranks: ZeRO-0 all-reduces
+gradient backward at each of the v chunk boundaries; with tied embeddings and pp>1 the first and
+last stages swap their embedding gradients once per step (send + recv). DP over dp·cp ranks: ZeRO-0 all-reduces
 gradients once per step; ZeRO-1 (distributed optimizer) reduce-scatters gradients and
 all-gathers updated bf16 weights once per step; ZeRO-2 reduce-scatters each micro-batch's
 gradients (they are sharded, so accumulation happens in the shard) and all-gathers weights
@@ -130,6 +132,22 @@ def collectives(
     add("tp", "all-reduce", "backward", "last", np.where(sp, 0, m), act, tp, inter["tp"])
     add("tp", "reduce-scatter", "backward", "last", np.where(sp, m, 0), act, tp, inter["tp"])
     add("tp", "all-reduce", "forward", "last", 3 * m, tokens * 4.0, tp, inter["tp"])
+    # Sequence parallel: each TP rank saw a different slice of the sequence, so the gradients of
+    # the replicated norm weights are partial; one coalesced all-reduce per step (Megatron's
+    # finalize_model_grads), the last stage including the final norm.
+    norms = 2 * n_layers * model.hidden_size * g_bytes
+    sp_calls = np.where(sp, 1, 0)
+    add("tp", "all-reduce", "step", "not_last", sp_calls, norms, tp, inter["tp"])
+    add(
+        "tp",
+        "all-reduce",
+        "step",
+        "last",
+        sp_calls,
+        norms + model.hidden_size * g_bytes,
+        tp,
+        inter["tp"],
+    )
 
     # Context parallel: K and V of the full sequence (heads of this TP rank).
     kv = mb * work.seq_len * 2 * kv_heads_per_rank(model, tp) * model.head_dim * ACT_BYTES
@@ -150,6 +168,14 @@ def collectives(
     add("pp", "send", "backward", "not_first", edge, msg, pp, inter["pp"])
     add("pp", "recv", "backward", "all", inner, msg, pp, inter["pp"])
     add("pp", "recv", "backward", "not_last", edge, msg, pp, inter["pp"])
+
+    # Tied embeddings split over pipeline stages: the first stage's embedding and the last
+    # stage's output layer share a weight, so once per step they swap and add their gradients.
+    if model.tie_embeddings:
+        emb_grad = model.vocab_size * model.hidden_size / tp * g_bytes
+        for stage in ("first", "last"):
+            add("pp", "send", "step", stage, 1, emb_grad, pp, inter["pp"])
+            add("pp", "recv", "step", stage, 1, emb_grad, pp, inter["pp"])
 
     # Data parallel / ZeRO over dp·cp ranks, on the larger of the first and last stages.
     first_p, last_p = stage_params(model, grid)
