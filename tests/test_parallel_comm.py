@@ -11,6 +11,7 @@ from llmopt.models import build_model
 from llmopt.parallel.comm import CommCounter
 from llmopt.parallel.data_parallel import DataParallel
 from llmopt.parallel.grid import ParallelDims, RankGrid
+from llmopt.parallel.optim import AdamW
 from llmopt.parallel.tensor_parallel import apply_tensor_parallel, lm_loss
 from tests.dist_helpers import run_distributed
 from tests.test_parallel_parity import CFG
@@ -50,7 +51,7 @@ def _zero(world: int, zero: int) -> dict:
     grid = RankGrid.create(ParallelDims(world))
     model = build_model(CFG, seed=0)
     engine = DataParallel(model, grid, zero=zero)
-    opt = torch.optim.AdamW(engine.master_params(), lr=1e-3)
+    opt = AdamW(engine.master_params(), lr=1e-3)
     out = _phases(grid, model, engine)
     opt.step()
     out["opt_bytes"] = engine.optimizer_state_bytes(opt)
@@ -71,7 +72,7 @@ def _bf16(world: int) -> dict:
     def run(grid, dtype):
         model = build_model(CFG, seed=0)
         engine = DataParallel(model, grid, zero=2 if grid.dp.size > 1 else 0, param_dtype=dtype)
-        opt = torch.optim.AdamW(engine.master_params(), lr=1e-3)
+        opt = AdamW(engine.master_params(), lr=1e-3)
         gen = torch.Generator().manual_seed(5)
         losses = []
         for _ in range(3):

@@ -20,6 +20,7 @@ import torch
 from llmopt.models import ModelConfig, build_model
 from llmopt.parallel.data_parallel import DataParallel
 from llmopt.parallel.grid import ParallelDims, RankGrid
+from llmopt.parallel.optim import AdamW
 from llmopt.parallel.recompute import apply_activation_checkpointing
 from llmopt.parallel.tensor_parallel import apply_tensor_parallel, lm_loss
 from tests.dist_helpers import run_distributed
@@ -44,14 +45,16 @@ def _batches():
     return data[..., :-1], data[..., 1:]
 
 
-def _optimizer(params):
-    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1, foreach=False)
+def _optimizer(params, reference: bool = False):
+    if reference:  # torch's own AdamW checks ours (llmopt.parallel.optim) as well
+        return torch.optim.AdamW(params, lr=LR, weight_decay=0.1, foreach=False)
+    return AdamW(params, lr=LR, weight_decay=0.1)
 
 
 def reference() -> dict:
     """One process, plain model, full global batch."""
     model = build_model(CFG, seed=0)
-    opt = _optimizer(model.parameters())
+    opt = _optimizer(model.parameters(), reference=True)
     tokens, targets = _batches()
     losses, grads = [], None
     for step in range(STEPS):
@@ -121,8 +124,7 @@ def compare(result: dict, ref: dict) -> dict:
     return err
 
 
-def _worker(rank: int, world: int, cases: list[dict]) -> list[dict]:
-    ref = reference()
+def _worker(rank: int, world: int, cases: list[dict], ref: dict) -> list[dict]:
     return [compare(run_case(world, case), ref) for case in cases]
 
 
@@ -145,9 +147,14 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def ref() -> dict:
+    return reference()
+
+
 @pytest.mark.parametrize("world", sorted(CASES))
-def test_parity_with_single_process(world):
-    errors = run_distributed(_worker, world, CASES[world], timeout_s=300)
+def test_parity_with_single_process(world, ref):
+    errors = run_distributed(_worker, world, CASES[world], ref, timeout_s=300)
     for rank, per_case in enumerate(errors):
         for case, err in zip(CASES[world], per_case):
             for key, value in err.items():

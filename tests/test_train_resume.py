@@ -76,7 +76,9 @@ def _launch(tmp_path: Path, fault: str) -> tuple[subprocess.CompletedProcess, fl
     args = [sys.executable, "-m", "llmopt", "train", "--nproc-per-node", "2"]
     for key, value in dict(TINY, out_dir=str(tmp_path), steps=4).items():
         flag = "--" + key.replace("_", "-")
-        args += [flag] if value is True else ["--no-progress"] if value is False else [flag, str(value)]
+        args += (
+            [flag] if value is True else ["--no-progress"] if value is False else [flag, str(value)]
+        )
     env = dict(os.environ, **{FAULT_ENV: fault, "OMP_NUM_THREADS": "1"})
     start = time.monotonic()
     proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=180)

@@ -357,7 +357,7 @@ class DataParallel:
             unit.grad = None
             unit.ready = 0
 
-    def step(self, optimizer: torch.optim.Optimizer, max_norm: float | None = None) -> float:
+    def step(self, optimizer, max_norm: float | None = None) -> float:
         """finish_grad_sync, clip, optimizer step, update params, zero grads; returns grad norm."""
         self.finish_grad_sync()
         norm = self.clip_grad_norm_(max_norm)
@@ -394,7 +394,7 @@ class DataParallel:
                     out[s.name] = t.clone()
         return out
 
-    def optimizer_state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
+    def optimizer_state_bytes(self, optimizer) -> int:
         total = 0
         for state in optimizer.state.values():
             for value in state.values():

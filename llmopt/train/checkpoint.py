@@ -33,6 +33,7 @@ from safetensors.torch import load_file, save_file
 
 from llmopt.parallel.data_parallel import DataParallel
 from llmopt.parallel.grid import RankGrid
+from llmopt.parallel.optim import AdamW
 
 LATEST = "latest"
 
@@ -76,7 +77,7 @@ def save_checkpoint(
     root: str | Path,
     step: int,
     engine: DataParallel,
-    optimizer: torch.optim.Optimizer,
+    optimizer: AdamW,
     grid: RankGrid,
     extra: dict[str, Any],
     keep: int = 2,
@@ -136,7 +137,7 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    path: str | Path, engine: DataParallel, optimizer: torch.optim.Optimizer, grid: RankGrid
+    path: str | Path, engine: DataParallel, optimizer: AdamW, grid: RankGrid
 ) -> dict[str, Any]:
     """Restore this rank's shard; returns the manifest. The layout must match exactly."""
     path = Path(path)

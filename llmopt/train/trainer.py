@@ -28,6 +28,7 @@ from llmopt.models.presets import get_preset
 from llmopt.parallel.comm import CommCounter
 from llmopt.parallel.data_parallel import DataParallel
 from llmopt.parallel.grid import ParallelDims, RankGrid, init_distributed
+from llmopt.parallel.optim import AdamW
 from llmopt.parallel.recompute import apply_activation_checkpointing
 from llmopt.parallel.tensor_parallel import apply_tensor_parallel, lm_loss
 from llmopt.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -173,13 +174,12 @@ def _train(cfg: TrainConfig, grid: RankGrid, device: torch.device) -> TrainResul
     engine = DataParallel(
         model, grid, zero=cfg.zero, param_dtype=param_dtype, reduce_dtype=reduce_dtype
     )
-    optimizer = torch.optim.AdamW(
+    optimizer = AdamW(
         engine.master_params(),
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,
         weight_decay=cfg.weight_decay,
-        foreach=False,
     )
 
     out = Path(cfg.out_dir)
