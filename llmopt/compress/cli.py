@@ -1,0 +1,121 @@
+"""`llmopt quantize`: quantize a model's weights and write a directory `load_model` reads."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+FORMATS = ("llmopt", "autoawq")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from llmopt.compress.quant.config import METHODS
+    from llmopt.compress.quant.formats import VALID_BITS
+
+    p = subparsers.add_parser(
+        "quantize",
+        help="quantize weights (RTN, AWQ, GPTQ) to packed INT4/INT8",
+        description="Quantize a model's linear layers and write a quantized directory that "
+        "`llmopt generate/eval --model DIR` loads (or AutoAWQ's GEMM layout).",
+    )
+    p.add_argument("--model", default="smollm2-135m", help="model name, .gguf or HF directory")
+    p.add_argument("--method", default="awq", choices=METHODS)
+    p.add_argument("--bits", type=int, default=4, help=f"one of {list(VALID_BITS)}")
+    p.add_argument("--group-size", type=int, default=128, help="32, 64, 128 or -1 (per channel)")
+    p.add_argument("--sym", action="store_true", help="symmetric grid (zero point fixed)")
+    p.add_argument("--calib", default="corpus:web-bible", help="calibration text (AWQ, GPTQ)")
+    p.add_argument("--calib-samples", type=int, default=16, help="calibration sequences")
+    p.add_argument("--calib-seq-len", type=int, default=512, help="tokens per sequence")
+    p.add_argument("--act-order", action="store_true", help="GPTQ: columns by decreasing H_jj")
+    p.add_argument("--lm-head", action="store_true", help="also quantize the LM head")
+    p.add_argument("--format", default="llmopt", choices=FORMATS, help="output layout")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--json", action="store_true", help="print a JSON summary")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from llmopt.compress.quant.apply import model_nbytes, quantize_model
+    from llmopt.compress.quant.calibration import calibration_tokens
+    from llmopt.compress.quant.config import QuantConfig
+    from llmopt.models.loading import load_model, load_tokenizer
+
+    config = QuantConfig(
+        method=args.method,
+        bits=args.bits,
+        group_size=args.group_size,
+        sym=args.sym,
+        calib=args.calib,
+        calib_samples=args.calib_samples,
+        calib_seq_len=args.calib_seq_len,
+        gptq_act_order=args.act_order,
+        quantize_lm_head=args.lm_head,
+    )
+    if args.format == "autoawq" and args.bits != 4:
+        raise ValueError(f"--format autoawq holds 4-bit weights only; got --bits {args.bits}")
+    model = load_model(args.model, dtype=torch.float32)
+    tokenizer = load_tokenizer(args.model)
+    calib = None
+    if config.needs_calibration:
+        calib = calibration_tokens(
+            tokenizer, config.calib, config.calib_samples, config.calib_seq_len, config.calib_seed
+        )
+    start, cpu_start = time.perf_counter(), time.process_time()
+    qmodel = quantize_model(model, config=config, calib_tokens=calib, progress=not args.json)
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    if args.format == "autoawq":
+        from llmopt.compress.quant.autoawq import export_autoawq
+
+        out = export_autoawq(qmodel, args.out, tokenizer)
+    else:
+        from llmopt.compress.quant.io import save_quantized
+
+        out = save_quantized(qmodel, args.out, tokenizer)
+    sizes = model_nbytes(qmodel)
+    summary: dict[str, Any] = {
+        "model": args.model,
+        "method": config.method,
+        "bits": config.bits,
+        "group_size": config.group_size,
+        "format": args.format,
+        "out": str(out),
+        "seconds": round(seconds, 2),
+        "cpu_seconds": round(cpu_seconds, 2),
+        "disk_bytes": sum(f.stat().st_size for f in out.iterdir() if f.is_file()),
+        **sizes,
+    }
+    if config.method == "awq":
+        alphas = [g["alpha"] for layer in qmodel.quant_report["layers"] for g in layer["groups"]]
+        summary["awq_mean_alpha"] = round(sum(alphas) / len(alphas), 3)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(
+        title=f"llmopt quantize: {config.method.upper()} W{config.bits} g{config.group_size}"
+    )
+    table.add_column("item")
+    table.add_column("value", justify="right")
+    ratio = sizes["quant_linear_fp16_bytes"] / max(sizes["quant_linear_bytes"], 1)
+    rows = [
+        ("output", f"{out} ({args.format})"),
+        ("quantization time", f"{seconds:.1f} s wall, {cpu_seconds:.1f} s CPU"),
+        (
+            "quantized linears",
+            f"{sizes['quant_linear_bytes'] / 2**20:.2f} MiB ({ratio:.2f}x < fp16)",
+        ),
+        ("other tensors", f"{sizes['other_bytes'] / 2**20:.2f} MiB"),
+        ("size on disk", f"{summary['disk_bytes'] / 2**20:.2f} MiB"),
+    ]
+    if "awq_mean_alpha" in summary:
+        rows.append(("AWQ mean α", f"{summary['awq_mean_alpha']}"))
+    for row in rows:
+        table.add_row(*row)
+    Console().print(table)
+    return 0

@@ -1,0 +1,103 @@
+"""Export to AutoAWQ's "GEMM" checkpoint layout, which vLLM, TGI and transformers load.
+
+Per quantized linear (4-bit only, in_features a multiple of the group size):
+- `qweight` int32 [in, out/8]: codes transposed to [in, out]; 8 consecutive output columns
+  per int32, column 8c + ORDER[i] in bits 4i..4i+3 (ORDER = 0, 2, 4, 6, 1, 3, 5, 7);
+- `qzeros` int32 [in/group, out/8]: integer zero points packed the same way;
+- `scales` fp16 [in/group, out];
+so W[o, i] = (q[i, o] - z[i // group, o]) * s[i // group, o]. Names carry HF's `model.` prefix
+and `config.json` gets AutoAWQ's `quantization_config`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmopt.compress.quant.io import atomic_write
+from llmopt.compress.quant.linear import QuantLinear
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def pack_awq_int32(values: torch.Tensor) -> torch.Tensor:
+    """[rows, cols] 4-bit values -> int32 [rows, cols/8] in AWQ's interleaved nibble order."""
+    rows, cols = values.shape
+    if cols % 8:
+        raise ValueError(f"AutoAWQ packs 8 output channels per int32; got {cols} channels")
+    v = values.to(torch.int64).reshape(rows, cols // 8, 8)[:, :, list(AWQ_ORDER)]
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    packed = (v << shifts).sum(-1)  # disjoint bit fields: sum == bitwise or
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def awq_tensors(layer: QuantLinear) -> dict[str, torch.Tensor]:
+    if layer.bits != 4:
+        raise ValueError(f"AutoAWQ GEMM holds 4-bit weights only; this model is {layer.bits}-bit")
+    group = layer.in_features if layer.group_size == -1 else layer.group_size
+    if layer.in_features % group:
+        raise ValueError(
+            f"AutoAWQ needs in_features divisible by the group size: a layer has "
+            f"in_features={layer.in_features} with group_size={layer.group_size}; quantize with "
+            "a group size that divides it (e.g. 64 or 32 for SmolLM2's 576)"
+        )
+    codes = layer.packed().codes()  # [out, in]
+    return {
+        "qweight": pack_awq_int32(codes.t().contiguous()),
+        "qzeros": pack_awq_int32(layer.zeros.t().contiguous()),
+        "scales": layer.scales.t().contiguous().half(),
+    }
+
+
+def export_autoawq(model: nn.Module, directory: str | Path, tokenizer: Any = None) -> Path:
+    """Write `model.safetensors` + `config.json` in AutoAWQ's GEMM layout."""
+    from safetensors.torch import save_file
+
+    config = getattr(model, "quant_config", None)
+    if config is None:
+        raise ValueError("model is not quantized: quantize it first")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state: dict[str, torch.Tensor] = {}
+    quantized = set()
+    for name, module in model.named_modules():
+        if isinstance(module, QuantLinear):
+            prefix = name if name == "lm_head" else f"model.{name}"
+            for key, tensor in awq_tensors(module).items():
+                state[f"{prefix}.{key}"] = tensor
+            if module.bias is not None:
+                state[f"{prefix}.bias"] = module.bias.detach().half()
+            quantized.add(name)
+    if not quantized:
+        raise ValueError("model has no quantized linear layers to export")
+    tied = model.config.tie_embeddings and "lm_head" not in quantized
+    for name, tensor in model.state_dict().items():
+        module_name = name.rsplit(".", 1)[0]
+        if module_name in quantized or (tied and name == "lm_head.weight"):
+            continue
+        key = name if name.startswith("lm_head.") else f"model.{name}"
+        state[key] = tensor.detach().half().contiguous()
+    atomic_write(
+        directory / "model.safetensors",
+        lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}),
+    )
+    hf = model.config.to_hf_config()
+    hf["torch_dtype"] = "float16"
+    hf["quantization_config"] = {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": config.group_size,
+        "zero_point": True,  # zero points are always stored (8 when symmetric)
+        "version": "gemm",
+        "modules_to_not_convert": None,
+    }
+    atomic_write(
+        directory / "config.json", lambda tmp: tmp.write_text(json.dumps(hf, indent=2) + "\n")
+    )
+    if tokenizer is not None:
+        tokenizer.save(directory)
+    return directory

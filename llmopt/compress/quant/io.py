@@ -1,0 +1,240 @@
+"""Quantized model directories: `model.safetensors` + `llmopt_quant.json` (+ config/tokenizer).
+
+`llmopt_quant.json` records the model config, the quantization config, every quantized
+module's shape, and the SHA-256 of `model.safetensors`; loading checks all of them, so a
+truncated, corrupted or mismatched file fails with one line naming the problem instead of
+producing a silently wrong model. Every file is written to a temporary name and renamed, and
+the marker file is written last: a directory is never half a quantized model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmopt.compress.quant.config import QuantConfig
+from llmopt.compress.quant.formats import check_bits_group
+from llmopt.compress.quant.linear import QuantLinear
+
+MARKER = "llmopt_quant.json"
+WEIGHTS = "model.safetensors"
+FORMAT_NAME = "llmopt-quant"
+FORMAT_VERSION = 1
+
+
+class QuantFileError(ValueError):
+    """A quantized directory that is corrupted, incomplete or inconsistent."""
+
+
+def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _jsonable(value: Any) -> Any:
+    """The JSON-friendly part of a report (tensors and non-finite floats dropped)."""
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items() if not torch.is_tensor(v)}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def save_quantized(
+    model: nn.Module,
+    directory: str | Path,
+    tokenizer: Any = None,
+    float_dtype: torch.dtype | None = None,
+) -> Path:
+    """Write a quantized model (from `quantize_model`) so `load_model(directory)` restores it.
+
+    `float_dtype` optionally stores the unquantized tensors (embeddings, norms) in a smaller
+    dtype; by default they keep their dtype and a round trip gives identical logits.
+    """
+    from safetensors.torch import save_file
+
+    config: QuantConfig | None = getattr(model, "quant_config", None)
+    if config is None:
+        raise ValueError("model has no quant_config: quantize it with quantize_model first")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tied = model.config.tie_embeddings and not isinstance(model.lm_head, QuantLinear)
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue
+        if float_dtype is not None and tensor.is_floating_point() and "scales" not in name:
+            tensor = tensor.to(float_dtype)
+        state[name] = tensor.detach().contiguous().cpu()
+    modules = {
+        name: {
+            "in_features": m.in_features,
+            "out_features": m.out_features,
+            "bits": m.bits,
+            "group_size": m.group_size,
+            "bias": m.bias is not None,
+        }
+        for name, m in model.named_modules()
+        if isinstance(m, QuantLinear)
+    }
+    weights = directory / WEIGHTS
+    atomic_write(weights, lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
+    hf_config = model.config.to_hf_config()
+    hf_config["quantization_config"] = {
+        "quant_method": f"llmopt-{config.method}",
+        **config.to_dict(),
+    }
+    _write_json(directory / "config.json", hf_config)
+    if tokenizer is not None:
+        tokenizer.save(directory)
+    meta = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "model_config": model.config.to_dict(),
+        "quant_config": config.to_dict(),
+        "modules": modules,
+        "weights_sha256": sha256_file(weights),
+        "float_dtype": str(float_dtype or next(iter(_float_params(model)), torch.float32)),
+        "report": _jsonable(getattr(model, "quant_report", {})),
+    }
+    _write_json(directory / MARKER, meta)  # last: marks the directory complete
+    return directory
+
+
+def _float_params(model: nn.Module):
+    return (p.dtype for p in model.parameters() if p.is_floating_point())
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2) + "\n"))
+
+
+def read_quant_meta(directory: str | Path) -> dict[str, Any]:
+    directory = Path(directory)
+    path = directory / MARKER
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory} is not a quantized model directory (no {MARKER})")
+    try:
+        meta = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise QuantFileError(f"{path} is not valid JSON ({exc})") from exc
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+        raise QuantFileError(f"{path} is not an {FORMAT_NAME} file")
+    if meta.get("version") != FORMAT_VERSION:
+        raise QuantFileError(
+            f"{path} has format version {meta.get('version')!r}; this llmopt reads version "
+            f"{FORMAT_VERSION}"
+        )
+    for key in ("model_config", "quant_config", "modules", "weights_sha256"):
+        if key not in meta:
+            raise QuantFileError(f"{path} lacks the key {key!r}")
+    return meta
+
+
+def load_quantized_model(
+    path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> nn.Module:
+    """Rebuild a model written by `save_quantized`: QuantLinear layers + float tensors in dtype."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from llmopt.models.config import ModelConfig
+    from llmopt.models.llama import RotaryEmbedding, Transformer
+
+    directory = Path(path)
+    meta = read_quant_meta(directory)
+    weights = directory / WEIGHTS
+    if not weights.is_file():
+        raise FileNotFoundError(f"{directory} lacks {WEIGHTS}")
+    digest = sha256_file(weights)
+    if digest != meta["weights_sha256"]:
+        raise QuantFileError(
+            f"{weights} is corrupted or was replaced: its SHA-256 {digest[:12]}... does not match "
+            f"{meta['weights_sha256'][:12]}... recorded in {MARKER}"
+        )
+    try:
+        model_config = ModelConfig.from_dict(meta["model_config"])
+        quant_config = QuantConfig.from_dict(meta["quant_config"])
+    except (TypeError, ValueError) as exc:
+        raise QuantFileError(f"{directory / MARKER}: invalid configuration: {exc}") from exc
+    try:
+        state = load_file(str(weights))
+    except (SafetensorError, OSError, RuntimeError) as exc:
+        raise QuantFileError(f"{weights} cannot be read: {exc}") from exc
+
+    with torch.device("meta"):
+        model = Transformer(model_config)
+    for name, spec in meta["modules"].items():
+        try:
+            check_bits_group(spec["bits"], spec["group_size"])
+            layer = QuantLinear(
+                spec["in_features"],
+                spec["out_features"],
+                spec["bits"],
+                spec["group_size"],
+                bias=spec["bias"],
+                backend=quant_config.backend,
+            )
+            model.get_submodule(name)
+        except (KeyError, AttributeError, ValueError) as exc:
+            raise QuantFileError(f"{MARKER}: bad entry for module {name!r}: {exc}") from exc
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, layer)
+
+    tied = model_config.tie_embeddings and "lm_head" not in meta["modules"]
+    expected = model.state_dict()
+    if tied:
+        expected.pop("lm_head.weight", None)
+    for name, ref in expected.items():
+        if name not in state:
+            raise QuantFileError(f"{weights} lacks tensor {name!r} that {MARKER} implies")
+        t = state[name]
+        if tuple(t.shape) != tuple(ref.shape) or (
+            not ref.is_floating_point() and t.dtype != ref.dtype
+        ):
+            raise QuantFileError(
+                f"tensor {name!r} in {WEIGHTS} is {tuple(t.shape)} {t.dtype}, but {MARKER} "
+                f"implies {tuple(ref.shape)} {ref.dtype}"
+            )
+    extra = sorted(set(state) - set(expected))
+    if extra:
+        raise QuantFileError(f"{weights} holds tensors {MARKER} does not describe: {extra[:4]}")
+    for name, t in state.items():
+        if t.is_floating_point() and not name.endswith(".scales"):
+            state[name] = t.to(dtype)
+    model.load_state_dict(state, strict=False, assign=True)
+    if tied:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rotary = RotaryEmbedding(model_config)
+    model = model.to(device).eval()
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.invalidate()
+    model.quant_config = quant_config
+    model.quant_report = meta.get("report", {})
+    return model
