@@ -111,7 +111,6 @@ CASES_8 = [
 CASES_4 = [
     dict(tp=1, pp=2, schedule="gpipe", m=2, zero=3, tie=True),
     dict(tp=2, pp=2, schedule="1f1b", m=2, zero=0, sp=True, tie=True),
-    dict(tp=1, pp=4, schedule="1f1b", m=4, zero=2),
 ]
 
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from llmopt.parallel.pipeline.simulate import Event
 from llmopt.parallel.pipeline.stage import PipelineStage
@@ -66,3 +67,128 @@ def measure_bubble(
     makespan = max(end for _, end in windows) - min(start for start, _ in windows)
     busy = tuple(sum(e.end - e.start for e in rank) for rank in events)
     return MeasuredBubble(makespan, busy)
+
+
+class _Held:
+    """A saved tensor while autograd keeps it; its death releases the storage's bytes."""
+
+    __slots__ = ("tensor", "meter", "key")
+
+    def __init__(self, meter: SavedTensorMeter, tensor: torch.Tensor, key: int) -> None:
+        self.tensor, self.meter, self.key = tensor, meter, key
+        entry = meter.live.get(key)
+        if entry is None:
+            nbytes = tensor.untyped_storage().nbytes()
+            meter.live[key] = [nbytes, 1]
+            meter.current += nbytes
+            meter.peak = max(meter.peak, meter.current)
+        else:
+            entry[1] += 1
+
+    def __del__(self) -> None:
+        entry = self.meter.live[self.key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.meter.current -= entry[0]
+            del self.meter.live[self.key]
+
+
+class SavedTensorMeter:
+    """Peak bytes of tensors saved for backward (activation memory), counted per storage.
+
+    Parameters are excluded (pass them as `exclude`): they exist whether or not a micro-batch
+    is in flight. A storage shared by several saved views counts once.
+    """
+
+    def __init__(
+        self, exclude: Sequence[torch.Tensor] = (), only_inside: Sequence[nn.Module] = ()
+    ) -> None:
+        self.exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self.live: dict[int, list[int]] = {}
+        self.current = 0
+        self.peak = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        # With `only_inside`, count only what those modules' forwards save (e.g. the blocks,
+        # to compare with a per-layer activation model that leaves out embedding and logits).
+        self._depth = 0 if only_inside else 1
+        self._handles = []
+        for module in only_inside:
+            self._handles.append(module.register_forward_pre_hook(self._enter_module))
+            self._handles.append(module.register_forward_hook(self._leave_module))
+
+    def _enter_module(self, module, args) -> None:
+        self._depth += 1
+
+    def _leave_module(self, module, args, output) -> None:
+        self._depth -= 1
+
+    def _pack(self, tensor: torch.Tensor):
+        key = tensor.untyped_storage().data_ptr()
+        if self._depth <= 0 or key in self.exclude or tensor.numel() == 0:
+            return tensor
+        return _Held(self, tensor, key)
+
+    @staticmethod
+    def _unpack(packed):
+        return packed.tensor if isinstance(packed, _Held) else packed
+
+    def __enter__(self) -> SavedTensorMeter:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+        for handle in self._handles:
+            handle.remove()
+
+
+def spawn_gloo(fn, world: int, *args, timeout_s: float = 600.0) -> list:
+    """fn(rank, world, *args) on `world` local gloo processes (benchmarks); results by rank.
+
+    `fn` must be a module-level (importable) function. The group is initialised from a file
+    store in a temporary directory, so no port can collide with another job.
+    """
+    import multiprocessing as mp
+    import tempfile
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init = f"file://{tmp}/init"
+        procs = [
+            ctx.Process(target=_spawned, args=(fn, r, world, init, args, queue))
+            for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        results: dict[int, object] = {}
+        try:
+            for _ in range(world):
+                rank, ok, payload = queue.get(timeout=timeout_s)
+                if not ok:
+                    raise RuntimeError(f"rank {rank} failed:\n{payload}")
+                results[rank] = payload
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+    return [results[r] for r in range(world)]
+
+
+def _spawned(fn, rank, world, init, args, queue) -> None:
+    import os
+    import traceback
+
+    import torch.distributed as dist
+
+    os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+        queue.put((rank, True, fn(rank, world, *args)))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
