@@ -290,7 +290,8 @@ class DataParallel:
             else:
                 local = unit.grad_shard
                 unit.grad = None  # ZeRO-2/3 keep only the reduced shard
-            unit.master.grad = local.float() if local.dtype != torch.float32 else local.clone()
+            # No copy in fp32: the master's gradient is (a view of) the reduced buffer.
+            unit.master.grad = local.float() if local.dtype != torch.float32 else local
             unit.grad_shard = None
             if self.zero <= 1:
                 unit.grad = None
