@@ -116,7 +116,8 @@ def setup_row(row: dict[str, str]) -> RowSetup:
         int(y)
         for y in re.findall(r"\b(20[12]\d)\b", row.get("source", "") + row.get("locator", ""))
     ]
-    # Megatron-LM before 2023: no fused flash attention, gradient all-reduce after backward.
+    # Megatron-LM before 2023: no fused flash attention, gradient all-reduce after backward,
+    # pipeline messages scattered over TP ranks.
     early = bool(years) and min(years) <= 2022
     prec = row.get("precision", "").lower()
     rec = row["recompute"].lower()
@@ -139,6 +140,7 @@ def setup_row(row: dict[str, str]) -> RowSetup:
         ),
         dp_comm_overlap=not (early and not sharded),
         fused_kernels="eager" not in prec or "compile" in prec,
+        pp_scatter_gather=early,
     )
     notes.append(
         f"flash={'yes' if work.flash_attention else 'no (Megatron <= 2022)'}, "

@@ -20,7 +20,8 @@ a backward all-reduce of its input gradient (SP: forward all-gather, backward re
 and three fp32 all-reduces of per-token scalars in the cross-entropy; with SP, one all-reduce
 per step of the partial norm-weight gradients. CP all-gathers K and V
 forward and reduce-scatters their gradients backward. PP sends each micro-batch's activation
-(split over TP ranks: Narayanan's scatter/gather optimisation, or SP's sharding) forward and its
+(its sequence shard under SP, as Megatron-Core; without SP the whole activation unless
+`Workload.pp_scatter_gather`, Narayanan's split over TP ranks) forward and its
 gradient backward at each of the v chunk boundaries; with tied embeddings and pp>1 the first and
 last stages swap their embedding gradients once per step (send + recv). DP over dp·cp ranks: ZeRO-0 all-reduces
 gradients once per step; ZeRO-1 (distributed optimizer) reduce-scatters gradients and
@@ -158,7 +159,7 @@ def collectives(
     # Pipeline parallel, per micro-batch: each of the v chunks sends its output forward except
     # the model's last chunk (last stage), and its input gradient backward except the model's
     # first chunk (first stage); receives mirror that.
-    msg = act / tp
+    msg = act / np.where(sp | work.pp_scatter_gather, tp, 1)  # SP sends its sequence shard
     inner, edge = (v - 1) * m, m
     add("pp", "send", "forward", "all", inner, msg, pp, inter["pp"])
     add("pp", "send", "forward", "not_last", edge, msg, pp, inter["pp"])
@@ -177,18 +178,20 @@ def collectives(
             add("pp", "send", "step", stage, 1, emb_grad, pp, inter["pp"])
             add("pp", "recv", "step", stage, 1, emb_grad, pp, inter["pp"])
 
-    # Data parallel / ZeRO over dp·cp ranks, on the larger of the first and last stages.
+    # Data parallel / ZeRO over dp·cp ranks, on each stage's own parameters ("not_last": the
+    # first stage when pp>1, with the embedding; "last": the last or only stage).
     first_p, last_p = stage_params(model, grid)
-    params = np.maximum(first_p, last_p)
     d = dp * cp
     z = grid["zero"]
-    grads, weights = params * g_bytes, params * w_bytes
-    add("dp", "all-reduce", "step", "all", (z == 0) * 1, grads, d, inter["dp"])
-    rs_calls = np.where(z == 1, 1, np.where(z >= 2, m, 0))
-    add("dp", "reduce-scatter", "backward", "all", rs_calls, grads, d, inter["dp"])
-    add("dp", "all-gather", "step", "all", ((z == 1) | (z == 2)) * 1, weights, d, inter["dp"])
-    add("dp", "all-gather", "forward", "all", (z == 3) * m, weights, d, inter["dp"])
-    add("dp", "all-gather", "backward", "all", (z == 3) * m, weights, d, inter["dp"])
+    for kind, params in (("not_last", first_p), ("last", last_p)):
+        grads, weights = params * g_bytes, params * w_bytes
+        crosses = inter["dp"]
+        add("dp", "all-reduce", "step", kind, (z == 0) * 1, grads, d, crosses)
+        rs_calls = np.where(z == 1, 1, np.where(z >= 2, m, 0))
+        add("dp", "reduce-scatter", "backward", kind, rs_calls, grads, d, crosses)
+        add("dp", "all-gather", "step", kind, ((z == 1) | (z == 2)) * 1, weights, d, crosses)
+        add("dp", "all-gather", "forward", kind, (z == 3) * m, weights, d, crosses)
+        add("dp", "all-gather", "backward", kind, (z == 3) * m, weights, d, crosses)
     return out
 
 

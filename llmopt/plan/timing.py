@@ -122,18 +122,20 @@ def step_time(
     tau_last = compute_mb_last + recompute_mb + tp_exposed_mb + cp_exposed_mb
     tau_mean = tau_last - (3 * head_fwd + (1 - tp_hidden) * tp_last) * (1 - 1 / pp)
     bubble = (pp - 1) / v * tau_mean
-    p2p = _sum_time(cs, cluster, group="pp", op="send")
+    p2p = _sum_time(
+        cs, cluster, group="pp", op="send", stage=("all", "not_first", "not_last", "last")
+    )
 
     # Data parallel / ZeRO collectives and what of them hides behind compute.
     hide = gpu.comm_overlap_efficiency if work.dp_comm_overlap else 0.0
     fwd_window = hide * fwd_mb
     bwd_window = hide * 2 * fwd_mb
-    grad_once = _sum_time(cs, cluster, group="dp", phase="step", op="all-reduce")
+    grad_once = _sum_time(cs, cluster, group="dp", phase="step", op="all-reduce", stage="last")
     z = grid["zero"]
-    rs_total = _sum_time(cs, cluster, group="dp", op="reduce-scatter")
-    ag_step = _sum_time(cs, cluster, group="dp", op="all-gather", phase="step")
-    ag_fwd = _sum_time(cs, cluster, group="dp", op="all-gather", phase="forward") / m
-    ag_bwd = _sum_time(cs, cluster, group="dp", op="all-gather", phase="backward") / m
+    rs_total = _sum_time(cs, cluster, group="dp", op="reduce-scatter", stage="last")
+    ag_step = _sum_time(cs, cluster, group="dp", op="all-gather", phase="step", stage="last")
+    ag_fwd = _sum_time(cs, cluster, group="dp", op="all-gather", phase="forward", stage="last") / m
+    ag_bwd = _sum_time(cs, cluster, group="dp", op="all-gather", phase="backward", stage="last") / m
     rs_mb = rs_total / m
     first_layer = 1 / n_layers  # the first bucket/layer's gather cannot hide
     dp01 = np.maximum(0.0, grad_once + rs_total - bwd_window) + np.maximum(

@@ -45,6 +45,9 @@ class Workload:
     # Fused elementwise kernels (Megatron/TE, torch.compile). False: eager PyTorch, where an
     # fp32-upcasting RMSNorm, complex-number RoPE and unfused SwiGLU move several times the bytes.
     fused_kernels: bool = True
+    # Pipeline messages without SP split over the TP ranks and re-gathered over NVLink
+    # (Narayanan et al. 2021 §4.1, Megatron-LM's default until Megatron-Core).
+    pp_scatter_gather: bool = False
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "global_batch"):
