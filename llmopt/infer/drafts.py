@@ -16,6 +16,7 @@ loop never has to tell a draft which of its guesses were rejected.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -282,6 +283,8 @@ def quantized_copy(target: Transformer, bits: int, group_size: int = 128) -> nn.
         raise ValueError(
             f"int{bits} self-draft needs llmopt.compress.quant.quantize_model ({exc})"
         ) from exc
-    group = min(group_size, target.config.hidden_size)
+    cfg = target.config
+    # the largest group size <= group_size that divides every linear layer's input width
+    group = math.gcd(group_size, cfg.hidden_size, cfg.intermediate_size, cfg.q_size)
     model = quantize_model(target, method="rtn", bits=bits, group_size=group)
     return model.eval()

@@ -447,7 +447,7 @@ def run_speculative_from_args(
     config = SpeculativeConfig(gamma=gamma, adaptive=args.adaptive_gamma, gamma_max=max(12, gamma))
     draft = make_draft(args.draft, model, tokenizer)
     seed = getattr(args, "seed", None)
-    eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    eos = None if getattr(args, "ignore_eos", False) else getattr(tokenizer, "eos_token_id", None)
     result = speculative_generate(
         model,
         draft,
