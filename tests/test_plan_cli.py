@@ -107,3 +107,13 @@ def test_hf_config_and_explicit_dims(capsys, tmp_path):
     data = _json(capsys, argv)
     assert data["model"] == "llama-3-8b (custom)"
     assert data["parameters"] < get_preset("llama-3-8b").num_parameters()
+
+
+def test_plot_writes_png(capsys, tmp_path):
+    out = tmp_path / "sub" / "plans.png"
+    assert main(["plan", "--top-k", "3", "--plot", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    cmp = tmp_path / "cmp.png"
+    assert main(["plan", "compare", "tp=8,pp=8", "dp=64,zero=3", "--plot", str(cmp)]) == 0
+    assert cmp.read_bytes()[:4] == b"\x89PNG"
+    assert not list(tmp_path.rglob("*.tmp.png"))

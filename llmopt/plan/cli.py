@@ -81,6 +81,7 @@ def _common(p: argparse.ArgumentParser, sub: bool) -> None:
     )
     w.add_argument("--no-dp-overlap", dest="no_dp_overlap", action="store_true", default=d(False))
     p.add_argument("--json", action="store_true", default=d(False), help="machine-readable output")
+    p.add_argument("--plot", default=d(None), metavar="PNG", help="step-time breakdown chart")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -240,6 +241,46 @@ def _table(plans, title: str):
     return table
 
 
+def plot_breakdown(plans, labels: list[str], path: str, title: str) -> None:
+    """Stacked bars of each plan's step-time components (written atomically)."""
+    import os
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    parts = [k for k in plans[0].step_time_s if k != "total"]
+    fig, ax = plt.subplots(figsize=(10, 0.4 * len(plans) + 1.5))
+    left = [0.0] * len(plans)
+    for j, part in enumerate(parts):
+        widths = [p.step_time_s[part] for p in plans]
+        if not any(widths):
+            continue
+        ax.barh(labels, widths, left=left, label=part, color=f"C{j}")
+        left = [a + b for a, b in zip(left, widths)]
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds per step")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, out)
+
+
+def _label(plan) -> str:
+    p = plan.parallel
+    sched = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": f"v{p.virtual_stages}"}[p.schedule]
+    return (
+        f"#{plan.rank} tp{p.tp} pp{p.pp} dp{p.dp} cp{p.cp} {sched} z{p.zero_stage} "
+        f"{p.recompute[:4]} mb{p.micro_batch}"
+    )
+
+
 def _print_json(obj: Any) -> None:
     print(json.dumps(obj, indent=1))
 
@@ -261,6 +302,9 @@ def run_plan(args: argparse.Namespace) -> int:
     plans = result.plans[: args.top_k]
     runner = result.plans[1] if len(result.plans) > 1 else None
     plans[0].explanation = explain(model, work, cluster, plans[0], runner)
+    if args.plot:
+        title = f"{model.name} on {cluster.num_gpus} x {cluster.gpu.name}: top plans"
+        plot_breakdown(plans, [_label(p) for p in plans], args.plot, title)
     why: list[str] = []
     if constraints is not None:
         ev = result.evaluation
@@ -373,6 +417,8 @@ def run_compare(args: argparse.Namespace) -> int:
             i = int(ok[np.argmin(ev.memory["total"][ok])])
         plan = plan_at(ev, i, work.precision)
         results.append((spec, plan, link_report(model, work, cluster, plan.parallel)))
+    if args.plot:
+        plot_breakdown([r[1] for r in results], [r[0] for r in results], args.plot, model.name)
     fastest = (
         min(r[1].step_time_s["total"] for r in results if r[1].fits)
         if any(r[1].fits for r in results)
