@@ -284,10 +284,20 @@ def main(argv: list[str] | None = None) -> int:
         )
     table.add_column("assumed", overflow="fold")
     results = []
+    failed = []
     for row in rows:
-        setup = setup_row(row)
-        plan, chosen = predict(setup)
-        metric, meas, pred = measured_and_predicted(row, setup, plan.step_time_s["total"])
+        try:
+            setup = setup_row(row)
+            plan, chosen = predict(setup)
+            metric, meas, pred = measured_and_predicted(row, setup, plan.step_time_s["total"])
+        except (ValueError, KeyError) as exc:  # one odd row must not hide the others
+            failed.append({"row_id": row.get("row_id"), "error": str(exc)})
+            table.add_row(row.get("row_id", "?"), row.get("model", "?"), row.get("total_gpus", "?"),
+                          "-", "-", "-", "-", "n/a", f"not predicted: {exc}")  # fmt: skip
+            continue
+        ep = _int(row.get("ep", ""))
+        if ep is not None and ep > 1:
+            chosen.append(f"ep={ep}: experts not modelled (dense approximation)")
         err = pred / meas - 1
         p = plan.parallel
         mapping = f"t{p.tp} p{p.pp} d{p.dp} mb{p.micro_batch} v{p.virtual_stages} z{p.zero_stage} {p.recompute}"
@@ -309,6 +319,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{meas:.4g}", f"{pred:.4g}", f"{err:+.1%}", "; ".join(setup.assumptions + chosen),
         )  # fmt: skip
     console.print(table)
+    if failed:
+        console.print(f"{len(failed)} row(s) not predicted: {failed}")
+    if not results:
+        raise SystemExit("validate_planner: no row could be predicted")
     errs = [abs(r["rel_err"]) for r in results]
     med = statistics.median(errs)
     p90 = float(np.percentile(errs, 90))

@@ -154,11 +154,9 @@ def structural_reasons(
             f"tp={{tp}} and num_kv_heads={kv}: one must divide the other",
             (kv % tp != 0) & (tp % kv != 0),
         ),
+        # Uneven splits are allowed (Megatron-Core's first/last-stage layer counts); the busiest
+        # stage holds ceil(L / (pp·v)) layers per chunk.
         (f"pp*virtual_stages={{pv}} exceeds num_layers={L}", pp * v > L),
-        (
-            f"interleaving needs num_layers={L} divisible by pp*v={{pv}}",
-            (grid["sched"] == 2) & (L % (pp * v) != 0),
-        ),
         (
             "interleaving needs num_microbatches={m} divisible by pp={pp}",
             (grid["sched"] == 2) & (grid["m"] % pp != 0),
@@ -309,7 +307,6 @@ def build_grid(
     if not constraints:  # drop plans that are trivially redundant (SP without TP, ZeRO alone)
         keep = ~((grid["sp"] == 1) & (grid["tp"] == 1))
         keep &= ~((grid["zero"] > 0) & (grid["dp"] * grid["cp"] == 1))
-        keep &= ~((grid["sched"] == 2) & (model.num_layers % (grid["pp"] * grid["v"]) != 0))
         keep &= ~((grid["sched"] == 2) & (grid["m"] % grid["pp"] != 0))
         grid = {k: v[keep] for k, v in grid.items()}
     return grid
