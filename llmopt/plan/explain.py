@@ -219,17 +219,18 @@ def why_not(
         return lines
     lines = [f"{spec}: rejected, no plan with these settings is valid:"]
     for msg, mask in ev.reasons:
-        if mask.any():
-            j = int(np.flatnonzero(mask)[0])
-            text = msg_at(msg.replace("{mem_gib}", "{{mem_gib}}"), grid, j)
-            if "{mem_gib}" in text:
-                k = np.flatnonzero(ev.structural)
-                if len(k) == 0:
-                    continue
-                j = int(k[np.argmin(ev.memory["total"][k])])
-                text = text.replace("{mem_gib}", f"{ev.memory['total'][j] / GIB:.1f}")
-                text = "even the leanest variant " + text
-            lines.append(f"  - {text} ({int(mask.sum())} of {len(mask)} variants)")
+        if not mask.any():
+            continue
+        j = int(np.flatnonzero(mask)[0])
+        prefix = ""
+        if "{mem_gib}" in msg:
+            k = np.flatnonzero(ev.structural)
+            if len(k) == 0:
+                continue
+            j = int(k[np.argmin(ev.memory["total"][k])])
+            prefix = "even the leanest variant "
+        text = msg_at(msg, grid, j, mem_gib=f"{ev.memory['total'][j] / GIB:.1f}")
+        lines.append(f"  - {prefix}{text} ({int(mask.sum())} of {len(mask)} variants)")
     return lines
 
 

@@ -65,6 +65,7 @@ class Plan:
     rejected: list[str] = field(default_factory=list)
     explanation: list[str] = field(default_factory=list)
     rank: int | None = None
+    precision: str = "bf16"
 
     def to_dict(self) -> dict[str, Any]:
         p = self.parallel
@@ -93,8 +94,6 @@ class Plan:
             "rank": self.rank,
             "explanation": self.explanation,
         }
-
-    precision: str = "bf16"
 
 
 @dataclass
@@ -132,11 +131,14 @@ class Evaluation:
         )
 
 
-def msg_at(msg: str, grid: Grid, i: int) -> str:
-    values = {k: int(grid[k][i]) for k in GRID_KEYS}
-    values["world"] = values["tp"] * values["pp"] * values["dp"] * values["cp"]
-    values["pv"] = values["pp"] * values["v"]
-    values["dpmbm"] = values["dp"] * values["mb"] * values["m"]
+def msg_at(msg: str, grid: Grid, i: int, **extra: object) -> str:
+    """A rejection message filled with plan i's values (and `extra`, e.g. mem_gib)."""
+    values: dict[str, object] = {k: int(grid[k][i]) for k in GRID_KEYS}
+    values.update(extra)
+    g = {k: int(grid[k][i]) for k in GRID_KEYS}
+    values["world"] = g["tp"] * g["pp"] * g["dp"] * g["cp"]
+    values["pv"] = g["pp"] * g["v"]
+    values["dpmbm"] = g["dp"] * g["mb"] * g["m"]
     return msg.format(**values)
 
 
@@ -211,17 +213,10 @@ def evaluate(
     )
 
 
-def _fill_msg(ev: Evaluation, i: int, msg: str) -> str:
-    return msg.replace("{mem_gib}", f"{ev.memory['total'][i] / GIB:.1f}")
-
-
 def plan_at(ev: Evaluation, i: int, precision: str) -> Plan:
     p = ev.plan(i, precision)
-    p.rejected = [
-        _fill_msg(ev, i, msg_at(msg.replace("{mem_gib}", "{{mem_gib}}"), ev.grid, i))
-        for msg, mask in ev.reasons
-        if mask[i]
-    ]
+    mem = f"{ev.memory['total'][i] / GIB:.1f}"
+    p.rejected = [msg_at(msg, ev.grid, i, mem_gib=mem) for msg, mask in ev.reasons if mask[i]]
     return p
 
 
