@@ -96,9 +96,27 @@ def test_quant_linear_matches_dequantised_matmul(bits, group_size, backend):
     layer = QuantLinear.from_packed(packed, bias=bias, backend=backend)
     assert layer.resolved_backend() == backend
     x = torch.randn(2, 3, 576)
-    ref = x @ packed.dequantize().t() + bias
-    # kernels accumulate in a different order than the reference matmul: fp32 rounding only
-    torch.testing.assert_close(layer(x), ref, rtol=1e-4, atol=1e-4)
+    if backend == "dequant":
+        ref = x @ packed.dequantize().t() + bias
+        # exact dequantisation, fp32 matmul: only summation order differs
+        torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-5)
+        return
+    # kernels take bf16 activations: compare with the same rounded activations; what is left
+    # (the kernel's bf16 copies of the scales and zero offsets, bf16 outputs) is bf16 rounding,
+    # 2^-8 relative, so the whole output must agree to ~1% in norm
+    ref = x.bfloat16().float() @ packed.dequantize().t() + bias
+    y = layer(x)
+    assert y.dtype == torch.float32
+    assert (y - ref).norm() / ref.norm() < 1e-2
+
+
+def test_auto_backend_uses_kernels_for_decode_and_exact_dequant_for_prefill():
+    layer = QuantLinear.from_packed(pack_weight(torch.randn(32, 128), 4, 32))
+    assert layer.resolved_backend(rows=1) == "int4pack"
+    assert layer.resolved_backend(rows=layer.kernel_max_rows + 1) == "dequant"
+    x = torch.randn(40, 128)
+    torch.testing.assert_close(layer(x), x @ layer.dequantize().t(), rtol=1e-5, atol=1e-5)
+    assert layer(x[:1]).dtype == torch.float32
 
 
 def test_int4_g128_linear_is_3_5x_smaller_than_fp16():

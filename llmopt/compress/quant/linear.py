@@ -1,14 +1,19 @@
 """`QuantLinear`: a drop-in `nn.Linear` replacement that computes from packed weights.
 
-Backends (chosen once per layer, `backend="auto"` picks the measured-faster one, see
-docs/benchmarks/quant.md):
+Backends (`backend="auto"` picks per call; measurements in docs/benchmarks/quant.md):
 - ``int4pack``: bits <= 4, torch's CPU kernel `_weight_int4pack_mm_for_cpu` (tile-wise
   dequantisation inside the matmul). Needs out_features % 16 == 0; `in` is zero-padded to a
   multiple of the group (the padded weights meet zero activations, so they contribute nothing).
 - ``int8pack``: bits 8 per-channel, `_weight_int8pack_mm` plus a rank-1 correction for the zero
   point: y = (x (q-128)^T) s + (128 - z) s sum(x).
-- ``dequant``: any format; dequantises `tile_rows` output rows at a time and multiplies, so
-  no full-precision copy of the weight is ever held.
+- ``dequant``: any format; dequantises `tile_rows` output rows at a time and multiplies in the
+  input's dtype, so no full-precision copy of the weight is ever held.
+
+Both kernels are fast on CPU only with bfloat16 activations (fp32/fp16 inputs fall to slow
+reference loops, 100-1000x slower), so they run in bf16: activations and the kernel's copy of
+the scales are rounded to bf16, accumulation is fp32. "auto" uses a kernel for small batches of
+rows (decode: <= `kernel_max_rows`) and exact dequantisation in the input dtype for prefill and
+evaluation, where the matmul dominates and dequantising costs little.
 
 The packed buffers (`qweight`, `scales`, `zeros`) are the saved state; kernel layouts are
 derived from them lazily and are not saved.
@@ -42,7 +47,6 @@ class QuantLinear(nn.Module):
         group_size: int,
         bias: bool = False,
         backend: str = "auto",
-        compute_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         check_bits_group(bits, group_size)
@@ -57,8 +61,8 @@ class QuantLinear(nn.Module):
         self.register_buffer("zeros", torch.zeros(out_features, groups, dtype=torch.uint8))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.backend = backend
-        self.compute_dtype = compute_dtype  # None: the input's dtype
         self.tile_rows = 512
+        self.kernel_max_rows = 16
         self._kernel: tuple | None = None
         self._kernel_key: tuple | None = None
 
@@ -107,9 +111,11 @@ class QuantLinear(nn.Module):
         return sum(t.numel() * t.element_size() for t in self._kernel if torch.is_tensor(t))
 
     # ---- backend selection ----
-    def resolved_backend(self) -> str:
+    def resolved_backend(self, rows: int = 1) -> str:
         if self.backend != "auto":
             return self.backend
+        if rows > self.kernel_max_rows:
+            return "dequant"
         if self.bits <= 4 and self.out_features % 16 == 0 and self.qweight.device.type == "cpu":
             return "int4pack"
         if self.bits == 8 and self.group_size == -1 and self.qweight.device.type == "cpu":
@@ -157,7 +163,7 @@ class QuantLinear(nn.Module):
                 )
             weight = (codes.to(torch.int16) - 128).to(torch.int8).contiguous()
             scales = self.scales[:, 0].to(dtype)
-            offset = ((128 - self.zeros[:, 0].float()) * self.scales[:, 0].float()).to(dtype)
+            offset = (128 - self.zeros[:, 0].float()) * self.scales[:, 0].float()
             self._kernel = (weight, scales, offset)
         else:
             self._kernel = ()
@@ -165,12 +171,11 @@ class QuantLinear(nn.Module):
         return self._kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        backend = self.resolved_backend()
-        dtype = self.compute_dtype or x.dtype
-        if not dtype.is_floating_point:
-            dtype = torch.float32
         shape = x.shape
-        x2 = x.reshape(-1, self.in_features).to(dtype)
+        x2 = x.reshape(-1, self.in_features)
+        backend = self.resolved_backend(x2.shape[0])
+        dtype = torch.bfloat16 if backend != "dequant" else x.dtype
+        x2 = x2.to(dtype)
         kernel = self._prepare(backend, dtype)
         if backend == "int4pack":
             weight, sz, kgs, k_pad = kernel
@@ -180,7 +185,7 @@ class QuantLinear(nn.Module):
         elif backend == "int8pack":
             weight, scales, offset = kernel
             y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), weight, scales)
-            y = y + x2.sum(-1, keepdim=True) * offset
+            y = y.float() + x2.float().sum(-1, keepdim=True) * offset
         else:
             y = self._dequant_matmul(x2, dtype)
         if self.bias is not None:
