@@ -42,7 +42,8 @@ def test_plan_json_schema(capsys):
             "params", "grads", "optimizer", "activations", "other", "total",
         }  # fmt: skip
         assert set(plan["comm_bytes_per_gpu_per_step"]) == {"intra_node", "inter_node"}
-    assert data["plans"][0]["explanation"]
+    assert all(plan["explanation"] for plan in data["plans"])
+    assert data["plans"][1]["explanation"][-1].startswith("Ranked #2")
 
 
 def test_estimate_json_lists_collectives_with_links(capsys):

@@ -302,6 +302,8 @@ def run_plan(args: argparse.Namespace) -> int:
     plans = result.plans[: args.top_k]
     runner = result.plans[1] if len(result.plans) > 1 else None
     plans[0].explanation = explain(model, work, cluster, plans[0], runner)
+    for plan in plans[1:]:
+        plan.explanation = explain(model, work, cluster, plan, top=plans[0])
     if args.plot:
         title = f"{model.name} on {cluster.num_gpus} x {cluster.gpu.name}: top plans"
         plot_breakdown(plans, [_label(p) for p in plans], args.plot, title)

@@ -51,8 +51,10 @@ def explain(
     cluster: Cluster,
     plan: Plan,
     runner_up: Plan | None = None,
+    top: Plan | None = None,
 ) -> list[str]:
-    """Why this plan: placement of each group, memory, bubble, recompute and ZeRO trade-offs."""
+    """Why this plan: placement of each group, memory, bubble, recompute and ZeRO trade-offs;
+    compared with the runner-up (for the top plan) or with the top plan (for the others)."""
     p = plan.parallel
     g = cluster.gpus_per_node
     out: list[str] = []
@@ -164,6 +166,12 @@ def explain(
         out.append(
             f"Runner-up {r.short()}, zero={r.zero_stage}, recompute={r.recompute}, "
             f"mb={r.micro_batch} is {dt / t['total']:+.1%} slower."
+        )
+    if top is not None and plan.rank is not None:
+        dt = t["total"] / top.step_time_s["total"] - 1
+        out.append(
+            f"Ranked #{plan.rank}: {dt:+.1%} step time versus the top plan "
+            "(plans within 1 % are ties, ordered by lower ZeRO stage, less recompute, no CP)."
         )
     return out
 
