@@ -56,17 +56,18 @@ def reference() -> dict:
     model = build_model(CFG, seed=0)
     opt = _optimizer(model.parameters(), reference=True)
     tokens, targets = _batches()
-    losses, grads = [], None
+    losses, grads, norms = [], None, []
     for step in range(STEPS):
         loss = lm_loss(model, tokens[step], targets[step])
         loss.backward()
         if step == 0:
             grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "grads": grads, "params": dict(model.state_dict())}
+    assert min(norms) > CLIP  # clipping is active in every step
+    return {"losses": losses, "grads": grads, "params": dict(model.state_dict()), "norms": norms}
 
 
 def run_case(world: int, case: dict) -> dict:
@@ -80,7 +81,7 @@ def run_case(world: int, case: dict) -> dict:
     tokens, targets = _batches()
     local = GLOBAL_BATCH // grid.dp.size
     rows = slice(grid.dp.rank * local, (grid.dp.rank + 1) * local)
-    losses, grads = [], None
+    losses, grads, norms = [], None, []
     for step in range(STEPS):
         tok, tgt = tokens[step][rows].chunk(micro), targets[step][rows].chunk(micro)
         total = 0.0
@@ -93,7 +94,7 @@ def run_case(world: int, case: dict) -> dict:
         engine.finish_grad_sync()
         if step == 0:
             grads = engine.full_state_dict(grads=True)
-        engine.clip_grad_norm_(CLIP)
+        norms.append(engine.clip_grad_norm_(CLIP))
         opt.step()
         engine.update_params()
         engine.zero_grad()
@@ -101,7 +102,12 @@ def run_case(world: int, case: dict) -> dict:
         with grid.counter.paused():
             grid.dp.all_reduce(loss_t)
         losses.append(loss_t.item() / grid.dp.size)
-    return {"losses": losses, "grads": grads, "params": engine.full_state_dict()}
+    return {
+        "losses": losses,
+        "grads": grads,
+        "params": engine.full_state_dict(),
+        "norms": norms,
+    }
 
 
 class _null:
@@ -118,6 +124,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def compare(result: dict, ref: dict) -> dict:
     err = {"loss": max(abs(a - b) / abs(b) for a, b in zip(result["losses"], ref["losses"]))}
+    err["grad_norm"] = max(abs(a - b) / b for a, b in zip(result["norms"], ref["norms"]))
     assert set(result["grads"]) == set(ref["grads"])
     err["grad"] = max(_rel(result["grads"][n], ref["grads"][n]) for n in ref["grads"])
     err["param"] = max(_rel(result["params"][n], ref["params"][n]) for n in ref["grads"])

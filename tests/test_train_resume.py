@@ -85,9 +85,16 @@ def _launch(tmp_path: Path, fault: str) -> tuple[subprocess.CompletedProcess, fl
     return proc, time.monotonic() - start
 
 
-def test_a_killed_rank_ends_the_job_with_a_message_naming_it(tmp_path):
-    proc, elapsed = _launch(tmp_path, "kill:1:2")
+@pytest.mark.parametrize("kind", ["kill", "raise"])
+def test_a_failed_rank_ends_the_job_with_a_message_naming_it(tmp_path, kind):
+    proc, elapsed = _launch(tmp_path, f"{kind}:1:2")
     assert proc.returncode != 0
-    assert elapsed < TINY["timeout_s"] + 60
-    # torchrun's failure summary names the rank that died and how.
-    assert "rank: 1" in proc.stderr and "SIGKILL" in proc.stderr
+    assert elapsed < TINY["timeout_s"] + 60  # no hang: well within the process-group timeout
+    # torchrun's failure summary names the rank that failed first and how.
+    assert "rank: 1" in proc.stderr
+    if kind == "kill":
+        assert "SIGKILL" in proc.stderr
+    else:
+        assert "rank 1 (tp 0, cp 0, dp 1, pp 0) failed: RuntimeError: injected failure" in (
+            proc.stderr
+        )
