@@ -17,6 +17,7 @@ update and stay identical).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -225,11 +226,48 @@ class PipelineModel:
         global-batch loss.
         """
         result = self.forward_backward(tokens, labels)
-        norm = self.dp.clip_grad_norm_(max_norm)
+        norm = self.clip_grad_norm_(max_norm)
         optimizer.step()
         self.dp.update_params()
         self.dp.zero_grad()
         return TrainStepResult(self.global_loss(result), norm, result)
+
+    @torch.no_grad()
+    def grad_norm(self) -> float:
+        """Global gradient L2 norm, counting a tied embedding/head weight once.
+
+        DataParallel's norm sums every rank's parameters over TP, DP and PP; with tied
+        embeddings under PP both copies hold the same summed gradient, so the last stage's copy
+        is subtracted here.
+        """
+        total = self.dp.grad_norm()
+        if not self._tied_params:
+            return total
+        dup = torch.zeros((), dtype=torch.float64)
+        last_rank = self.schedule.rank_of(self.schedule.num_stages - 1)
+        if self.grid.pp.rank == last_rank:
+            unit, slot = self.dp._unit_of[id(self._tied_params[0])]
+            lo, hi = self.dp._local_range(unit.padded)
+            a, b = max(lo, slot.start), min(hi, slot.start + slot.numel)
+            if a < b and unit.master.grad is not None:
+                dup += unit.master.grad[a - lo : b - lo].double().pow(2).sum()
+        with self.grid.counter.paused():
+            if self.zero >= 1:
+                self.grid.dp.all_reduce(dup)
+            self.grid.tp.all_reduce(dup)  # the tied weight is vocab-sharded over TP
+            self.grid.pp.all_reduce(dup)
+        return math.sqrt(max(total * total - dup.item(), 0.0))
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float | None) -> float:
+        """Scale gradients so their global norm is at most max_norm; returns the norm before."""
+        norm = self.grad_norm()
+        if max_norm is not None and max_norm > 0:
+            coef = min(max_norm / (norm + 1e-6), 1.0)
+            for unit in self.dp.units:
+                if unit.master.grad is not None:
+                    unit.master.grad.mul_(coef)
+        return norm
 
     def global_loss(self, result: StepResult) -> float:
         last_rank = self.schedule.rank_of(self.schedule.num_stages - 1)
