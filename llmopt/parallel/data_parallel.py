@@ -313,7 +313,8 @@ class DataParallel:
     @torch.no_grad()
     def grad_norm(self) -> float:
         """Global L2 norm of the gradient across TP shards, ZeRO shards and pipeline stages."""
-        sumsq = torch.zeros((), dtype=torch.float64)
+        # On the parameters' device: NCCL reduces only CUDA tensors.
+        sumsq = torch.zeros((), dtype=torch.float64, device=self.units[0].master.device)
         for unit in self.units:
             g = unit.master.grad
             if g is None:

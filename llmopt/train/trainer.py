@@ -229,13 +229,13 @@ def _train(cfg: TrainConfig, grid: RankGrid, device: torch.device) -> TrainResul
             t0 = time.perf_counter()
             inputs, targets = data.batch(step, cfg.global_batch, grid.dp.rank, dims.dp)
             inputs, targets = inputs.to(device), targets.to(device)
-            loss_sum = torch.zeros((), dtype=torch.float64)
+            loss_sum = torch.zeros((), dtype=torch.float64, device=device)
             for i, (tok, tgt) in enumerate(zip(inputs.chunk(n_micro), targets.chunk(n_micro))):
                 last = i == n_micro - 1
                 with engine.no_sync() if not last else _Nothing():
                     loss = lm_loss(model, tok, tgt) / n_micro
                     loss.backward()
-                loss_sum += loss.detach().double().cpu()
+                loss_sum += loss.detach().double()
             _fault("step", step, grid.rank)
             grad_norm = engine.step(optimizer, cfg.clip)
             with grid.counter.paused():
@@ -273,7 +273,34 @@ def _train(cfg: TrainConfig, grid: RankGrid, device: torch.device) -> TrainResul
         if log is not None:
             log.write(json.dumps({"event": "end", "steps_done": len(result.losses)}) + "\n")
             log.close()
+    if rank0 and result.log_file and result.losses:
+        plot_losses(Path(result.log_file), out / "loss.png")
     return result
+
+
+def plot_losses(log_file: Path, png: Path) -> None:
+    """Loss curve of every step in a JSON-lines log (resumed segments included), atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps: dict[int, float] = {}
+    for line in log_file.read_text().splitlines():
+        record = json.loads(line)
+        if record.get("event") == "step":
+            steps[record["step"]] = record["loss"]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    xs = sorted(steps)
+    ax.plot(xs, [steps[x] for x in xs])
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title(log_file.parent.name)
+    fig.tight_layout()
+    tmp = png.with_name(png.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, png)
 
 
 def _save(cfg, root, step, engine, optimizer, grid) -> Path:
