@@ -87,6 +87,14 @@ def _worker(rank: int, world: int, cases: list[dict]):
         optimizer_step(pm, opt)
         loss2 = pm.train_step(tokens[1][rows], labels[1][rows], opt).loss
 
+        full = pm.full_state_dict()  # the whole model, gathered over TP, DP and PP
+        if grid.pp.rank == 0:
+            ref_state = ref.state_dict()
+            assert set(full) == set(ref_state) - {"rotary.cos", "rotary.sin"}
+            for name, value in full.items():
+                assert _rel(value, ref_state[name]) <= TOL, (case, name)
+        else:
+            assert full == {}
         for got, want in ((loss1, ref_losses[0]), (loss2, ref_losses[1])):
             assert abs(got - want) <= TOL * abs(want), (case, got, want)
         assert grads, "every rank holds parameters"

@@ -34,7 +34,12 @@ from llmopt.parallel.pipeline.schedule import (
     ScheduleError,
     build_schedule,
 )
-from llmopt.parallel.pipeline.stage import PipelineStage, split_model, stage_layout
+from llmopt.parallel.pipeline.stage import (
+    PipelineStage,
+    split_model,
+    stage_layout,
+    stage_parameters,
+)
 from llmopt.parallel.recompute import apply_activation_checkpointing
 from llmopt.parallel.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
 
@@ -285,8 +290,50 @@ class PipelineModel:
         return {self.rank_module.original_name(n): g for n, g in grads.items()}
 
     def full_params(self) -> dict[str, torch.Tensor]:
+        """This rank's fp32 parameters, full (TP- and ZeRO-gathered), by single-model name."""
         params = self.dp.full_state_dict()
         return {self.rank_module.original_name(n): p for n, p in params.items()}
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's fp32 state (single-model names, loadable into `Transformer`) on
+        pp rank 0 of every TP/DP coordinate; {} on the other pp ranks.
+
+        Collective over TP, DP and PP; not counted (checkpointing, not training traffic). A
+        tied weight appears under both names, as `Transformer.state_dict()` lists it.
+        """
+        local = self.full_params()
+        pp = self.grid.pp.size
+        if pp == 1:
+            if self.model.config.tie_embeddings:
+                local.setdefault("lm_head.weight", local["embed_tokens.weight"])
+            return local
+        with self.grid.counter.paused():
+            if self.grid.pp.rank != 0:
+                names = _flat_names(self.model.config, self.grid.pp.rank, pp, self.config)
+                flat = torch.cat([local[n].reshape(-1).float() for n, _ in names])
+                self.grid.pp.batch_p2p([("send", flat, 0)], wait=True)
+                return {}
+            out = dict(local)
+            for rank in range(1, pp):
+                names = _flat_names(self.model.config, rank, pp, self.config)
+                flat = torch.empty(sum(shape.numel() for _, shape in names))
+                self.grid.pp.batch_p2p([("recv", flat, rank)], wait=True)
+                offset = 0
+                for name, shape in names:
+                    out[name] = flat[offset : offset + shape.numel()].view(shape).clone()
+                    offset += shape.numel()
+        return out
+
+
+def _flat_names(
+    config, pp_rank: int, pp: int, pcfg: PipelineConfig
+) -> list[tuple[str, torch.Size]]:
+    """(name, full shape) of pp rank's parameters, in a fixed order, from a weightless model."""
+    with torch.device("meta"):
+        meta = Transformer(config)
+    stages = split_model(meta, pp_rank, pp, pcfg.virtual_stages, pcfg.layers_per_stage)
+    return [(n, p.shape) for n, p in stage_parameters(stages).items()]
 
 
 def build_pipeline_model(
