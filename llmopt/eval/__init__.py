@@ -1,1 +1,1 @@
-"""llmopt.eval"""
+"""Evaluation on real text: sliding-window perplexity and KL divergence."""
