@@ -207,7 +207,14 @@ def main(argv: list[str] | None = None) -> int:
             continue
         if args.compile:
             model = torch.compile(model)
-        ms, peak, out = time_variant(model, mode, x, grad, args.warmup, args.iters, device)
+        try:
+            ms, peak, out = time_variant(model, mode, x, grad, args.warmup, args.iters, device)
+        except Exception as exc:  # noqa: BLE001 - one failing variant must not lose the others
+            if mode == "bf16":
+                raise
+            errors[mode] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            console.print(f"[red]{mode}: failed ({errors[mode]})")
+            continue
         branch = out.float() - x.detach().float()  # the block's residual branch, not x itself
         if mode == "bf16":
             reference = branch
