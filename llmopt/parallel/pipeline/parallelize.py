@@ -75,6 +75,7 @@ class _RankModule(nn.Module):
 
     def __init__(self, stages: Sequence[PipelineStage]) -> None:
         super().__init__()
+        self.config = stages[0].config
         self.layers = nn.ModuleList(b for s in stages for b in s.layers.values())
         for s in stages:
             if s.is_first:
@@ -117,6 +118,7 @@ class PipelineModel:
         sequence_parallel: bool = False,
         recompute: str = "none",
         param_dtype: torch.dtype = torch.float32,
+        reduce_dtype: torch.dtype = torch.float32,
         record_events: bool = False,
     ) -> None:
         pp = grid.pp.size
@@ -141,7 +143,9 @@ class PipelineModel:
             model, grid.pp.rank, pp, config.virtual_stages, config.layers_per_stage
         )
         self.rank_module = _RankModule(self.stages)
-        self.dp = DataParallel(self.rank_module, grid, zero=zero, param_dtype=param_dtype)
+        self.dp = DataParallel(
+            self.rank_module, grid, zero=zero, param_dtype=param_dtype, reduce_dtype=reduce_dtype
+        )
         self.zero = zero
         self.sp = bool(getattr(model, "sequence_parallel", False))
         tp = grid.tp.size
