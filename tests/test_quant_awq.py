@@ -2,6 +2,7 @@
 
 import copy
 
+import pytest
 import torch
 
 from llmopt.compress.quant.apply import quantize_model
@@ -79,17 +80,25 @@ def _mlp_channel_errors(qmodel, fp_model, h):
     return contrib, (out_q - out_fp).pow(2).mean().item()
 
 
-def test_awq_recovers_the_error_rtn_makes_on_salient_channels():
+@pytest.fixture(scope="module")
+def quantized_outliers():
+    """(fp model, its state before quantizing, RTN copy, AWQ copy): built once per module."""
     model = outlier_model()
-    calib = _tokens(1, 8)
+    before = copy.deepcopy(model.state_dict())
     rtn = quantize_model(model, "rtn", bits=4, group_size=32)
-    awq = quantize_model(model, "awq", bits=4, group_size=32, calib_tokens=calib)
+    awq = quantize_model(model, "awq", bits=4, group_size=32, calib_tokens=_tokens(1, 8))
+    return model, before, rtn, awq
+
+
+def test_awq_recovers_the_error_rtn_makes_on_salient_channels(quantized_outliers):
+    model, _, rtn, awq = quantized_outliers
     captured = {}
-    model.layers[0].post_attention_layernorm.register_forward_pre_hook(
+    hook = model.layers[0].post_attention_layernorm.register_forward_pre_hook(
         lambda _m, a: captured.setdefault("h", a[0].detach())
     )
     with torch.no_grad():
         model(_tokens(2, 4))  # held-out tokens
+        hook.remove()
         rtn_contrib, rtn_mse = _mlp_channel_errors(rtn, model, captured["h"])
         awq_contrib, awq_mse = _mlp_channel_errors(awq, model, captured["h"])
     rtn_share = rtn_contrib[SALIENT].sum() / rtn_contrib.sum()
@@ -114,12 +123,8 @@ def test_awq_recovers_the_error_rtn_makes_on_salient_channels():
     )
 
 
-def test_awq_model_error_below_rtn_and_input_untouched():
-    model = outlier_model()
-    before = copy.deepcopy(model.state_dict())
-    calib = _tokens(1, 8)
-    awq = quantize_model(model, "awq", bits=4, group_size=32, calib_tokens=calib)
-    rtn = quantize_model(model, "rtn", bits=4, group_size=32)
+def test_awq_model_error_below_rtn_and_input_untouched(quantized_outliers):
+    model, before, rtn, awq = quantized_outliers
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k])
     ev = _tokens(3, 4)
@@ -131,7 +136,5 @@ def test_awq_model_error_below_rtn_and_input_untouched():
 
 
 def test_awq_requires_calibration_tokens(tiny_model):
-    import pytest
-
     with pytest.raises(ValueError, match="method 'awq' needs calibration tokens"):
         quantize_model(tiny_model, "awq")
