@@ -157,3 +157,20 @@ def test_text_timeline_shows_fill_and_drain(tmp_path):
     png = render_png(result.events, tmp_path / "t.png", pp=2, title="1f1b pp=2 m=2")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert list(tmp_path.iterdir()) == [png]  # atomic write leaves no temp file
+
+
+def test_schedule_command_prints_json_and_rejects_bad_configs(tmp_path, capsys):
+    import json
+
+    from llmopt.parallel.pipeline.__main__ import main
+
+    png = tmp_path / "s.png"
+    assert main(["--schedule", "gpipe", "--pp", "2", "-m", "3", "--json", "--png", str(png)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["bubble_per_rank"] == pytest.approx([0.25, 0.25])  # (2-1)/(3+2-1)
+    assert out["bubble_theory"] == pytest.approx(0.25)
+    assert out["peak_in_flight"] == [3, 3]
+    assert out["programs"][1][0] == "RECV_F(mb=0,s=1)@0"
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert main(["--schedule", "interleaved-1f1b", "--pp", "4", "-m", "2", "-v", "2"]) == 2
+    assert "microbatches=2 < pp=4" in capsys.readouterr().err
