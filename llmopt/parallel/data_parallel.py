@@ -117,6 +117,10 @@ class DataParallel:
         self.reduce_dtype = reduce_dtype
         self.prefetch_enabled = prefetch
         self._sync = True
+        # fp32 gradients of fp32 parameters accumulate straight into the bucket buffers
+        # (parameter .grad is a view, as DDP's gradient_as_bucket_view): no copy. Not for
+        # ZeRO-2/3, whose full-size buffers must only exist while backward fills them.
+        self._grad_views = param_dtype == reduce_dtype and zero <= 1
         self.units = self._build_units(model)
         self._unit_of = {id(s.param): (u, s) for u in self.units for s in u.slots}
         for unit in self.units:
@@ -126,6 +130,7 @@ class DataParallel:
             self._install_zero3_hooks(model)
             for unit in self.units:
                 self._free(unit)
+        self.zero_grad()
 
     # ---- construction ----
     def _build_units(self, model: nn.Module) -> list[Unit]:
@@ -158,7 +163,10 @@ class DataParallel:
             for s in slots:
                 s.param.data = flat[s.start : s.start + s.numel].view(s.shape)
             lo, hi = self._local_range(padded)
-            master = nn.Parameter(full32[lo:hi].clone())
+            if self.zero == 0 and flat.data_ptr() == full32.data_ptr():
+                master = nn.Parameter(full32)  # fp32 ZeRO-0: the parameters are the masters
+            else:
+                master = nn.Parameter(full32[lo:hi].clone())
             unit = Unit(key, slots, offset, padded, flat, master)
             if self.zero == 3:
                 unit.shard = flat[lo:hi].clone()
@@ -250,8 +258,10 @@ class DataParallel:
         unit, slot = self._unit_of[id(param)]
         if unit.grad is None:
             unit.grad = torch.zeros(unit.padded, dtype=self.reduce_dtype, device=param.device)
-        unit.grad[slot.start : slot.start + slot.numel].add_(param.grad.reshape(-1))
-        param.grad = None
+        target = unit.grad[slot.start : slot.start + slot.numel]
+        if param.grad.data_ptr() != target.data_ptr():  # not (or no longer) a bucket view
+            target.add_(param.grad.reshape(-1))
+            param.grad = target.view(slot.shape) if self._grad_views else None
         unit.ready += 1
         if unit.ready == len(unit.slots):
             unit.ready = 0
@@ -270,6 +280,9 @@ class DataParallel:
             )
             unit.work = self.dp.reduce_scatter_into(unit.grad_shard, unit.grad, async_op=True)
         unit.launched = True
+        if self.zero >= 2:  # only the reduced shard survives: drop the full-size views
+            for slot in unit.slots:
+                slot.param.grad = None
         if self.zero == 3:
             self._free(unit)
 
@@ -293,7 +306,7 @@ class DataParallel:
             # No copy in fp32: the master's gradient is (a view of) the reduced buffer.
             unit.master.grad = local.float() if local.dtype != torch.float32 else local
             unit.grad_shard = None
-            if self.zero <= 1:
+            if self.zero <= 1 and not self._grad_views:
                 unit.grad = None
 
     def _counted_segments(self, unit: Unit) -> list[tuple[int, int]]:
@@ -319,8 +332,11 @@ class DataParallel:
             g = unit.master.grad
             if g is None:
                 continue
-            for a, b in self._counted_segments(unit):
-                sumsq += g[a:b].double().pow(2).sum()
+            segments = self._counted_segments(unit)
+            if self.grid.tp.rank == 0:  # everything local counts (padding is zero)
+                segments = [(0, g.numel())]
+            for a, b in segments:
+                sumsq += torch.linalg.vector_norm(g[a:b]).double() ** 2
         with self.grid.counter.paused():
             if self.zero >= 1:
                 self.dp.all_reduce(sumsq)
@@ -345,7 +361,8 @@ class DataParallel:
         """Copy the updated masters into the compute-dtype parameters (all-gather if sharded)."""
         for unit in self.units:
             if self.zero == 0:
-                unit.flat.copy_(unit.master)
+                if unit.flat.data_ptr() != unit.master.data_ptr():
+                    unit.flat.copy_(unit.master)
             elif self.zero in (1, 2):
                 shard = unit.master.detach().to(self.param_dtype)
                 self.dp.all_gather_into(unit.flat, shard)
@@ -356,8 +373,18 @@ class DataParallel:
     def zero_grad(self) -> None:
         for unit in self.units:
             unit.master.grad = None
-            unit.grad = None
             unit.ready = 0
+            if not self._grad_views:
+                unit.grad = None
+                continue
+            if unit.grad is None:
+                unit.grad = torch.zeros(
+                    unit.padded, dtype=self.reduce_dtype, device=unit.master.device
+                )
+            else:
+                unit.grad.zero_()
+            for slot in unit.slots:
+                slot.param.grad = unit.grad[slot.start : slot.start + slot.numel].view(slot.shape)
 
     def step(self, optimizer, max_norm: float | None = None) -> float:
         """finish_grad_sync, clip, optimizer step, update params, zero grads; returns grad norm."""
