@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -91,7 +92,7 @@ def test_a_failed_rank_ends_the_job_with_a_message_naming_it(tmp_path, kind):
     assert proc.returncode != 0
     assert elapsed < TINY["timeout_s"] + 60  # no hang: well within the process-group timeout
     # torchrun's failure summary names the rank that failed first and how.
-    assert "rank: 1" in proc.stderr
+    assert re.search(r"rank\s*:\s*1\b", proc.stderr), proc.stderr[-2000:]
     if kind == "kill":
         assert "SIGKILL" in proc.stderr
     else:

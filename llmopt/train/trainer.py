@@ -131,11 +131,6 @@ def train(cfg: TrainConfig) -> TrainResult:
     device, _backend = init_distributed(cfg.timeout_s)
     world = dist.get_world_size() if dist.is_initialized() else 1
     dims = ParallelDims(world, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp)
-    if dims.pp > 1:
-        raise TrainConfigError(
-            f"pp={dims.pp}: pipeline parallelism is not wired into this trainer yet "
-            "(llmopt.parallel.pipeline); use pp=1"
-        )
     grid = RankGrid.create(dims, timeout_s=cfg.timeout_s)
     try:
         return _train(cfg, grid, device)
@@ -167,13 +162,31 @@ def _train(cfg: TrainConfig, grid: RankGrid, device: torch.device) -> TrainResul
                 f"precision=fp8 needs llmopt.precision.fp8.convert_to_fp8, unavailable: {exc}"
             ) from exc
         convert_to_fp8(model, cfg.fp8_recipe)
-    apply_tensor_parallel(model, grid.tp, sequence_parallel=cfg.sequence_parallel)
-    apply_activation_checkpointing(model, cfg.recompute)
     param_dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
     reduce_dtype = torch.bfloat16 if cfg.reduce_dtype == "bf16" else torch.float32
-    engine = DataParallel(
-        model, grid, zero=cfg.zero, param_dtype=param_dtype, reduce_dtype=reduce_dtype
-    )
+    pipe = None
+    if dims.pp > 1:
+        # 3D: TP/SP -> recompute -> stage split -> DP/ZeRO, run by the pipeline executor.
+        from llmopt.parallel.pipeline.parallelize import PipelineConfig, build_pipeline_model
+
+        pcfg = PipelineConfig(cfg.schedule, cfg.microbatches or n_micro, cfg.virtual_stages)
+        pipe = build_pipeline_model(
+            model,
+            grid,
+            pcfg,
+            zero=cfg.zero,
+            sequence_parallel=cfg.sequence_parallel,
+            recompute=cfg.recompute,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+        )
+        engine = pipe.dp
+    else:
+        apply_tensor_parallel(model, grid.tp, sequence_parallel=cfg.sequence_parallel)
+        apply_activation_checkpointing(model, cfg.recompute)
+        engine = DataParallel(
+            model, grid, zero=cfg.zero, param_dtype=param_dtype, reduce_dtype=reduce_dtype
+        )
     optimizer = AdamW(
         engine.master_params(),
         lr=cfg.lr,
@@ -229,22 +242,18 @@ def _train(cfg: TrainConfig, grid: RankGrid, device: torch.device) -> TrainResul
             t0 = time.perf_counter()
             inputs, targets = data.batch(step, cfg.global_batch, grid.dp.rank, dims.dp)
             inputs, targets = inputs.to(device), targets.to(device)
-            loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-            for i, (tok, tgt) in enumerate(zip(inputs.chunk(n_micro), targets.chunk(n_micro))):
-                last = i == n_micro - 1
-                with engine.no_sync() if not last else _Nothing():
-                    loss = lm_loss(model, tok, tgt) / n_micro
-                    loss.backward()
-                loss_sum += loss.detach().double()
-            _fault("step", step, grid.rank)
-            grad_norm = engine.step(optimizer, cfg.clip)
-            with grid.counter.paused():
-                grid.dp.all_reduce(loss_sum)
+            if pipe is not None:
+                _fault("step", step, grid.rank)
+                stepped = pipe.train_step(inputs, targets, optimizer, cfg.clip)
+                loss_value, grad_norm = stepped.loss, stepped.grad_norm
+            else:
+                loss_value, grad_norm = _data_parallel_step(
+                    cfg, model, engine, optimizer, inputs, targets, n_micro, grid, step
+                )
             if device.type == "cuda":
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
             comm = CommCounter.delta(grid.counter.snapshot(), before)
-            loss_value = loss_sum.item() / dims.dp
             record = {
                 "event": "step",
                 "step": step + 1,
@@ -266,7 +275,9 @@ def _train(cfg: TrainConfig, grid: RankGrid, device: torch.device) -> TrainResul
             if progress is not None:
                 progress.update(step + 1, record)
             if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
-                result.checkpoint = str(_save(cfg, ckpt_root, step + 1, engine, optimizer, grid))
+                result.checkpoint = str(
+                    _save(cfg, ckpt_root, step + 1, engine, optimizer, grid, pipe)
+                )
     finally:
         if progress is not None:
             progress.close()
@@ -303,9 +314,25 @@ def plot_losses(log_file: Path, png: Path) -> None:
     os.replace(tmp, png)
 
 
-def _save(cfg, root, step, engine, optimizer, grid) -> Path:
+def _data_parallel_step(cfg, model, engine, optimizer, inputs, targets, n_micro, grid, step):
+    """Micro-batches with gradient accumulation, then the engine's step; (loss, grad norm)."""
+    loss_sum = torch.zeros((), dtype=torch.float64, device=inputs.device)
+    for i, (tok, tgt) in enumerate(zip(inputs.chunk(n_micro), targets.chunk(n_micro))):
+        last = i == n_micro - 1
+        with engine.no_sync() if not last else _Nothing():
+            loss = lm_loss(model, tok, tgt) / n_micro
+            loss.backward()
+        loss_sum += loss.detach().double()
+    _fault("step", step, grid.rank)
+    grad_norm = engine.step(optimizer, cfg.clip)
+    with grid.counter.paused():
+        grid.dp.all_reduce(loss_sum)
+    return loss_sum.item() / grid.dp.size, grad_norm
+
+
+def _save(cfg, root, step, engine, optimizer, grid, pipe=None) -> Path:
     def consolidated(directory: Path) -> None:
-        state = engine.full_state_dict()
+        state = pipe.full_state_dict() if pipe is not None else engine.full_state_dict()
         if grid.rank == 0:
             from llmopt.models.loading import save_pretrained
 
