@@ -79,7 +79,7 @@ def main_worker(argv: list[str] | None = None) -> int:
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "train",
-        help="distributed training (TP/SP/DP/ZeRO) launched by torchrun",
+        help="distributed training (TP/SP/PP/DP/ZeRO) launched by torchrun",
         description=__doc__.split("\n\n")[0],
     )
     add_config_arguments(parser)

@@ -1,5 +1,6 @@
 """The training loop: grid -> model -> TP/SP -> recompute -> DP/ZeRO -> AdamW, with logging,
-checkpoints and clean failure.
+checkpoints and clean failure. With pp > 1 the same pieces are composed by
+`llmopt.parallel.pipeline.build_pipeline_model` and a step runs the pipeline schedule.
 
 `train(config)` runs on every rank of a torchrun job (or alone). Rank 0 shows a rich progress
 bar and writes the JSON-lines log; every step record carries loss (mean over all tokens of the
