@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument(
         "--configs",
-        default="ngram:3@2,ngram:3@4,ngram:3@8,ngram:3@4a,early-exit:20@2,early-exit:20@4,"
+        default="ngram:3@2,ngram:3@4,ngram:3@8,ngram:3@4a,early-exit:20@2,"
         "early-exit:10@2,int8@3,int4@3",
         help="DRAFT@GAMMA (suffix a: adaptive gamma), comma-separated",
     )

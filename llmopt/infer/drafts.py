@@ -99,9 +99,14 @@ class ModelDraft:
         self._cache: KVCache | None = None
         self._cached: list[int] = []  # the token ids whose keys/values the cache holds
 
+    @torch.inference_mode()
     def start(self, prompt_ids: list[int], max_len: int) -> None:
+        """Allocate the cache and prefill all prompt tokens but the last, like the target,
+        so the prefill is paid (and timed) with the target's, not inside the first round."""
         self._cache = KVCache.for_model(self.model, 1, max_len)
         self._cached = []
+        if len(prompt_ids) > 1:
+            self._step(list(prompt_ids[:-1]))
         self.forward_calls = 0
 
     def _step(self, tokens: list[int]) -> torch.Tensor:
@@ -284,7 +289,9 @@ def quantized_copy(target: Transformer, bits: int, group_size: int = 128) -> nn.
             f"int{bits} self-draft needs llmopt.compress.quant.quantize_model ({exc})"
         ) from exc
     cfg = target.config
-    # the largest group size <= group_size that divides every linear layer's input width
-    group = math.gcd(group_size, cfg.hidden_size, cfg.intermediate_size, cfg.q_size)
+    if bits == 8:
+        group = -1  # per output channel: accurate at 8 bits, and runs the int8 matmul kernel
+    else:  # the largest group size <= group_size dividing every linear layer's input width
+        group = math.gcd(group_size, cfg.hidden_size, cfg.intermediate_size, cfg.q_size)
     model = quantize_model(target, method="rtn", bits=bits, group_size=group)
     return model.eval()
