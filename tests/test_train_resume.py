@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -64,10 +65,20 @@ def test_resume_is_exact_and_a_crash_during_save_keeps_the_previous_checkpoint(t
     manifest = json.loads((ckpts / "step_000006" / "manifest.json").read_text())
     assert manifest["layout"]["dp"] == 2 and manifest["layout"]["zero"] == 1
 
-    # A different layout cannot resume the sharded state, and says what to do instead ...
+    # Another layout (one process, ZeRO-0) resumes from the dp=2 ZeRO-1 step-3 checkpoint of
+    # the reference run and continues its trajectory (fp32 sums reordered: 1e-5 relative).
+    moved = tmp_path / "d" / "checkpoints"
+    moved.mkdir(parents=True)
+    shutil.copytree(tmp_path / "a" / "checkpoints" / "step_000003", moved / "step_000003")
+    (moved / "latest").write_text("step_000003")
+    resharded = train(TrainConfig(**dict(TINY, out_dir=str(tmp_path / "d"), resume=True)))
+    assert resharded.start_step == 3
+    assert all(abs(a - b) / b < 1e-5 for a, b in zip(resharded.losses, reference[3:]))
+    shutil.rmtree(moved / "step_000003" / "full")
+    (moved / "latest").write_text("step_000003")
     with pytest.raises(ValueError, match=r"different layout \(dp: checkpoint 2 vs run 1"):
-        train(TrainConfig(**dict(crashed, resume=True, steps=7)))
-    # ... which works: the consolidated weights load into any layout (here one process).
+        train(TrainConfig(**dict(TINY, out_dir=str(tmp_path / "d"), resume=True)))
+    # The consolidated HF weights load into any model and layout (here one process).
     hf = ckpts / "step_000006" / "hf"
     again = train(TrainConfig(**dict(TINY, out_dir=str(tmp_path / "c"), init_from=str(hf))))
     assert again.losses[0] < reference[0] - 0.5

@@ -405,14 +405,14 @@ class DataParallel:
         return full
 
     @torch.no_grad()
-    def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
-        """Full (TP-gathered, ZeRO-gathered) fp32 masters, or their reduced gradients.
+    def gather_full(self, locals_: list[torch.Tensor | None]) -> dict[str, torch.Tensor]:
+        """Full (ZeRO- and TP-gathered) tensors by parameter name, from one tensor per unit in
+        the master's layout (masters, their gradients, optimizer moments).
 
         Collective: every rank of the grid must call it. Not counted."""
         out = {}
         with self.grid.counter.paused():
-            for unit in self.units:
-                local = unit.master.grad if grads else unit.master.detach()
+            for unit, local in zip(self.units, locals_):
                 if local is None:
                     continue
                 full = self._full_local(unit, local)
@@ -421,6 +421,37 @@ class DataParallel:
                     if hasattr(s.param, "tp_dim"):
                         t = gather_tp_tensor(_with_tp_dim(t, s.param.tp_dim), self.grid.tp)
                     out[s.name] = t.clone()
+        return out
+
+    @torch.no_grad()
+    def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        """Full fp32 masters (or their reduced gradients) by parameter name. Collective."""
+        return self.gather_full([u.master.grad if grads else u.master.detach() for u in self.units])
+
+    @torch.no_grad()
+    def local_from_full(self, full: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """The inverse of `gather_full` for this rank's layout: each unit's piece (fp32) cut
+        from full tensors — how a checkpoint of any TP/DP/ZeRO layout is loaded into this one.
+        """
+        out = []
+        tp = self.grid.tp
+        for unit in self.units:
+            flat = torch.zeros(unit.padded, dtype=torch.float32, device=unit.master.device)
+            for s in unit.slots:
+                if s.name not in full:
+                    raise KeyError(f"the full state lacks {s.name!r}")
+                t = full[s.name]
+                dim = getattr(s.param, "tp_dim", None)
+                if dim is not None and tp.size > 1:
+                    t = t.chunk(tp.size, dim=dim)[tp.rank]
+                if tuple(t.shape) != tuple(s.shape):
+                    raise ValueError(
+                        f"{s.name}: saved shape {tuple(full[s.name].shape)} does not give this "
+                        f"layout's {tuple(s.shape)}"
+                    )
+                flat[s.start : s.start + s.numel] = t.reshape(-1).to(flat)
+            lo, hi = self._local_range(unit.padded)
+            out.append(flat[lo:hi].clone())
         return out
 
     def optimizer_state_bytes(self, optimizer) -> int:

@@ -4,8 +4,11 @@ Layout of `<out>/checkpoints/`::
 
     step_000040/manifest.json        step, layout (tp/pp/dp/zero), units, files, config
     step_000040/rank00000.safetensors   that rank's fp32 master shard(s), optimizer state, RNG
+    step_000040/full/                full fp32 masters and AdamW moments by parameter name
+                                     (pp=1): resuming in a *different* TP/DP/ZeRO layout
+                                     cuts them up for the new one
     step_000040/hf/                  (optional) consolidated weights, an HF directory that
-                                     `--init-from` loads into *any* layout
+                                     `--init-from` loads into any model/layout
     latest                           the name of the newest complete checkpoint
 
 Atomicity: every rank writes into `step_N.partial/` (each file itself via temp + rename);
@@ -15,7 +18,8 @@ complete checkpoint; a leftover `.partial` directory is ignored and cleared by t
 
 Resuming restores the fp32 masters and the optimizer state bit for bit; the compute-dtype
 parameters are re-derived from the masters exactly as after every step, and the data order
-is a function of the step, so the loss trajectory continues identically.
+is a function of the step, so the loss trajectory continues identically. Resuming in another
+layout restores the same values, so the trajectory continues up to floating-point reordering.
 """
 
 from __future__ import annotations
@@ -111,6 +115,8 @@ def save_checkpoint(
     os.replace(tmp, partial / name)
     if fault is not None:
         fault("save")
+    if grid.dims.pp == 1:
+        _save_full(partial / "full", engine, optimizer, grid)
     if consolidated is not None:
         consolidated(partial / "hf")  # collective gather, rank 0 writes
     grid.world.barrier()
@@ -136,21 +142,95 @@ def save_checkpoint(
     return final
 
 
+def _save_full(directory: Path, engine: DataParallel, optimizer: AdamW, grid: RankGrid) -> None:
+    """Layout-independent state (collective; rank 0 writes)."""
+    masters = engine.full_state_dict()
+    states = [optimizer.state.get(u.master) for u in engine.units]
+    moments: dict[str, torch.Tensor] = {}
+    step = 0
+    if all(st is not None for st in states):
+        step = states[0]["step"]
+        for key in ("exp_avg", "exp_avg_sq"):
+            full = engine.gather_full([st[key] for st in states])
+            moments.update({f"{key}/{name}": t for name, t in full.items()})
+    if grid.rank != 0:
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    for name, tensors, meta in (
+        ("model.safetensors", masters, {}),
+        ("optimizer.safetensors", moments, {"step": str(step), "groups": json.dumps(groups)}),
+    ):
+        tmp = directory / f".{name}.tmp"
+        cpu = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+        save_file(cpu, str(tmp), metadata=meta)
+        os.replace(tmp, directory / name)
+
+
+def _load_full(
+    path: Path, engine: DataParallel, optimizer: AdamW, grid: RankGrid, why: str
+) -> None:
+    full = path / "full"
+    if grid.dims.pp != 1 or not (full / "model.safetensors").is_file():
+        raise ValueError(
+            f"checkpoint {path} has a different layout ({why}) and no layout-independent "
+            f"state for this one (full/ is written for pp=1); start from its consolidated "
+            f"weights with --init-from {path / 'hf'} (the optimizer state restarts)"
+        )
+    locals_ = engine.local_from_full(load_file(str(full / "model.safetensors")))
+    with torch.no_grad():
+        for unit, local in zip(engine.units, locals_):
+            unit.master.copy_(local)
+    from safetensors import safe_open
+
+    with safe_open(str(full / "optimizer.safetensors"), framework="pt") as handle:
+        meta = handle.metadata()
+    moments = load_file(str(full / "optimizer.safetensors"))
+    step = int(meta["step"])
+    optimizer.state = {}
+    if step > 0:
+        per_key = {
+            key: engine.local_from_full(
+                {k.split("/", 1)[1]: v for k, v in moments.items() if k.startswith(key + "/")}
+            )
+            for key in ("exp_avg", "exp_avg_sq")
+        }
+        for i, unit in enumerate(engine.units):
+            optimizer.state[unit.master] = {
+                "step": step,
+                "exp_avg": per_key["exp_avg"][i],
+                "exp_avg_sq": per_key["exp_avg_sq"][i],
+            }
+    for group, saved in zip(optimizer.param_groups, json.loads(meta["groups"])):
+        saved["betas"] = tuple(saved["betas"])
+        group.update(saved)
+    engine.update_params()
+
+
 def load_checkpoint(
     path: str | Path, engine: DataParallel, optimizer: AdamW, grid: RankGrid
 ) -> dict[str, Any]:
-    """Restore this rank's shard; returns the manifest. The layout must match exactly."""
+    """Restore this rank's state; returns the manifest.
+
+    The same layout restores each rank's own shard bit for bit; another TP/DP/ZeRO layout
+    (pp=1) is cut from the checkpoint's full state."""
     path = Path(path)
     manifest = json.loads((path / "manifest.json").read_text())
     saved, here = manifest["layout"], _layout(engine, grid)
     if saved != here:
         diff = {k: (saved.get(k), here[k]) for k in here if saved.get(k) != here[k]}
-        shown = ", ".join(f"{k}: checkpoint {a} vs run {b}" for k, (a, b) in diff.items())
-        raise ValueError(
-            f"checkpoint {path} has a different layout ({shown}); to continue in a new "
-            f"layout start from its consolidated weights with --init-from {path / 'hf'} "
-            "(the optimizer state restarts)"
+        shown = ", ".join(
+            f"{k}: checkpoint {a} vs run {b}" for k, (a, b) in diff.items() if k != "units"
         )
+        if saved.get("pp") != here["pp"]:
+            raise ValueError(
+                f"checkpoint {path} was written with pp={saved.get('pp')}; this run has "
+                f"pp={here['pp']}: start from its consolidated weights with --init-from "
+                f"{path / 'hf'} (the optimizer state restarts)"
+            )
+        _load_full(path, engine, optimizer, grid, shown or "bucket sizes")
+        manifest["resharded_from"] = saved
+        return manifest
     file = path / f"rank{grid.rank:05d}.safetensors"
     if not file.is_file():
         raise FileNotFoundError(f"checkpoint shard missing: {file}")
