@@ -52,7 +52,12 @@ def _zero(world: int, zero: int) -> dict:
     model = build_model(CFG, seed=0)
     engine = DataParallel(model, grid, zero=zero)
     opt = AdamW(engine.master_params(), lr=1e-3)
+    # The embedding's gradient comes last in backward: by then every block's bucket must
+    # already be on the wire (overlap), not waiting for the end of backward.
+    launched = []
+    model.embed_tokens.weight.register_hook(lambda g: launched.append(grid.counter.calls("dp")))
     out = _phases(grid, model, engine)
+    out["launched_before_embedding_grad"] = launched
     opt.step()
     out["opt_bytes"] = engine.optimizer_state_bytes(opt)
     out["unit_bytes"] = [u.padded * 4 for u in engine.units]
@@ -119,6 +124,11 @@ def test_counted_communication_and_bf16():
     for res in results:
         z0, z1, z2, z3 = res["zero0"], res["zero1"], res["zero2"], res["zero3"]
         total = sum(z0["unit_bytes"])
+        # Buckets are reduced while backward runs: all L block buckets before the embedding.
+        # (ZeRO-3 also counts its L pre-backward parameter all-gathers.)
+        for z in (z0, z1, z2):
+            assert z["launched_before_embedding_grad"] == [L]
+        assert z3["launched_before_embedding_grad"] == [(L + 1) + L + L]
         # ZeRO-0/1: one gradient all-reduce per bucket (block or root), none in forward.
         for z in (z0, z1):
             assert z["forward"] == {}

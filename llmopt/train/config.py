@@ -11,7 +11,7 @@ import argparse
 import dataclasses
 import json
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +82,6 @@ class TrainConfig:
     timeout_s: float = 120.0
     peak_tflops: float | None = None  # per device; None: measured dense-matmul peak
     progress: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         positive = ("seq_len", "global_batch", "micro_batch", "tp", "pp", "virtual_stages")
@@ -146,7 +145,7 @@ class TrainConfig:
         flat: dict[str, Any] = {}
         for key, value in data.items():
             # TOML tables ([model], [parallel]...) are only grouping: flatten them.
-            if isinstance(value, dict) and key != "extra":
+            if isinstance(value, dict):
                 flat.update(value)
             else:
                 flat[key] = value
@@ -186,8 +185,6 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="TOML (or JSON) training config; flags override it")
     hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
-        if f.name == "extra":
-            continue
         flag = "--" + f.name.replace("_", "-")
         base = _flag_type(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else None
@@ -206,6 +203,6 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     changes = {
         f.name: getattr(args, f.name)
         for f in dataclasses.fields(TrainConfig)
-        if f.name != "extra" and getattr(args, f.name, None) is not None
+        if getattr(args, f.name, None) is not None
     }
     return base.replace(**changes)
