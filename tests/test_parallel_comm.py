@@ -72,11 +72,11 @@ def _tp(world: int, sp: bool) -> dict:
 
 
 def _bf16(world: int) -> dict:
-    """Losses of 3 bf16 steps: dp=2 ZeRO-2 vs one process vs fp32 one process."""
+    """Losses of 3 bf16 steps: dp=2 ZeRO-2 and ZeRO-3 vs one process vs fp32 one process."""
 
-    def run(grid, dtype):
+    def run(grid, dtype, zero=0):
         model = build_model(CFG, seed=0)
-        engine = DataParallel(model, grid, zero=2 if grid.dp.size > 1 else 0, param_dtype=dtype)
+        engine = DataParallel(model, grid, zero=zero, param_dtype=dtype)
         opt = AdamW(engine.master_params(), lr=1e-3)
         gen = torch.Generator().manual_seed(5)
         losses = []
@@ -92,10 +92,17 @@ def _bf16(world: int) -> dict:
         dtypes = {p.dtype for p in model.parameters()} | {m.dtype for m in engine.master_params()}
         return losses, sorted(str(d) for d in dtypes)
 
-    dist_bf16, dtypes = run(RankGrid.create(ParallelDims(world)), torch.bfloat16)
+    dist_bf16, dtypes = run(RankGrid.create(ParallelDims(world)), torch.bfloat16, zero=2)
+    dist_bf16_z3, _ = run(RankGrid.create(ParallelDims(world)), torch.bfloat16, zero=3)
     local_bf16, _ = run(RankGrid.local(), torch.bfloat16)
     local_fp32, _ = run(RankGrid.local(), torch.float32)
-    return {"dist": dist_bf16, "local": local_bf16, "fp32": local_fp32, "dtypes": dtypes}
+    return {
+        "dist": dist_bf16,
+        "dist_z3": dist_bf16_z3,
+        "local": local_bf16,
+        "fp32": local_fp32,
+        "dtypes": dtypes,
+    }
 
 
 def _worker(rank: int, world: int) -> dict:
@@ -179,6 +186,7 @@ def test_counted_communication_and_bf16():
         # on the loss (bf16 vs fp32 itself: 7e-5). Noise floor set at 1e-3 for both.
         bf = res["bf16"]
         assert bf["dtypes"] == ["torch.bfloat16", "torch.float32"]
-        for a, b, c in zip(bf["dist"], bf["local"], bf["fp32"]):
+        for a, a3, b, c in zip(bf["dist"], bf["dist_z3"], bf["local"], bf["fp32"]):
             assert abs(a - b) / b < 1e-3
+            assert a3 == a  # ZeRO-3 does the same arithmetic as ZeRO-2 (only gathers more)
             assert abs(b - c) / c < 1e-3
