@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.threads < 1:
             p.error(f"--threads={args.threads} must be >= 1")
         torch.set_num_threads(args.threads)
-    console = Console(stderr=args.json)
+    console = Console(stderr=args.json, width=120)
     rows = []
     for m, k, n in SHAPES:
         console.print(f"measuring {m}x{k}x{n} ...")

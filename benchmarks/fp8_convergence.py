@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--modes must include bf16 (the baseline)")
     if args.hidden % 64:
         p.error(f"--hidden={args.hidden} must be a multiple of 64 (heads of 32, FP8 alignment)")
-    console = Console(stderr=args.json)
+    console = Console(stderr=args.json, width=120)
     tokens, vocab = load_tokens(args.max_chars)
     split = int(len(tokens) * 0.95)
     train, val = tokens[:split], tokens[split:]

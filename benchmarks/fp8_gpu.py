@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("runs/fp8_gpu.json"))
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     args = p.parse_args(argv)
-    console = Console(stderr=args.json)
+    console = Console(stderr=args.json, width=120)
     device = torch.device(args.device)
     reason = fp8_gemm_unsupported_reason(device)
     if reason is not None:
