@@ -154,6 +154,34 @@ def run_mode(mode: str, train, val, cfg, args, progress) -> dict:
     }
 
 
+def interleaved_step_times(modes, train, cfg, args, progress) -> dict[str, float]:
+    """Median train-step seconds per mode, the modes taking turns step by step.
+
+    On a shared machine, sequential runs see different background load (a whole run can be
+    3x slower than the next); alternating one step of each mode spreads the load evenly.
+    """
+    models = {}
+    for mode in modes:
+        torch.manual_seed(args.seed)
+        model = apply_mode(build_model(cfg, seed=args.seed), mode)
+        models[mode] = (model, torch.optim.AdamW(model.parameters(), lr=args.lr))
+    starts = batch_starts(len(train), args, args.seed)
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    task = progress.add_task("interleaved timing", total=args.timing_rounds)
+    for r in range(args.timing_rounds):
+        batch = take(train, starts[r % len(starts)], args.seq)
+        for mode, (model, opt) in models.items():
+            t0 = time.perf_counter()
+            loss = lm_loss(model, batch)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            times[mode].append(time.perf_counter() - t0)
+        progress.update(task, advance=1)
+    skip = min(2, args.timing_rounds - 1)  # first steps pay one-time allocation costs
+    return {m: statistics.median(t[skip:]) for m, t in times.items()}
+
+
 def ema(values: list[float], alpha: float = 0.05) -> list[float]:
     out, acc = [], values[0]
     for v in values:
@@ -227,6 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("runs/fp8_convergence.json"))
     p.add_argument("--plot", type=Path, default=Path("runs/fp8_loss_curves.png"))
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--timing-rounds", type=int, default=20, help="interleaved timing steps")
+    p.add_argument(
+        "--timing-only", action="store_true", help="only the interleaved step-time measurement"
+    )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = p.parse_args(argv)
     if args.threads is not None:
@@ -249,6 +281,28 @@ def main(argv: list[str] | None = None) -> int:
     )
     results: dict[str, dict] = {}
     columns = [TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn()]
+    if args.timing_only:
+        with Progress(*columns, console=console) as progress:
+            medians = interleaved_step_times(modes, train, cfg, args, progress)
+        table = Table(title="train step time, modes interleaved step by step")
+        for col in ("mode", "median s", "x bf16"):
+            table.add_column(col, justify="right", no_wrap=True)
+        for mode, sec in medians.items():
+            table.add_row(mode, f"{sec:.3f}", f"{sec / medians['bf16']:.2f}")
+        console.print(table)
+        write_json(
+            args.out,
+            {
+                "benchmark": "fp8_step_time_interleaved",
+                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "threads": torch.get_num_threads(),
+                "config": cfg.to_dict(),
+                "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                "median_step_s": medians,
+            },
+        )
+        console.print(f"wrote {args.out}")
+        return 0
     with Progress(*columns, TimeRemainingColumn(), console=console) as progress:
         for mode in modes:
             try:
