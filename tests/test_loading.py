@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import gguf
@@ -12,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from llmopt.data.corpus import load_text
+from llmopt.eval.perplexity import perplexity
 from llmopt.infer.generate import generate
 from llmopt.models import KVCache, ModelConfig, build_model
 from llmopt.models.config import ConfigError
@@ -135,6 +138,35 @@ def test_tokenizer_splits_digits_like_smollm2(tokenizer):
     assert [tokenizer.decode([i]) for i in ids] == ["2", "0", "2", "4"]
     assert tokenizer.encode("<|im_start|>") == [1]
     assert tokenizer.encode("a", add_bos=True)[0] == 1
+
+
+def test_perplexity_matches_transformers_on_web_bible(ours, reference, tokenizer):
+    # Lives here to share the (slow to build) transformers reference with the logits tests.
+    text = load_text("corpus:web-bible")[20_000:23_000]  # a fixed slice of Genesis
+    tokens = tokenizer.encode(text)[:320]
+    ctx, stride = 128, 64
+    ids = torch.tensor([tokens])
+    n = ids.shape[1]
+    nll_sum, counted, prev_end = 0.0, 0, 0  # the loop of HF's perplexity guide
+    for begin in range(0, n, stride):
+        end = min(begin + ctx, n)
+        trg_len = end - prev_end
+        input_ids = ids[:, begin:end]
+        labels = input_ids.clone()
+        labels[:, :-trg_len] = -100
+        with torch.inference_mode():
+            loss = reference(input_ids, labels=labels).loss
+        valid = int((labels[:, 1:] != -100).sum())
+        nll_sum += loss.item() * valid
+        counted += valid
+        prev_end = end
+        if end == n:
+            break
+    ref_ppl = math.exp(nll_sum / counted)
+    result = perplexity(ours, tokens, ctx=ctx, stride=stride)
+    assert result.tokens_scored == counted == len(tokens) - 1
+    assert result.ppl == pytest.approx(ref_ppl, rel=1e-3)  # the 0.1%
+    assert 2 < result.ppl < 30  # plausible for a 135M model on English prose
 
 
 # ---------------------------------------------------------------- GGUF files we write
