@@ -187,3 +187,26 @@ def test_bad_arguments_are_named(target):
         SpeculativeConfig(gamma=0)
     with pytest.raises(ValueError, match="early-exit layer count 4 must be in"):
         EarlyExitModel(target, 4)
+
+
+def test_real_smollm2_greedy_identical_with_ngram_and_int8_drafts():
+    """The real 135M model on real text: speculative output equals plain greedy output."""
+    from llmopt.data.corpus import load_text
+    from llmopt.infer.drafts import make_draft
+    from llmopt.models.loading import load_model, load_tokenizer
+
+    model, tok = load_model("smollm2-135m"), load_tokenizer("smollm2-135m")
+    text = load_text("corpus:web-bible")
+    start = text.find("He who offered his offering the first day")
+    prompt = tok.encode(text[start : start + 500])
+    ref = generate(model, prompt, max_new_tokens=12)
+    for spec, gamma in (("ngram:3", 4), ("int8", 3)):
+        res = speculative_generate(
+            model,
+            make_draft(spec, model, tok),
+            prompt,
+            max_new_tokens=12,
+            config=SpeculativeConfig(gamma=gamma),
+        )
+        assert res.tokens == ref, spec
+        assert res.stats.accepted > 0, spec  # the repeated offering text is easy to guess
