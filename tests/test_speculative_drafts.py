@@ -101,7 +101,8 @@ def test_same_size_but_different_tokenizer_is_a_clear_error(target):
         ("ngram:q", "ngram takes an n-gram size"),
         ("ngram:0", "need 1 <= min_n=1 <= max_n=0"),
         ("", "empty draft spec; valid:"),
-        ("no-such-model", "unknown model"),
+        ("no-such-model", "draft 'no-such-model': unknown model .* valid draft specs: "),
+        ("bogus:3", "draft 'bogus:3': .* valid draft specs: .*early-exit:K"),
     ],
 )
 def test_bad_draft_specs_are_named(target, spec, message):

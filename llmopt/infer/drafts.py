@@ -272,7 +272,11 @@ def make_draft(
         from llmopt.models.loading import load_model, load_tokenizer
 
         param = next(target.parameters())
-        model = load_model(spec, dtype=param.dtype, device=param.device).eval()
+        try:
+            model = load_model(spec, dtype=param.dtype, device=param.device).eval()
+        except (KeyError, FileNotFoundError, ValueError) as exc:
+            reason = exc.args[0] if exc.args else exc
+            raise ValueError(f"draft {spec!r}: {reason}; valid draft specs: {DRAFT_SPECS}") from exc
         draft = ModelDraft(model, name=spec)
         draft_tokenizer = load_tokenizer(spec) if target_tokenizer is not None else None
         check_vocabularies(target, draft, target_tokenizer, draft_tokenizer)
