@@ -230,6 +230,72 @@ def plot(results: dict[str, dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def combine(payloads: list[dict], path: Path) -> dict[str, dict]:
+    """Across seeds: held-out loss vs bf16 per mode (each seed, mean, std) and one figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = [m for m in payloads[0]["runs"] if m != "bf16" and not m.startswith("bf16-seed")]
+    colors = {m: f"C{i + 1}" for i, m in enumerate(modes)}
+    styles = ["-", "--", ":", "-."]
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    first = payloads[0]["runs"]
+    for mode, res in first.items():
+        if mode.startswith("bf16-seed"):
+            continue
+        steps = range(1, len(res["train_loss"]) + 1)
+        color = colors.get(mode, "C0")
+        axes[0].plot(steps, ema(res["train_loss"]), color=color, label=f"{mode} (train, EMA)")
+        xs, ys = zip(*res["eval"])
+        axes[0].plot(xs, ys, "o", color=color, markersize=4)
+    axes[0].set_ylim(top=first["bf16"]["train_loss"][0] + 0.3)
+    axes[0].set_title(f"seed {payloads[0]['args']['seed']}: loss (dots: held-out)")
+    axes[0].set_xlabel("step")
+    axes[0].legend(fontsize=8)
+    stats: dict[str, dict] = {}
+    for mode in modes:
+        finals = []
+        for k, payload in enumerate(payloads):
+            runs = payload["runs"]
+            if mode not in runs:
+                continue
+            res, base = runs[mode], runs["bf16"]
+            seed = payload["args"]["seed"]
+            rel = [
+                100 * (a - b) / b for a, b in zip(ema(res["train_loss"]), ema(base["train_loss"]))
+            ]
+            axes[1].plot(rel, styles[k % 4], color=colors[mode], label=f"{mode} seed {seed}")
+            held = [100 * (a[1] - b[1]) / b[1] for a, b in zip(res["eval"], base["eval"])]
+            axes[2].plot(
+                [e[0] for e in res["eval"]], held, styles[k % 4], marker="o", color=colors[mode]
+            )
+            finals.append(held[-1])
+        stats[mode] = {
+            "held_out_vs_bf16_pct": finals,
+            "mean": statistics.mean(finals),
+            "std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
+        }
+    for ax, what in ((axes[1], "train loss (EMA)"), (axes[2], "held-out loss")):
+        ax.axhline(0, color="black", linewidth=0.8)
+        for bound in (-1, 1):
+            ax.axhline(bound, color="grey", linestyle=":", linewidth=0.8)
+        ax.set_ylim(-4, 4)
+        ax.set_xlabel("step")
+        ax.set_ylabel(f"{what} vs bf16 (%)")
+    axes[1].set_title("train loss vs bf16 per seed (line style = seed)")
+    axes[1].legend(fontsize=7, ncol=2)
+    axes[2].set_title("held-out loss vs bf16 per seed (dotted: +-1%)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".png", delete=False) as tmp:
+        fig.savefig(tmp.name, dpi=110)
+    os.replace(tmp.name, path)
+    plt.close(fig)
+    return stats
+
+
 def write_json(path: Path, payload: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".json", delete=False) as tmp:
@@ -255,6 +321,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("runs/fp8_convergence.json"))
     p.add_argument("--plot", type=Path, default=Path("runs/fp8_loss_curves.png"))
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument(
+        "--combine",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="JSONs of earlier runs (other seeds): summarise across seeds and plot",
+    )
     p.add_argument("--timing-rounds", type=int, default=20, help="interleaved timing steps")
     p.add_argument(
         "--timing-only", action="store_true", help="only the interleaved step-time measurement"
@@ -271,6 +344,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.hidden % 64:
         p.error(f"--hidden={args.hidden} must be a multiple of 64 (heads of 32, FP8 alignment)")
     console = Console(stderr=args.json, width=120)
+    if args.combine:
+        payloads = [json.loads(f.read_text()) for f in args.combine]
+        stats = combine(payloads, args.plot)
+        table = Table(title="held-out loss vs bf16 after the last step, across seeds")
+        for col in ("mode", "per seed", "mean", "std"):
+            table.add_column(col, justify="right", no_wrap=True)
+        for mode, st in stats.items():
+            per_seed = " ".join(f"{v:+.2f}%" for v in st["held_out_vs_bf16_pct"])
+            table.add_row(mode, per_seed, f"{st['mean']:+.2f}%", f"{st['std']:.2f}%")
+        console.print(table)
+        write_json(args.out, {"benchmark": "fp8_convergence_seeds", "stats": stats})
+        console.print(f"wrote {args.out} and {args.plot}")
+        if args.json:
+            print(json.dumps(stats, indent=1))
+        return 0
     tokens, vocab = load_tokens(args.max_chars)
     split = int(len(tokens) * 0.95)
     train, val = tokens[:split], tokens[split:]
