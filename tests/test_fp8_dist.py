@@ -65,12 +65,25 @@ def _train(model, rank: int, world: int, group_sum) -> tuple[list[float], dict]:
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _dp_worker(rank: int, world: int, recipe: str, reduce: bool):
+DP_CONFIGS = (("current", True), ("delayed", True), ("current", False))  # (recipe, reduce)
+
+
+def _dp_worker(rank: int, world: int):
+    """Every DP configuration in one launch (process start-up dominates on 2 cores)."""
     import torch.distributed as dist
 
-    model = convert_to_fp8(build_model(CFG, seed=0), recipe, amax_group="auto" if reduce else None)
-    losses, state = _train(model, rank, world, lambda t: dist.all_reduce(t))
-    return losses, _to_numpy(state), _scales(model)
+    out = {}
+    for recipe, reduce in DP_CONFIGS:
+        group = "auto" if reduce else None
+        model = convert_to_fp8(build_model(CFG, seed=0), recipe, amax_group=group)
+        losses, state = _train(model, rank, world, lambda t: dist.all_reduce(t))
+        out[recipe, reduce] = losses, _to_numpy(state), _scales(model)
+    return out
+
+
+@pytest.fixture(scope="module")
+def dp_results():
+    return run_distributed(_dp_worker, 2, timeout_s=240)
 
 
 def _to_numpy(tensors: dict[str, torch.Tensor]) -> dict:
@@ -83,12 +96,12 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("recipe", ["current", "delayed"])
-def test_fp8_data_parallel_matches_single_process(recipe):
+def test_fp8_data_parallel_matches_single_process(recipe, dp_results):
     init = build_model(CFG, seed=0).state_dict()
     single = convert_to_fp8(build_model(CFG, seed=0), recipe)
     ref_losses, ref_state = _train(single, 0, 1, lambda t: None)
     ref_scales = _scales(single)
-    results = run_distributed(_dp_worker, 2, recipe, True, timeout_s=180)
+    results = [by_config[recipe, True] for by_config in dp_results]
     for losses, state, scales in results:
         assert losses == pytest.approx(ref_losses, rel=1e-5)
         for name, want in ref_scales.items():
@@ -100,14 +113,23 @@ def test_fp8_data_parallel_matches_single_process(recipe):
     assert results[0][2] == results[1][2]
 
 
-def test_fp8_data_parallel_without_amax_reduction_diverges_in_scales():
-    results = run_distributed(_dp_worker, 2, "current", False, timeout_s=180)
+def test_fp8_data_parallel_without_amax_reduction_diverges_in_scales(dp_results):
+    results = [by_config["current", False] for by_config in dp_results]
     in0 = [v[0] for v in results[0][2].values()]
     in1 = [v[0] for v in results[1][2].values()]
     assert in0 != in1  # each rank scaled its own activations: what the reduction prevents
 
 
-def _tp_worker(rank: int, world: int, recipe: str):
+def _tp_worker(rank: int, world: int):
+    return {recipe: _tp_one(rank, world, recipe) for recipe in ("current", "delayed")}
+
+
+@pytest.fixture(scope="module")
+def tp_results():
+    return run_distributed(_tp_worker, 2, timeout_s=240)
+
+
+def _tp_one(rank: int, world: int, recipe: str):
     from llmopt.parallel.grid import ParallelDims, RankGrid
     from llmopt.parallel.tensor_parallel import apply_tensor_parallel, gather_tp_tensor, lm_loss
 
@@ -140,7 +162,7 @@ def _tp_worker(rank: int, world: int, recipe: str):
 
 
 @pytest.mark.parametrize("recipe", ["current", "delayed"])
-def test_fp8_tensor_parallel_matches_single_process(recipe):
+def test_fp8_tensor_parallel_matches_single_process(recipe, tp_results):
     single = convert_to_fp8(build_model(CFG, seed=0), recipe)
     ref_losses = []
     for step in range(2):
@@ -151,7 +173,7 @@ def test_fp8_tensor_parallel_matches_single_process(recipe):
         loss.backward()
         ref_losses.append(loss.item())
     ref_scales = _scales(single)
-    results = run_distributed(_tp_worker, 2, recipe, timeout_s=180)
+    results = [by_recipe[recipe] for by_recipe in tp_results]
     for losses, grads, scales, _ in results:
         assert losses == pytest.approx(ref_losses, rel=1e-5)
         for name, want in ref_scales.items():
