@@ -7,7 +7,8 @@ plain `generate` and speculatively with every (draft, gamma); outputs must be id
 Predictions are made from quantities measured separately from the timed runs:
 - v(gamma): cost of a (gamma+1)-token target pass relative to a 1-token step (calibrated on a
   cached prefix of the prompt's length),
-- c: cost of one draft step relative to one target step (calibrated the same way),
+- c: cost of one draft step relative to one target step (calibrated the same way; also the
+  2-token pass a model draft makes to catch up after a fully accepted round),
 - alpha and the fraction of rounds with a proposal: from the runs' acceptance counters,
 and then speedup = E[tokens per round] / E[cost per round] (Leviathan et al. 2023 with the
 verify cost v(gamma) in place of 1). The PNG plots measured speedup against alpha, with the
@@ -117,14 +118,22 @@ def pass_times(
     }
 
 
-def predict(run: Run, c: float, v: dict[int, float]) -> float:
-    """Speedup predicted from alpha, c and v(gamma): rounds without a proposal are plain steps."""
+def predict(run: Run, c: tuple[float, float], v: dict[int, float]) -> float:
+    """Speedup predicted from alpha, the draft costs c = (1-token, 2-token pass) and v(gamma).
+
+    Rounds without a proposal are plain steps. After a fully accepted round (probability
+    alpha^gamma) a model draft's first pass catches up on two tokens (its last guess and the
+    bonus token), so that pass costs c2 instead of c1.
+    """
     if run.proposing_rounds == 0:
         return 1.0
+    c1, c2 = c
     gamma = max(1, round(run.proposed / run.proposing_rounds))
     f = run.proposing_rounds / run.rounds
-    tokens = f * expected_tokens_per_round(run.alpha, gamma) + (1 - f)
-    cost = f * (gamma * c + v[gamma + 1]) + (1 - f) * v[1]
+    alpha = run.alpha
+    tokens = f * expected_tokens_per_round(alpha, gamma) + (1 - f)
+    draft = gamma * c1 + alpha**gamma * (c2 - c1)
+    cost = f * (draft + v[gamma + 1]) + (1 - f) * v[1]
     return tokens / cost
 
 
@@ -262,14 +271,16 @@ def main(argv: list[str] | None = None) -> int:
     clocks = ("wall", "cpu")
     v = {k: {t: times[k][t] / times[k][1] for t in sizes} for k in clocks}
     costs: dict[str, dict[str, float]] = {k: {} for k in clocks}
+    costs2: dict[str, dict[str, float]] = {k: {} for k in clocks}  # 2-token draft pass
     for spec, draft in drafts.items():
         if isinstance(draft, ModelDraft):
-            dt = pass_times(draft.model, context, [1], args.calib_repeats)
+            dt = pass_times(draft.model, context, [1, 2], args.calib_repeats)
             for k in clocks:
                 costs[k][spec] = dt[k][1] / times[k][1]
+                costs2[k][spec] = dt[k][2] / times[k][1]
         else:  # prompt lookup: a dictionary probe, no model (its time is in the measurement)
             for k in clocks:
-                costs[k][spec] = 0.0
+                costs[k][spec] = costs2[k][spec] = 0.0
 
     # ---- timed runs, interleaved per prompt so load changes hit all configs alike
     groups = {n: "repetitive" if PASSAGES[n][1] else "narrative" for n in names}
@@ -350,9 +361,13 @@ def main(argv: list[str] | None = None) -> int:
             "speculative_decode_tokens_per_s": spec_rate,
             "measured_speedup": spec_rate / plain_rate,
             "measured_speedup_end_to_end": run.plain_s / run.spec_s,
-            "predicted_speedup": predict(run, costs["wall"][run.draft], v["wall"]),
+            "predicted_speedup": predict(
+                run, (costs["wall"][run.draft], costs2["wall"][run.draft]), v["wall"]
+            ),
             "measured_speedup_cpu": spec_cpu_rate / plain_cpu_rate,
-            "predicted_speedup_cpu": predict(run, costs["cpu"][run.draft], v["cpu"]),
+            "predicted_speedup_cpu": predict(
+                run, (costs["cpu"][run.draft], costs2["cpu"][run.draft]), v["cpu"]
+            ),
             "predicted_speedup_leviathan_v1": leviathan(run, costs["cpu"][run.draft]),
         }
         row["prediction_error"] = row["predicted_speedup"] / row["measured_speedup"] - 1
@@ -421,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         "step_time_s": {k: times[k][1] for k in clocks},
         "verify_cost": {k: {str(t): v[k][t] for t in sizes} for k in clocks},
         "draft_cost": costs,
+        "draft_cost_2_tokens": costs2,
         "plain_total_s": plain_total,
         "rows": rows,
     }
