@@ -5,6 +5,7 @@ All cases run in one 2-process launch (process start-up dominates on 2 cores).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from llmopt.models import build_model
@@ -64,6 +65,32 @@ def _zero(world: int, zero: int) -> dict:
     return out
 
 
+def _accumulation(world: int, zero: int) -> dict:
+    """Two micro-batches, the first inside no_sync: what each one communicates, and the
+    reduced full gradient."""
+    grid = RankGrid.create(ParallelDims(world))
+    model = build_model(CFG, seed=0)
+    engine = DataParallel(model, grid, zero=zero)
+    gen = torch.Generator().manual_seed(11 + grid.dp.rank)
+    data = torch.randint(0, CFG.vocab_size, (2, B, T + 1), generator=gen)
+    c = grid.counter
+    s0 = c.snapshot()
+    with engine.no_sync():
+        lm_loss(model, data[0, :, :-1], data[0, :, 1:]).backward()
+    s1 = c.snapshot()
+    full_grads_inner = [u.grad is not None for u in engine.units]
+    lm_loss(model, data[1, :, :-1], data[1, :, 1:]).backward()
+    engine.finish_grad_sync()
+    s2 = c.snapshot()
+    return {
+        "inner": CommCounter.delta(s1, s0),
+        "last": CommCounter.delta(s2, s1),
+        "full_grad_held_after_inner": full_grads_inner,
+        # numpy: tensors returned from a worker would travel by shared memory handles
+        "grads": {k: v.numpy() for k, v in engine.full_state_dict(grads=True).items()},
+    }
+
+
 def _tp(world: int, sp: bool) -> dict:
     grid = RankGrid.create(ParallelDims(world, tp=world))
     model = apply_tensor_parallel(build_model(CFG, seed=0), grid.tp, sequence_parallel=sp)
@@ -111,6 +138,7 @@ def _worker(rank: int, world: int) -> dict:
         "zero1": _zero(world, 1),
         "zero2": _zero(world, 2),
         "zero3": _zero(world, 3),
+        "accumulation": {z: _accumulation(world, z) for z in (0, 1, 2, 3)},
         "tp": _tp(world, sp=False),
         "sp": _tp(world, sp=True),
         "bf16": _bf16(world),
@@ -136,11 +164,14 @@ def test_counted_communication_and_bf16():
         for z in (z0, z1, z2):
             assert z["launched_before_embedding_grad"] == [L]
         assert z3["launched_before_embedding_grad"] == [(L + 1) + L + L]
-        # ZeRO-0/1: one gradient all-reduce per bucket (block or root), none in forward.
+        # ZeRO-0: one gradient all-reduce per bucket (block or root), none in forward.
+        # ZeRO-1: one reduce-scatter per bucket (each rank only needs its gradient shard).
         for z in (z0, z1):
             assert z["forward"] == {}
-            assert z["backward"] == {"dp": {"all_reduce": {"calls": units, "bytes": total}}}
-        assert z0["update"] == {} and z1["update"]["dp"]["all_gather"]["calls"] == units
+        assert z0["backward"] == {"dp": {"all_reduce": {"calls": units, "bytes": total}}}
+        assert z1["backward"] == {"dp": {"reduce_scatter": {"calls": units, "bytes": total}}}
+        assert z0["update"] == {}
+        assert z1["update"] == {"dp": {"all_gather": {"calls": units, "bytes": total}}}
         # ZeRO-2: gradients reduce-scattered, no parameter all-gather during forward.
         assert z2["forward"] == {}
         assert z2["backward"] == {"dp": {"reduce_scatter": {"calls": units, "bytes": total}}}
@@ -152,6 +183,23 @@ def test_counted_communication_and_bf16():
         assert z3["backward"]["dp"]["reduce_scatter"] == {"calls": units, "bytes": total}
         assert z3["blocks_freed_after_forward"] == [True] * L
         assert z2["blocks_freed_after_forward"] == [False] * L
+        # Accumulation over 2 micro-batches: ZeRO-0/1 communicate nothing on the inner one and
+        # keep full gradient buffers; ZeRO-2/3 reduce-scatter every micro-batch and keep no full
+        # gradient. Same reduced gradient (fp32; only the summation order differs: 1e-6).
+        acc = res["accumulation"]
+        for z in (0, 1):
+            assert acc[z]["inner"] == {}
+            assert all(acc[z]["full_grad_held_after_inner"])
+        rs = {"calls": units, "bytes": total}
+        assert acc[1]["last"] == {"dp": {"reduce_scatter": rs}}
+        for z in (2, 3):
+            assert acc[z]["inner"]["dp"]["reduce_scatter"] == rs
+            assert acc[z]["last"]["dp"]["reduce_scatter"] == rs
+            assert not any(acc[z]["full_grad_held_after_inner"])
+        assert "all_gather" not in acc[2]["inner"].get("dp", {})
+        for z in (1, 2, 3):
+            for name, ref in acc[0]["grads"].items():
+                np.testing.assert_allclose(acc[z]["grads"][name], ref, rtol=1e-6, atol=1e-7)
         # Optimizer state (exp_avg + exp_avg_sq, fp32) is 1/dp from ZeRO-1 on.
         assert z0["opt_bytes"] == 2 * total
         for z in (z1, z2, z3):

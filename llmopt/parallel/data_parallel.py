@@ -11,16 +11,25 @@ continues with the earlier blocks (overlap).
 ZeRO stages (Rajbhandari et al.):
 
 - 0: gradients are all-reduced; every rank holds the full master and optimizer state.
-- 1: gradients are all-reduced; each rank updates only its 1/dp shard of the master (so the
-  optimizer state is 1/dp), then the updated parameters are all-gathered.
-- 2: gradients are reduce-scattered: each rank only ever keeps its shard of the reduced
-  gradient; update and parameter all-gather as in 1.
+- 1: gradients are reduce-scattered (Megatron's distributed optimizer): each rank receives only
+  the 1/dp shard of the reduced gradient it updates (so the optimizer state is 1/dp), then the
+  updated parameters are all-gathered. Half the bytes of an all-reduce, same result on the shard.
+- 2: gradients are reduce-scattered every micro-batch and accumulated in an fp32 shard, so no
+  rank holds a full gradient across accumulation (DeepSpeed stage 2, the memory claim of
+  ZeRO-2); update and parameter all-gather as in 1.
 - 3: parameters are sharded too. A unit is all-gathered just before its forward (the next
   one is prefetched), freed after it, all-gathered again just before its backward (the
-  previous one prefetched), and freed once its gradients are reduce-scattered.
+  previous one prefetched), and freed once its gradients are reduce-scattered (every
+  micro-batch, as in 2). The root unit (embedding, final norm, head: needed first in forward
+  and last in backward) stays gathered from its first use until the parameter update.
 
-Gradient accumulation: inside `no_sync()` gradients are summed into the unit buffers and no
-communication happens; the last micro-batch (outside `no_sync`) launches the reductions.
+Gradient accumulation: ZeRO-0/1 inside `no_sync()` sum gradients into the full unit buffers
+and communicate nothing; the last micro-batch (outside `no_sync`) launches the reductions.
+ZeRO-2/3 ignore `no_sync()` (as DeepSpeed stage 2/3 do): every micro-batch reduce-scatters and
+frees its full gradient. Exception: with tied embeddings split over pipeline stages, the root
+unit (embedding or output layer) is *held* inside `no_sync()` on every stage, because its
+gradient must be summed across stages (by the caller, on `unit.grad`) before it is sharded;
+it is reduce-scattered once, in `finish_grad_sync()`.
 """
 
 from __future__ import annotations
@@ -61,7 +70,8 @@ class Unit:
     master: nn.Parameter  # fp32: full (ZeRO-0) or this rank's shard
     shard: torch.Tensor | None = None  # ZeRO-3: this rank's shard in compute dtype
     grad: torch.Tensor | None = None  # full padded accumulation buffer (reduce dtype)
-    grad_shard: torch.Tensor | None = None
+    grad_shard: torch.Tensor | None = None  # reduce-scatter output of the launch in flight
+    grad_accum: torch.Tensor | None = None  # ZeRO-2/3: fp32 sum of the reduced shards so far
     ready: int = 0
     work: object | None = None
     gathered: bool = True
@@ -122,6 +132,10 @@ class DataParallel:
         # ZeRO-2/3, whose full-size buffers must only exist while backward fills them.
         self._grad_views = param_dtype == reduce_dtype and zero <= 1
         self.units = self._build_units(model)
+        # Root units whose weight is tied to another pipeline stage's (see module docstring).
+        config = getattr(model, "config", None)
+        tied_across_stages = bool(getattr(config, "tie_embeddings", False)) and grid.pp.size > 1
+        self._held = {u.name for u in self.units if u.name == "root" and tied_across_stages}
         self._unit_of = {id(s.param): (u, s) for u in self.units for s in u.slots}
         for unit in self.units:
             for slot in unit.slots:
@@ -265,48 +279,68 @@ class DataParallel:
         unit.ready += 1
         if unit.ready == len(unit.slots):
             unit.ready = 0
-            if self._sync:
+            if self._sync or (self.zero >= 2 and unit.name not in self._held):
                 self._launch(unit)
 
     def _launch(self, unit: Unit) -> None:
         if unit.grad is None:
             unit.grad = torch.zeros(unit.padded, dtype=self.reduce_dtype, device=unit.flat.device)
         unit.grad.div_(self.dp.size)
-        if self.zero <= 1:
+        if self.zero == 0:
             unit.work = self.dp.all_reduce(unit.grad, async_op=True)
         else:
+            self._fold(unit)  # the previous micro-batch's shard, before reusing the slot
             unit.grad_shard = torch.empty(
                 unit.padded // self.dp.size, dtype=self.reduce_dtype, device=unit.grad.device
             )
             unit.work = self.dp.reduce_scatter_into(unit.grad_shard, unit.grad, async_op=True)
         unit.launched = True
-        if self.zero >= 2:  # only the reduced shard survives: drop the full-size views
+        if self.zero >= 2:  # only the reduced shard survives: drop the full-size buffer
             for slot in unit.slots:
                 slot.param.grad = None
-        if self.zero == 3:
+            unit.grad = None
+        if self.zero == 3 and unit.name != "root":  # the root stays gathered for the step
             self._free(unit)
+
+    def _fold(self, unit: Unit) -> None:
+        """Wait for a ZeRO-2/3 unit's reduce-scatter in flight and add it to the fp32 shard."""
+        if self.zero < 2 or unit.work is None:
+            return
+        unit.work.wait()
+        unit.work = None
+        shard = unit.grad_shard.float()  # a fresh tensor per launch: may become the sum
+        if unit.grad_accum is None:
+            unit.grad_accum = shard
+        else:
+            unit.grad_accum.add_(shard)
+        unit.grad_shard = None
 
     def finish_grad_sync(self) -> None:
         """Wait for every reduction; give each master its (fp32) reduced gradient."""
         for unit in self.units:
-            if not unit.launched:
+            # ZeRO-0/1: the last micro-batch's buckets; ZeRO-2/3: held units (and any whose
+            # backward did not run this step, with a zero gradient, so collectives match).
+            if not unit.launched or (unit.grad is not None and self.zero >= 2):
                 unit.ready = 0
                 self._launch(unit)
         for unit in self.units:
+            unit.launched = False
+            if self.zero >= 2:
+                self._fold(unit)
+                unit.master.grad = unit.grad_accum
+                unit.grad_accum = None
+                continue
             if unit.work is not None:
                 unit.work.wait()
                 unit.work = None
-            unit.launched = False
-            if self.zero <= 1:
-                lo, hi = self._local_range(unit.padded) if self.zero == 1 else (0, unit.padded)
-                local = unit.grad[lo:hi]
-            else:
+            if self.zero == 1:
                 local = unit.grad_shard
-                unit.grad = None  # ZeRO-2/3 keep only the reduced shard
-            # No copy in fp32: the master's gradient is (a view of) the reduced buffer.
+                unit.grad_shard = None
+            else:
+                local = unit.grad
+            # No copy in fp32 ZeRO-0: the master's gradient is (a view of) the reduced buffer.
             unit.master.grad = local.float() if local.dtype != torch.float32 else local
-            unit.grad_shard = None
-            if self.zero <= 1 and not self._grad_views:
+            if not self._grad_views:
                 unit.grad = None
 
     def _counted_segments(self, unit: Unit) -> list[tuple[int, int]]:

@@ -27,8 +27,11 @@ last stages swap their embedding gradients once per step (send + recv). DP over 
 gradients once per step; ZeRO-1 (distributed optimizer) reduce-scatters gradients and
 all-gathers updated bf16 weights once per step; ZeRO-2 reduce-scatters each micro-batch's
 gradients (they are sharded, so accumulation happens in the shard) and all-gathers weights
-once; ZeRO-3 all-gathers weights before forward and again before backward and
-reduce-scatters gradients, every micro-batch.
+once; ZeRO-3 all-gathers each block's weights before its forward and again before its
+backward and reduce-scatters gradients, every micro-batch, while the non-block weights
+(embedding, final norm, head) are gathered once and kept for the step. With tied embeddings
+split over pipeline stages, ZeRO-2/3 reduce-scatter the embedding/head gradient once per step,
+after the stages have summed it. This is what `llmopt.parallel.data_parallel` does.
 """
 
 from __future__ import annotations
@@ -39,7 +42,13 @@ import numpy as np
 
 from llmopt.models.config import ModelConfig
 from llmopt.plan.hardware import Cluster
-from llmopt.plan.memory import ACT_BYTES, RC_FULL, kv_heads_per_rank, stage_params
+from llmopt.plan.memory import (
+    ACT_BYTES,
+    RC_FULL,
+    kv_heads_per_rank,
+    layer_params_per_rank,
+    stage_params,
+)
 from llmopt.plan.workload import STATE_BYTES, Grid, ParallelConfig, Workload
 
 OPS = ("all-reduce", "all-gather", "reduce-scatter", "send", "recv")
@@ -181,17 +190,35 @@ def collectives(
     # Data parallel / ZeRO over dp·cp ranks, on each stage's own parameters ("not_last": the
     # first stage when pp>1, with the embedding; "last": the last or only stage).
     first_p, last_p = stage_params(model, grid)
+    block_p = n_layers * layer_params_per_rank(model, tp)
     d = dp * cp
     z = grid["zero"]
+    # A tied embedding split over stages must be summed across them before it is sharded:
+    # under ZeRO-2/3 its unit (embedding / final norm + head) is reduce-scattered once per step.
+    tied_split = model.tie_embeddings & (pp > 1)
     for kind, params in (("not_last", first_p), ("last", last_p)):
-        grads, weights = params * g_bytes, params * w_bytes
+        root = params - block_p  # embedding, final norm, head: the non-block parameters
         crosses = inter["dp"]
-        add("dp", "all-reduce", "step", kind, (z == 0) * 1, grads, d, crosses)
-        rs_calls = np.where(z == 1, 1, np.where(z >= 2, m, 0))
-        add("dp", "reduce-scatter", "backward", kind, rs_calls, grads, d, crosses)
-        add("dp", "all-gather", "step", kind, ((z == 1) | (z == 2)) * 1, weights, d, crosses)
-        add("dp", "all-gather", "forward", kind, (z == 3) * m, weights, d, crosses)
-        add("dp", "all-gather", "backward", kind, (z == 3) * m, weights, d, crosses)
+        add("dp", "all-reduce", "step", kind, (z == 0) * 1, params * g_bytes, d, crosses)
+        add("dp", "reduce-scatter", "backward", kind, (z == 1) * 1, params * g_bytes, d, crosses)
+        add("dp", "reduce-scatter", "backward", kind, (z >= 2) * m, block_p * g_bytes, d, crosses)
+        root_rs = np.where(tied_split, 1, m) * (z >= 2)
+        add("dp", "reduce-scatter", "backward", kind, root_rs, root * g_bytes, d, crosses)
+        add(
+            "dp",
+            "all-gather",
+            "step",
+            kind,
+            ((z == 1) | (z == 2)) * 1,
+            params * w_bytes,
+            d,
+            crosses,
+        )
+        # ZeRO-3: blocks gathered before every micro-batch's forward and backward; the root
+        # unit once, at its first use, kept until the update (FSDP2 keeps its root unsharded).
+        add("dp", "all-gather", "forward", kind, (z == 3) * m, block_p * w_bytes, d, crosses)
+        add("dp", "all-gather", "forward", kind, (z == 3) * 1, root * w_bytes, d, crosses)
+        add("dp", "all-gather", "backward", kind, (z == 3) * m, block_p * w_bytes, d, crosses)
     return out
 
 
