@@ -3,7 +3,8 @@ import os
 import pytest
 import torch
 
-# Two cores: one OpenMP thread per process keeps multi-process tests from thrashing.
+# Two cores: processes spawned by tests inherit one OpenMP thread each, so multi-process tests
+# do not thrash (this process's own torch thread count is already fixed at import).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from llmopt.models import ModelConfig, build_model  # noqa: E402
