@@ -156,6 +156,19 @@ def test_cli_quantize_awq_then_load(tmp_path, hf_dir, capsys):
     assert load_tokenizer(str(out)).encode(text) == load_tokenizer(str(hf_dir)).encode(text)
 
 
+def test_cli_float16_rest_halves_the_unquantized_bytes(tmp_path, hf_dir, capsys):
+    base = ["quantize", "--model", str(hf_dir), "--method", "rtn", "--group-size", "32", "--json"]
+    assert cli_main([*base, "--out", str(tmp_path / "a")]) == 0
+    assert cli_main([*base, "--float-dtype", "float16", "--out", str(tmp_path / "b")]) == 0
+    capsys.readouterr()
+    size_a = (tmp_path / "a" / "model.safetensors").stat().st_size
+    size_b = (tmp_path / "b" / "model.safetensors").stat().st_size
+    # the 49152 x 64 fp32 embedding dominates; fp16 halves it, the packed linears stay
+    assert 0.45 < size_b / size_a < 0.6
+    loaded = load_model(str(tmp_path / "b"))
+    assert loaded.embed_tokens.weight.dtype == torch.float32  # loaded in the requested dtype
+
+
 def test_cli_rejects_bad_bits(tmp_path, hf_dir, capsys):
     argv = ["quantize", "--model", str(hf_dir), "--bits", "5", "--out", str(tmp_path / "x")]
     assert cli_main(argv) == 2

@@ -31,6 +31,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--act-order", action="store_true", help="GPTQ: columns by decreasing H_jj")
     p.add_argument("--lm-head", action="store_true", help="also quantize the LM head")
     p.add_argument("--format", default="llmopt", choices=FORMATS, help="output layout")
+    p.add_argument(
+        "--float-dtype",
+        default="keep",
+        choices=("keep", "float16", "bfloat16"),
+        help="dtype of the unquantized tensors on disk (keep: exact round trip; float16 halves "
+        "the embedding's bytes)",
+    )
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.set_defaults(func=run)
@@ -74,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         from llmopt.compress.quant.io import save_quantized
 
-        out = save_quantized(qmodel, args.out, tokenizer)
+        float_dtype = None if args.float_dtype == "keep" else getattr(torch, args.float_dtype)
+        out = save_quantized(qmodel, args.out, tokenizer, float_dtype=float_dtype)
     sizes = model_nbytes(qmodel)
     summary: dict[str, Any] = {
         "model": args.model,
