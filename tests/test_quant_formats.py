@@ -141,3 +141,16 @@ def test_rtn_quantize_model_copies_and_replaces(tiny_model):
     assert q4.quant_config.bits == 4 and q4.quant_report["seconds"] >= 0
     sizes = model_nbytes(q4)
     assert sizes["quant_linear_fp16_bytes"] / sizes["quant_linear_bytes"] > 3.0
+
+
+def test_model_to_bf16_keeps_the_packed_format(tiny_model):
+    q = quantize_model(tiny_model, "rtn", bits=4, group_size=32)
+    layer = q.layers[0].mlp.up_proj
+    scales = layer.scales.clone()
+    q16 = q.to(torch.bfloat16)
+    assert layer.scales.dtype == torch.float16 and torch.equal(layer.scales, scales)
+    assert layer.qweight.dtype == torch.uint8
+    tokens = torch.randint(0, 128, (1, 8))
+    with torch.no_grad():
+        out = q16(tokens)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()

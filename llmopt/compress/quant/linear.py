@@ -85,6 +85,14 @@ class QuantLinear(nn.Module):
             layer.bias.data.copy_(bias.detach().float())
         return layer.to(packed.qweight.device)
 
+    def _apply(self, fn, recurse=True):
+        """`.to(dtype)` must not round the fp16 scales (the format's dtype); devices move."""
+        scales = self.scales
+        super()._apply(fn, recurse)
+        self.scales = scales.to(self.qweight.device)
+        self.invalidate()
+        return self
+
     def packed(self) -> PackedWeight:
         return PackedWeight(
             self.qweight, self.scales, self.zeros, self.bits, self.group_size, self.in_features
