@@ -175,6 +175,13 @@ def test_cli_rejects_bad_bits(tmp_path, hf_dir, capsys):
     assert "bits=5 is not supported; valid choices: 2, 3, 4, 8" in capsys.readouterr().err
 
 
+def test_cli_autoawq_rejects_group_not_dividing_widths_before_quantizing(tmp_path, hf_dir, capsys):
+    argv = ["quantize", "--model", str(hf_dir), "--format", "autoawq", "--group-size", "128"]
+    assert cli_main([*argv, "--out", str(tmp_path / "x")]) == 2
+    assert "this model has widths [64]" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
 def test_calibration_windows_are_seeded_and_distinct(hf_dir):
     from llmopt.compress.quant.calibration import calibration_tokens, windows
 
