@@ -43,6 +43,7 @@ def main() -> None:
     parser.add_argument("--calib-seq-len", type=int, default=512)
     parser.add_argument("--eval-tokens", type=int, default=4096)
     parser.add_argument("--ctx", type=int, default=512)
+    parser.add_argument("--act-order", action="store_true", help="GPTQ with act-order")
     parser.add_argument("--out", default="runs/quant_quality.json")
     parser.add_argument("--png", default=None, help="bar chart (default: next to --out)")
     args = parser.parse_args()
@@ -96,6 +97,7 @@ def main() -> None:
                 progress=True,
                 calib_samples=args.calib_samples,
                 calib_seq_len=args.calib_seq_len,
+                gptq_act_order=args.act_order and method == "gptq",
             )
             seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
             kl = kl_divergence(q, model, eval_ids, ctx=ctx, stride=ctx)
@@ -104,7 +106,7 @@ def main() -> None:
                 save_quantized(q, tmp, float_dtype=torch.float16)
                 disk = dir_bytes(Path(tmp))
             row = {
-                "method": method,
+                "method": method + ("+act-order" if args.act_order and method == "gptq" else ""),
                 "bits": bits,
                 "group_size": group,
                 "ppl": kl.ppl,
