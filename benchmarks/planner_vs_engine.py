@@ -30,6 +30,9 @@ CONFIGS = {
     "tp2-pp2-dp2-z1-sel": dict(
         tp=2, pp=2, dp=2, sp=False, zero=1, m=2, schedule="1f1b", v=1, rc="selective"
     ),
+    "pp2-dp2-gpipe-z3-full-tied": dict(
+        tp=1, pp=2, dp=2, sp=False, zero=3, m=3, schedule="gpipe", v=1, rc="full", tied=True
+    ),
 }
 
 

@@ -1,4 +1,5 @@
-"""Planner vs engine, exact: the engine's counted bytes per group equal the planner's.
+"""Planner vs engine, exact: the engine's counted bytes per group equal the planner's, and the
+bytes the engine's blocks save for backward equal the planner's "eager" activation model.
 
 Where the two agree by design the check is exact. Where they differ for a documented reason
 (see docs/benchmarks/pipeline.md) the test pins the difference to exactly that reason, so any
@@ -19,6 +20,9 @@ from tests.dist_helpers import run_distributed
 
 CASE_PP = dict(tp=1, pp=2, sp=False, zero=0, m=3, schedule="interleaved-1f1b", v=2, rc="none")
 CASE_TP_SP = dict(tp=2, pp=2, sp=True, zero=0, m=2, schedule="1f1b", v=1, rc="none")
+# ZeRO-2 reduce-scatters every micro-batch; ZeRO-3 with tied embeddings holds the root unit.
+CASE_Z2 = dict(tp=1, pp=2, sp=False, zero=2, m=2, schedule="interleaved-1f1b", v=2, rc="selective")
+CASE_Z3_TIED = dict(tp=1, pp=2, sp=False, zero=3, m=3, schedule="gpipe", v=1, rc="full", tied=True)
 
 
 def _stage(rank_result: dict, pp: int) -> str | None:
@@ -26,11 +30,17 @@ def _stage(rank_result: dict, pp: int) -> str | None:
     return "first" if index == 0 else "last" if index == pp - 1 else None
 
 
+def _activations_equal(result: dict, pred: dict, stage: str) -> None:
+    # Exact: every saved tensor is modelled (the issue asks for 10%).
+    assert result["activation_peak_bytes"] == pred["activations"][stage], stage
+
+
 def test_pipeline_bytes_equal_planner_exactly():
     ranks = run_distributed(engine_step, 2, CASE_PP, timeout_s=180)
     pred = planner_prediction(CASE_PP, dp=1)
     for result in ranks:
         stage = _stage(result, 2)
+        _activations_equal(result, pred, stage)
         for op in ("pp/send", "pp/recv"):
             assert result["comm"][op] == pred["comm"][stage][op], (stage, op)
         # bf16 activations [MB, SEQ, hidden]: v*m - ... messages, each 2 bytes per element.
@@ -45,6 +55,7 @@ def test_tp_sp_and_pp_bytes_equal_planner_exactly():
     pred = planner_prediction(CASE_TP_SP, dp=1)
     for result in ranks:
         stage = _stage(result, 2)
+        _activations_equal(result, pred, stage)
         assert set(result["comm"]) == set(pred["comm"][stage])
         for op, planned in pred["comm"][stage].items():
             assert result["comm"][op]["bytes"] == planned["bytes"], (stage, op)
@@ -56,3 +67,23 @@ def test_tp_sp_and_pp_bytes_equal_planner_exactly():
         norms = 2 * result["layers"] + (1 if stage == "last" else 0)
         loss_calls = 3 * CASE_TP_SP["m"] if stage == "last" else 0
         assert result["comm"]["tp/all_reduce"]["calls"] == norms * CASE_TP_SP["m"] + loss_calls
+
+
+def test_zero_dp_bytes_and_activations_equal_planner_exactly():
+    for case in (CASE_Z2, CASE_Z3_TIED):
+        ranks = run_distributed(engine_step, 4, case, timeout_s=180)
+        pred = planner_prediction(case, dp=2)
+        for result in ranks:
+            stage = _stage(result, 2)
+            assert set(result["comm"]) == set(pred["comm"][stage]), case
+            for op, planned in pred["comm"][stage].items():
+                assert result["comm"][op]["bytes"] == planned["bytes"], (case, stage, op)
+            _activations_equal(result, pred, stage)
+        # ZeRO-2: m reduce-scatters of every unit (root + one per block); ZeRO-3 tied: the
+        # blocks every micro-batch, the held root once.
+        units = 1 + ranks[0]["layers"]
+        calls = [r["comm"]["dp/reduce_scatter"]["calls"] for r in ranks]
+        if case["zero"] == 2:
+            assert calls == [case["m"] * units] * 4
+        else:
+            assert calls == [case["m"] * (units - 1) + 1] * 4

@@ -10,9 +10,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
+from llmopt.models import build_model
 from llmopt.models.config import ModelConfig
 from llmopt.models.presets import get_preset
+from llmopt.parallel.pipeline.measure import SavedTensorMeter
+from llmopt.parallel.pipeline.schedule import build_schedule
+from llmopt.parallel.pipeline.simulate import simulate
+from llmopt.parallel.recompute import apply_activation_checkpointing
 from llmopt.plan.hardware import GIB, get_cluster
 from llmopt.plan.memory import (
     RC_FULL,
@@ -22,7 +28,9 @@ from llmopt.plan.memory import (
     layers_per_stage,
     memory_breakdown,
     microbatches_in_flight,
+    microbatches_in_flight_on_rank,
     model_state_bytes,
+    rope_table_bytes,
 )
 from llmopt.plan.workload import ParallelConfig, Workload
 
@@ -131,3 +139,61 @@ def test_memory_fits_flag_and_total():
     parts = sum(float(mem[k][0]) for k in ("params", "grads", "optimizer", "activations", "other"))
     assert float(mem["total"][0]) == pytest.approx(parts)
     assert not bool(memory_breakdown(model, work, cluster, nofit)["fits"][0])
+
+
+@pytest.mark.parametrize(
+    "name,pp,m,v",
+    [("gpipe", 4, 6, 1), ("1f1b", 4, 8, 1), ("1f1b", 4, 3, 1), ("interleaved-1f1b", 4, 8, 2),
+     ("interleaved-1f1b", 4, 4, 2), ("interleaved-1f1b", 2, 2, 2), ("interleaved-1f1b", 8, 16, 4),
+     ("interleaved-1f1b", 2, 3, 2), ("interleaved-1f1b", 4, 9, 2), ("interleaved-1f1b", 4, 10, 2),
+     ("interleaved-1f1b", 2, 3, 3), ("interleaved-1f1b", 4, 5, 2), ("interleaved-1f1b", 8, 21, 3)],
+)  # fmt: skip
+def test_in_flight_per_rank_equals_simulated_schedule(name, pp, m, v):
+    """The planner's per-rank peak equals the peak (micro-batch, chunk) activations the engine's
+    own schedule holds when simulated (in chunk units: ×v), including interleaved schedules
+    whose m is not a multiple of pp (an enlarged last group)."""
+    sim = simulate(build_schedule(name, pp, m, v))
+    code = {"gpipe": 0, "1f1b": 1, "interleaved-1f1b": 2}[name]
+    for rank in range(pp):
+        planned = microbatches_in_flight_on_rank(
+            np.array(pp), np.array(m), np.array(v), np.array(code), rank
+        )
+        assert float(planned) * v == sim.peak_in_flight[rank], rank
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_eager_activation_model_equals_saved_tensors(recompute, dtype):
+    """The "eager" kernel mode counts exactly what autograd saves in one process's blocks
+    (saved-tensor hooks, one count per storage) for bf16 and fp32, every recompute mode."""
+    cfg = ModelConfig(
+        name="tiny", vocab_size=96, hidden_size=48, intermediate_size=80, num_layers=2,
+        num_heads=6, num_kv_heads=2, max_seq_len=32,
+    )  # fmt: skip
+    b, s = 3, 12
+    model = apply_activation_checkpointing(build_model(cfg, seed=0, dtype=dtype), recompute)
+    tokens = torch.randint(0, cfg.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
+    with SavedTensorMeter(list(model.parameters()), only_inside=list(model.layers)) as meter:
+        model(tokens).float().sum().backward()
+    act = 2 if dtype == torch.bfloat16 else 4
+    rc = {"none": RC_NONE, "selective": RC_SELECTIVE, "full": RC_FULL}[recompute]
+    per_layer = activation_bytes_per_layer(
+        cfg, s, b, 1, False, 1, rc, kernels="eager", act_bytes=act
+    )
+    # The model's RoPE tables were cast with it: its slices are views of the whole table.
+    expected = cfg.num_layers * float(per_layer) + rope_table_bytes(cfg, cfg.max_seq_len, act)
+    assert meter.peak == expected
+
+
+def test_kernel_mode_errors_and_default_unchanged():
+    model = get_preset("llama-3-8b")
+    fused = activation_bytes_per_layer(model, 4096, 1, 8, True, 1, RC_NONE)
+    assert float(fused) == float(
+        activation_bytes_per_layer(model, 4096, 1, 8, True, 1, RC_NONE, kernels="fused")
+    )
+    eager = activation_bytes_per_layer(model, 4096, 1, 8, True, 1, RC_NONE, kernels="eager")
+    assert float(eager) > float(fused)
+    with pytest.raises(ValueError, match="kernels='cuda'; choose from fused, eager"):
+        activation_bytes_per_layer(model, 4096, 1, 8, True, kernels="cuda")
+    with pytest.raises(ValueError, match="act_bytes=4 needs 'eager'"):
+        activation_bytes_per_layer(model, 4096, 1, 8, True, act_bytes=4)

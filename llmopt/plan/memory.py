@@ -104,8 +104,29 @@ def activation_bytes_per_layer(
     recompute: np.ndarray | int = RC_NONE,
     flash_attention: bool = True,
     dropout: bool = False,
+    kernels: str = "fused",
+    act_bytes: int = ACT_BYTES,
 ) -> np.ndarray:
-    """Bytes kept for backward by one layer for one micro-batch on one rank (module docstring)."""
+    """Bytes kept for backward by one layer for one micro-batch on one rank.
+
+    kernels="fused" (default): Korthikanti's model of fused bf16 kernels (module docstring).
+    kernels="eager": what this project's eager engine saves, activations of `act_bytes` each
+    (`eager_activation_bytes_per_layer`); it has flash attention and no dropout.
+    """
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels={kernels!r}; choose from {', '.join(KERNELS)}")
+    if act_bytes not in (2, 4):
+        raise ValueError(f"act_bytes={act_bytes!r}; choose 2 (bf16) or 4 (fp32)")
+    if kernels == "eager":
+        if not flash_attention or dropout:
+            raise ValueError("kernels='eager' models the engine: flash_attention=True, no dropout")
+        return eager_activation_bytes_per_layer(
+            model, seq_len, micro_batch, tp, sp, cp, recompute, act_bytes
+        )
+    if act_bytes != ACT_BYTES:
+        raise ValueError(
+            f"kernels='fused' models bf16 activations; act_bytes={act_bytes} needs 'eager'"
+        )
     h, a, f = model.hidden_size, model.num_heads, model.intermediate_size
     t = np.asarray(tp, dtype=np.float64)
     spf = np.asarray(sp, dtype=bool)
@@ -135,16 +156,98 @@ def activation_bytes_per_layer(
     return np.where(rc == RC_FULL, kept_input, np.where(rc == RC_SELECTIVE, selective, full))
 
 
+KERNELS = ("fused", "eager")
+
+
+def eager_activation_bytes_per_layer(
+    model: ModelConfig,
+    seq_len: int,
+    micro_batch: np.ndarray | int,
+    tp: np.ndarray | int,
+    sp: np.ndarray | int | bool,
+    cp: np.ndarray | int = 1,
+    recompute: np.ndarray | int = RC_NONE,
+    act_bytes: int = ACT_BYTES,
+) -> np.ndarray:
+    """Bytes autograd saves for one layer and micro-batch in this project's eager engine
+    (`llmopt.models.llama` + `llmopt.parallel.tensor_parallel`, SDPA flash/efficient kernel, no
+    dropout), activations of `act_bytes` each (2 = bf16, 4 = fp32). Counted tensor by tensor
+    with saved-tensor hooks (one count per storage), per token of the micro-batch:
+
+    - each RMSNorm (2 per layer) saves its fp32 upcast input (4h), the fp32 1/rms (4) and the
+      normalised output in the compute dtype before the weight multiply (A·h): (4+A)h + 4,
+      on the sequence shard under SP (Korthikanti's model: A·h, the norm input only);
+    - the QKV and the MLP inputs (the norm outputs, A·h each), shared by the projections that
+      read them; under SP the all-gathered input is a non-contiguous view and every linear
+      that reads it saves its own contiguous copy: 3 (q, k, v) + 2 (gate, up) copies;
+    - attention: post-RoPE q (A·q/t), k and v (A·kv each, GQA heads of this rank), the output
+      (A·q/t, also the o_proj input, same storage) and the fp32 log-sum-exp per head (4a/t).
+      RoPE itself keeps no activation (x·cos and rotate(x)·sin save cos and sin only, see
+      `rope_table_bytes`);
+    - SwiGLU: gate output, silu output, up output and their product (down_proj input),
+      4·A·f/t (fused model: 3); GELU: its input and output, 2·A·f/t;
+    - selective recompute (the engine checkpoints the attention core): its inputs q, k, v stay
+      saved and o_proj keeps its own input, so only the log-sum-exp (4a/t) is dropped;
+    - full recompute (per-block checkpoint): the block input, A·h (/t under SP).
+    Residual adds save nothing. No s² term: the SDPA kernel is memory-efficient.
+    """
+    h, a, f = model.hidden_size, model.num_heads, model.intermediate_size
+    t = np.asarray(tp, dtype=np.float64)
+    spf = np.asarray(sp, dtype=bool)
+    rc = np.asarray(recompute)
+    tokens = np.asarray(micro_batch, dtype=np.float64) * seq_len / np.asarray(cp, np.float64)
+    rep_div = np.where(spf, t, 1.0)
+    norms = 2 * ((4 + act_bytes) * h + 4) / rep_div
+    mlp_inputs = 2 if model.mlp == "swiglu" else 1
+    linear_inputs = act_bytes * h * np.where(spf & (t > 1), 3 + mlp_inputs, 2)
+    kv = kv_heads_per_rank(model, t) * model.head_dim
+    attention = act_bytes * (2 * model.q_size / t + 2 * kv)
+    lse = 4.0 * a / t
+    mlp = (4 if model.mlp == "swiglu" else 2) * act_bytes * f / t
+    full = tokens * (norms + linear_inputs + attention + lse + mlp)
+    selective = full - tokens * lse
+    kept_input = tokens * act_bytes * h / rep_div
+    return np.where(rc == RC_FULL, kept_input, np.where(rc == RC_SELECTIVE, selective, full))
+
+
+def rope_table_bytes(model: ModelConfig, rows: int, act_bytes: int = ACT_BYTES) -> float:
+    """cos and sin tables [rows, head_dim] kept by RoPE's backward: one pair per micro-batch
+    and pipeline chunk in the eager engine (shared by its layers). rows = the sequence length
+    when the fp32 tables are cast to a bf16 compute dtype each forward (a fresh slice-sized
+    copy); max_seq_len when the tables already have the compute dtype (the slice is a view and
+    keeps the whole table's storage alive)."""
+    return 2.0 * act_bytes * rows * model.head_dim
+
+
 def microbatches_in_flight(
     pp: np.ndarray, m: np.ndarray, v: np.ndarray, sched: np.ndarray
 ) -> np.ndarray:
     """Micro-batches whose activations the first stage holds at its peak (in layer-chunk units
     of its own layers: interleaving's extra in-flight chunks count as (p-1)/v)."""
+    return microbatches_in_flight_on_rank(pp, m, v, sched, 0)
+
+
+def microbatches_in_flight_on_rank(
+    pp: np.ndarray, m: np.ndarray, v: np.ndarray, sched: np.ndarray, rank: np.ndarray | int
+) -> np.ndarray:
+    """Peak micro-batches (in units of the rank's whole stage) held by pipeline rank `rank`.
+
+    GPipe: all m. 1F1B: p − r warm-up micro-batches. Interleaved (Megatron's warm-up of
+    2(p−r−1) + (v−1)p chunk forwards, then one more in flight): (2(p−r−1) + (v−1)p + 1) chunks
+    of 1/v stage each, i.e. p + (p−1)/v on the first rank; when p does not divide m, at least
+    the (v−1)(p + m mod p) + 1 chunks of the enlarged last group's warm-up. Never more than all
+    m micro-batches (the schedule has no more to run).
+    """
     p = np.asarray(pp, dtype=np.float64)
     m = np.asarray(m, dtype=np.float64)
     vv = np.asarray(v, dtype=np.float64)
-    one_f_one_b = np.minimum(m, p)
-    interleaved = np.minimum(m, p) + (p - 1) / vv
+    r = np.asarray(rank, dtype=np.float64)
+    one_f_one_b = np.minimum(m, p - r)
+    # m not a multiple of p: the engine's schedule enlarges its last group to p + rem
+    # micro-batches, whose warm-up holds (v-1)(p+rem) + 1 chunks on every rank.
+    rem = np.where(m > p, np.mod(m, p), 0.0)
+    chunks = np.maximum(2 * (p - r - 1) + (vv - 1) * p + 1, (vv - 1) * (p + rem) + 1)
+    interleaved = np.minimum(m, chunks / vv)
     return np.where(
         sched == SCHED_GPIPE, m, np.where(sched == SCHED_1F1B, one_f_one_b, interleaved)
     )
@@ -176,8 +279,11 @@ def memory_breakdown(
         model, s, mb, tp, grid["sp"], cp, RC_NONE, work.flash_attention, work.dropout
     )
     act_first = act_first + np.where(grid["rc"] == RC_FULL, working, 0.0)
+    inflight_last = microbatches_in_flight_on_rank(pp, grid["m"], grid["v"], grid["sched"], pp - 1)
     act_last = np.where(
-        pp == 1, act_first, per_layer * n_layers + np.where(grid["rc"] == 2, working, 0.0)
+        pp == 1,
+        act_first,
+        per_layer * n_layers * inflight_last + np.where(grid["rc"] == 2, working, 0.0),
     )
     tokens = mb * s / cp
     logits = tokens * model.vocab_size / t * (ACT_BYTES + 4)  # bf16 logits + fp32 softmax/grad

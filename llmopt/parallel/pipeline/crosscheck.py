@@ -3,11 +3,12 @@
 `engine_step(rank, world, case)` runs one optimizer step of a small 3D config on this rank
 (inside an initialised gloo world) and returns its counted communication per (group, op) and
 the peak bytes its transformer blocks saved for backward. `planner_prediction(case, dp)` gives
-the planner's numbers for the first and the last pipeline stage. Both use bf16 activations and
+the planner's numbers for the first and the last pipeline stage, activations from the
+planner's "eager" kernel mode (what this engine saves), not its fused-kernel default. Both use bf16 activations and
 weights with fp32 gradient reduction (the planner's "megatron" numerics).
 
 `case` keys: tp, pp, sp, zero, m (micro-batches), schedule, v, rc (recompute), and optionally
-seq (sequence length) and mb (micro-batch size).
+seq (sequence length), mb (micro-batch size) and tied (tied embeddings).
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from llmopt.models import ModelConfig, build_model
 SEQ, MB = 16, 2
 
 
-def crosscheck_model() -> ModelConfig:
+def crosscheck_model(tied: bool = False) -> ModelConfig:
     """Small enough for CPU processes; every TP degree up to 4 and pp*v up to 4 divide it."""
     return ModelConfig(
+        tie_embeddings=tied,
         name="xcheck",
         vocab_size=128,
         hidden_size=64,
@@ -49,7 +51,7 @@ def engine_step(rank: int, world: int, case: dict) -> dict:
     from llmopt.parallel.pipeline.measure import SavedTensorMeter
     from llmopt.parallel.pipeline.parallelize import PipelineConfig, build_pipeline_model
 
-    cfg = crosscheck_model()
+    cfg = crosscheck_model(case.get("tied", False))
     seq, mb = case.get("seq", SEQ), case.get("mb", MB)
     grid = RankGrid.create(ParallelDims(world, tp=case["tp"], pp=case["pp"]))
     pm = build_pipeline_model(
@@ -92,11 +94,12 @@ def planner_prediction(case: dict, dp: int) -> dict:
         SCHED_INTERLEAVED,
         activation_bytes_per_layer,
         layers_per_stage,
-        microbatches_in_flight,
+        microbatches_in_flight_on_rank,
+        rope_table_bytes,
     )
     from llmopt.plan.workload import RECOMPUTES, ParallelConfig, Workload
 
-    cfg = crosscheck_model()
+    cfg = crosscheck_model(case.get("tied", False))
     seq, mb = case.get("seq", SEQ), case.get("mb", MB)
     work = Workload(seq_len=seq, global_batch=dp * case["m"] * mb)
     sched = "interleaved" if case["v"] > 1 else case["schedule"]
@@ -121,18 +124,23 @@ def planner_prediction(case: dict, dp: int) -> dict:
             for (g, op), v in rows.items()
         }
     rc = RECOMPUTES.index(case["rc"])
+    # Like with like: the planner's "eager" activation model (what this engine's autograd
+    # saves, bf16 here), not the fused-kernel Korthikanti default.
     per_layer = float(
-        activation_bytes_per_layer(cfg, seq, mb, case["tp"], case["sp"], 1, rc, True, False)
-    )
-    n_layers = float(layers_per_stage(cfg, np.array(case["pp"]), np.array(case["v"])))
-    code = {"gpipe": SCHED_GPIPE, "1f1b": SCHED_1F1B, "interleaved": SCHED_INTERLEAVED}[sched]
-    inflight = float(
-        microbatches_in_flight(
-            np.array(case["pp"]), np.array(case["m"]), np.array(case["v"]), np.array(code)
+        activation_bytes_per_layer(
+            cfg, seq, mb, case["tp"], case["sp"], 1, rc, True, False, kernels="eager"
         )
     )
-    return {
-        "comm": comm,
-        "activations": {"first": per_layer * n_layers * inflight, "last": per_layer * n_layers},
-        "per_layer_activation_bytes": per_layer,
-    }
+    rope = rope_table_bytes(cfg, seq)  # one cos/sin pair per chunk and micro-batch in flight
+    pp, v = np.array(case["pp"]), np.array(case["v"])
+    n_layers = float(layers_per_stage(cfg, pp, v))
+    code = {"gpipe": SCHED_GPIPE, "1f1b": SCHED_1F1B, "interleaved": SCHED_INTERLEAVED}[sched]
+    acts = {}
+    for stage, rank in (("first", 0), ("last", case["pp"] - 1)):
+        inflight = float(
+            microbatches_in_flight_on_rank(pp, np.array(case["m"]), v, np.array(code), rank)
+        )
+        # Full recompute: the hooks see the kept block inputs, not the layer rebuilt during
+        # backward (checkpoint packs those itself), so no working-layer term here.
+        acts[stage] = inflight * (per_layer * n_layers + rope * case["v"])
+    return {"comm": comm, "activations": acts, "per_layer_activation_bytes": per_layer}
