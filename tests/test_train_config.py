@@ -119,15 +119,24 @@ def _tiny(tmp_path, **changes) -> TrainConfig:
     return TrainConfig(**base)
 
 
-def test_fp8_flag_calls_convert_to_fp8(tmp_path, monkeypatch):
+def test_fp8_flag_trains_with_float8_linears(tmp_path, monkeypatch):
+    from llmopt.precision import fp8
     from llmopt.train.trainer import train
 
-    calls = []
-    monkeypatch.setattr(
-        "llmopt.precision.fp8.convert_to_fp8", lambda m, r: calls.append((type(m).__name__, r))
-    )
-    train(_tiny(tmp_path, precision="fp8", fp8_recipe="delayed"))
-    assert calls == [("Transformer", "delayed")]
+    converted = []
+    real_convert = fp8.convert_to_fp8
+
+    def recording_convert(model, recipe, **kwargs):
+        converted.append(real_convert(model, recipe, **kwargs))
+        return converted[-1]
+
+    monkeypatch.setattr("llmopt.precision.fp8.convert_to_fp8", recording_convert)
+    result = train(_tiny(tmp_path, precision="fp8", fp8_recipe="delayed", steps=2))
+    (model,) = converted
+    assert len(fp8.fp8_modules(model)) == 7 * 2  # seven block linears per layer
+    assert all(torch.isfinite(torch.tensor(r)) for r in result.losses)
+    with pytest.raises(TrainConfigError, match="precision=fp8 with pp>1 is not supported"):
+        _tiny(tmp_path, precision="fp8", pp=2)
     monkeypatch.setitem(sys.modules, "llmopt.precision.fp8", None)
     with pytest.raises(TrainConfigError, match="precision=fp8 needs llmopt.precision.fp8"):
         train(_tiny(tmp_path, precision="fp8"))

@@ -107,6 +107,12 @@ class TrainConfig:
             raise TrainConfigError(
                 f"fp8_recipe={self.fp8_recipe!r} is not valid; choose one of {FP8_RECIPES}"
             )
+        if self.precision == "fp8" and self.pp > 1:
+            raise TrainConfigError(
+                "precision=fp8 with pp>1 is not supported yet: amaxes must be reduced over the "
+                "ranks holding the same stage (tp x dp), a group the grid does not create; "
+                "use pp=1 or precision=bf16"
+            )
         if self.reduce_dtype not in ("fp32", "bf16"):
             raise TrainConfigError(f"reduce_dtype={self.reduce_dtype!r}: choose 'fp32' or 'bf16'")
         if self.schedule not in SCHEDULES:

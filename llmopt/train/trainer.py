@@ -162,7 +162,8 @@ def _train(cfg: TrainConfig, grid: RankGrid, device: torch.device) -> TrainResul
             raise TrainConfigError(
                 f"precision=fp8 needs llmopt.precision.fp8.convert_to_fp8, unavailable: {exc}"
             ) from exc
-        convert_to_fp8(model, cfg.fp8_recipe)
+        # With pp=1 the world is the tp x dp group: TP shards and DP replicas share one scale.
+        convert_to_fp8(model, cfg.fp8_recipe, amax_group=grid.world)
     param_dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
     reduce_dtype = torch.bfloat16 if cfg.reduce_dtype == "bf16" else torch.float32
     pipe = None
