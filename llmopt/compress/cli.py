@@ -28,7 +28,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--calib", default="corpus:web-bible", help="calibration text (AWQ, GPTQ)")
     p.add_argument("--calib-samples", type=int, default=16, help="calibration sequences")
     p.add_argument("--calib-seq-len", type=int, default=512, help="tokens per sequence")
-    p.add_argument("--act-order", action="store_true", help="GPTQ: columns by decreasing H_jj")
+    p.add_argument(
+        "--act-order",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="GPTQ: visit columns by decreasing Hessian diagonal (default on)",
+    )
     p.add_argument("--lm-head", action="store_true", help="also quantize the LM head")
     p.add_argument("--format", default="llmopt", choices=FORMATS, help="output layout")
     p.add_argument(

@@ -45,7 +45,7 @@ class QuantConfig:
     # GPTQ
     gptq_damp: float = 0.01
     gptq_block_size: int = 128
-    gptq_act_order: bool = False
+    gptq_act_order: bool = True  # measured better at W4 and W3 (docs/benchmarks/quant.md)
     gptq_true_sequential: bool = True
 
     def __post_init__(self) -> None:
