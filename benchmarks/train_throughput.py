@@ -236,7 +236,15 @@ def main(argv=None) -> int:
         worker(args)
         return 0
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd += ["--nproc-per-node", str(args.nproc), __file__, *(argv or sys.argv[1:])]
+    # torchrun would read "--nproc" after the script name as its own (ambiguous) option, so
+    # the workers get the arguments without it; they take the world size from torchrun.
+    given = list(argv or sys.argv[1:])
+    forwarded = [
+        a
+        for i, a in enumerate(given)
+        if not a.startswith("--nproc") and (i == 0 or given[i - 1] != "--nproc")
+    ]
+    cmd += ["--nproc-per-node", str(args.nproc), __file__, *forwarded]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if args.deepspeed:
         env.setdefault("DS_ACCELERATOR", "cpu")
