@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -24,6 +22,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from llmopt.artifacts import atomic_write_json
 from llmopt.precision.fp8 import E4M3, compute_amax, quantize, scale_from_amax
 
 # (M, K, N): square GEMMs, then the block GEMMs of SmolLM2-135M at 2048 tokens
@@ -85,13 +84,6 @@ def run_shape(m: int, k: int, n: int, min_time: float) -> dict:
     return out
 
 
-def write_json(path: Path, payload: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".json", delete=False) as tmp:
-        json.dump(payload, tmp, indent=1)
-    os.replace(tmp.name, path)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("runs/fp8_gemm.json"))
@@ -131,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "results": rows,
     }
-    write_json(args.out, payload)
+    atomic_write_json(args.out, payload)
     console.print(f"wrote {args.out}")
     if args.json:
         print(json.dumps(payload, indent=1))

@@ -34,6 +34,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from llmopt.artifacts import atomic_write_json
 from llmopt.data.corpus import load_text
 from llmopt.models import ModelConfig, build_model
 from llmopt.precision.fp8 import convert_to_fp8
@@ -296,13 +297,6 @@ def combine(payloads: list[dict], path: Path) -> dict[str, dict]:
     return stats
 
 
-def write_json(path: Path, payload: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".json", delete=False) as tmp:
-        json.dump(payload, tmp, indent=1)
-    os.replace(tmp.name, path)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--modes", default=",".join(MODES) + ",bf16-seed1")
@@ -354,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
             per_seed = " ".join(f"{v:+.2f}%" for v in st["held_out_vs_bf16_pct"])
             table.add_row(mode, per_seed, f"{st['mean']:+.2f}%", f"{st['std']:.2f}%")
         console.print(table)
-        write_json(args.out, {"benchmark": "fp8_convergence_seeds", "stats": stats})
+        atomic_write_json(args.out, {"benchmark": "fp8_convergence_seeds", "stats": stats})
         console.print(f"wrote {args.out} and {args.plot}")
         if args.json:
             print(json.dumps(stats, indent=1))
@@ -378,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         for mode, sec in medians.items():
             table.add_row(mode, f"{sec:.3f}", f"{sec / medians['bf16']:.2f}")
         console.print(table)
-        write_json(
+        atomic_write_json(
             args.out,
             {
                 "benchmark": "fp8_step_time_interleaved",
@@ -443,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         "errors": {m: r["error"] for m, r in results.items() if "error" in r},
         "runs": ok,
     }
-    write_json(args.out, payload)
+    atomic_write_json(args.out, payload)
     plot(ok, args.plot, f"{cfg.num_parameters() / 1e6:.1f}M-param Llama on web-bible")
     console.print(f"wrote {args.out} and {args.plot}")
     if args.json:

@@ -24,9 +24,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -34,6 +32,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from llmopt.artifacts import atomic_write_json
 from llmopt.models import ModelConfig
 from llmopt.models.llama import Block, RotaryEmbedding
 from llmopt.models.presets import get_preset
@@ -151,13 +150,6 @@ def time_variant(model, mode, x, grad, warmup, iters, device) -> tuple[float, fl
     return ms, peak, step().detach()
 
 
-def write_json(path: Path, payload: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".json", delete=False) as tmp:
-        json.dump(payload, tmp, indent=1)
-    os.replace(tmp.name, path)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--preset", default="llama-3-8b", help="model shapes; 'tiny' for a smoke test")
@@ -256,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": rows,
         "skipped": errors,
     }
-    write_json(args.out, payload)
+    atomic_write_json(args.out, payload)
     console.print(f"wrote {args.out}")
     if args.json:
         print(json.dumps(payload, indent=1))

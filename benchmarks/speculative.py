@@ -34,6 +34,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from llmopt.artifacts import atomic_write_json
 from llmopt.data.corpus import load_text
 from llmopt.infer.drafts import ModelDraft, make_draft
 from llmopt.infer.generate import generate
@@ -140,14 +141,6 @@ def predict(run: Run, c: tuple[float, float], v: dict[int, float]) -> float:
 def leviathan(run: Run, c: float) -> float:
     gamma = max(1, round(run.proposed / max(run.proposing_rounds, 1)))
     return expected_tokens_per_round(run.alpha, gamma) / (gamma * c + 1)
-
-
-def write_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as handle:
-        json.dump(data, handle, indent=2)
-    os.replace(tmp, path)
 
 
 def plot(rows: list[dict], v: dict[int, float], costs: dict[str, float], path: Path) -> None:
@@ -440,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         "plain_total_s": plain_total,
         "rows": rows,
     }
-    write_json(Path(args.out), result)
+    atomic_write_json(Path(args.out), result)
     if args.plot:
         plot(rows, v["cpu"], costs["cpu"], Path(args.plot))
         console.print(f"plot: {args.plot}")

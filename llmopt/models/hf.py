@@ -7,14 +7,12 @@ directory we write loads in transformers and vice versa. Only safetensors: never
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from llmopt.artifacts import atomic_write, atomic_write_text
 from llmopt.models.config import ModelConfig
 
 _PREFIX = "model."
@@ -73,18 +71,6 @@ def iter_tensors(directory: Path, dtype: torch.dtype) -> Iterator[tuple[str, tor
             ) from exc
 
 
-def atomic_write(path: Path, write: Any) -> None:
-    """Call `write(tmp_path)` and move the result into place, so readers never see half a file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def save_directory(model: torch.nn.Module, directory: Path) -> None:
     """config.json + model.safetensors (a tied head is stored once, as HF does)."""
     from safetensors.torch import save_file
@@ -102,9 +88,6 @@ def save_directory(model: torch.nn.Module, directory: Path) -> None:
         hf_config["torch_dtype"] = str(dtypes.pop()).removeprefix("torch.")
     atomic_write(
         directory / "model.safetensors",
-        lambda tmp: save_file(state, tmp, metadata={"format": "pt"}),
+        lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}),
     )
-    atomic_write(
-        directory / "config.json",
-        lambda tmp: Path(tmp).write_text(json.dumps(hf_config, indent=2)),
-    )
+    atomic_write_text(directory / "config.json", json.dumps(hf_config, indent=2))

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
+
+from llmopt.artifacts import atomic_write_text
 
 # GGUF token types (llama.cpp's llama_token_type)
 _CONTROL, _USER_DEFINED = 3, 4
@@ -133,8 +133,8 @@ class Tokenizer:
             "add_bos_token": self.add_bos,
             "chat_template": self.chat_template,
         }
-        _atomic_write_text(directory / "tokenizer.json", self.backend.to_str())
-        _atomic_write_text(directory / "tokenizer_config.json", json.dumps(config, indent=2))
+        atomic_write_text(directory / "tokenizer.json", self.backend.to_str())
+        atomic_write_text(directory / "tokenizer_config.json", json.dumps(config, indent=2))
 
     @classmethod
     def from_directory(cls, directory: str | Path) -> Tokenizer:
@@ -227,14 +227,3 @@ def _compile_template(source: str):
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
     return env.from_string(source)
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from llmopt.artifacts import atomic_save_figure
 from llmopt.models.config import ModelConfig
 from llmopt.plan.hardware import Cluster, customize, get_cluster, load_cluster_toml
 from llmopt.plan.workload import RECOMPUTES, SCHEDULES, STATE_BYTES, ParallelConfig, Workload
@@ -243,7 +244,6 @@ def _table(plans, title: str):
 
 def plot_breakdown(plans, labels: list[str], path: str, title: str) -> None:
     """Stacked bars of each plan's step-time components (written atomically)."""
-    import os
 
     import matplotlib
 
@@ -264,12 +264,8 @@ def plot_breakdown(plans, labels: list[str], path: str, title: str) -> None:
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp.png")
-    fig.savefig(tmp, dpi=120)
+    atomic_save_figure(fig, path, dpi=120)
     plt.close(fig)
-    os.replace(tmp, out)
 
 
 def _label(plan) -> str:

@@ -35,17 +35,12 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from llmopt.artifacts import atomic_write, atomic_write_text
 from llmopt.parallel.data_parallel import DataParallel
 from llmopt.parallel.grid import RankGrid
 from llmopt.parallel.optim import AdamW
 
 LATEST = "latest"
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _step_dir(root: Path, step: int) -> Path:
@@ -110,9 +105,7 @@ def save_checkpoint(
         tensors["rng/cuda"] = torch.cuda.get_rng_state()
     meta = {"param_groups": json.dumps(state["param_groups"]), "rank": str(grid.rank)}
     name = f"rank{grid.rank:05d}.safetensors"
-    tmp = partial / f".{name}.tmp"
-    save_file(tensors, str(tmp), metadata=meta)
-    os.replace(tmp, partial / name)
+    atomic_write(partial / name, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
     if fault is not None:
         fault("save")
     if grid.dims.pp == 1:
@@ -130,11 +123,11 @@ def save_checkpoint(
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             **extra,
         }
-        _atomic_write_text(partial / "manifest.json", json.dumps(manifest, indent=1))
+        atomic_write_text(partial / "manifest.json", json.dumps(manifest, indent=1))
         if final.exists():
             shutil.rmtree(final)
         os.replace(partial, final)
-        _atomic_write_text(root / LATEST, final.name)
+        atomic_write_text(root / LATEST, final.name)
         complete = sorted(p for p in root.glob("step_*") if not p.name.endswith(".partial"))
         for old in complete[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
@@ -161,10 +154,11 @@ def _save_full(directory: Path, engine: DataParallel, optimizer: AdamW, grid: Ra
         ("model.safetensors", masters, {}),
         ("optimizer.safetensors", moments, {"step": str(step), "groups": json.dumps(groups)}),
     ):
-        tmp = directory / f".{name}.tmp"
         cpu = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-        save_file(cpu, str(tmp), metadata=meta)
-        os.replace(tmp, directory / name)
+        atomic_write(
+            directory / name,
+            lambda tmp, cpu=cpu, meta=meta: save_file(cpu, str(tmp), metadata=meta),
+        )
 
 
 def _load_full(

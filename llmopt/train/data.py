@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from llmopt.artifacts import atomic_write
+
 CACHE_DIR = Path(os.environ.get("LLMOPT_CACHE", Path.home() / ".cache" / "llmopt"))
 
 
@@ -32,10 +34,12 @@ def _tokenise_cached(corpus: str, tokenizer_spec: str, max_chars: int | None) ->
     tokenizer = load_tokenizer(tokenizer_spec)
     text = load_text(corpus, max_chars=max_chars)
     ids = np.asarray(tokenizer.encode(text), dtype=np.int32)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}.npy")
-    np.save(tmp, ids)
-    os.replace(tmp, path)
+
+    def save(tmp: Path) -> None:
+        with tmp.open("wb") as handle:  # a file object: np.save would append ".npy" to a name
+            np.save(handle, ids)
+
+    atomic_write(path, save)
     return ids
 
 

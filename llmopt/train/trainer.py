@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from llmopt.artifacts import atomic_save_figure
 from llmopt.models.config import ModelConfig
 from llmopt.models.llama import Transformer, build_model
 from llmopt.models.presets import get_preset
@@ -310,10 +311,8 @@ def plot_losses(log_file: Path, png: Path) -> None:
     ax.set_ylabel("training loss")
     ax.set_title(log_file.parent.name)
     fig.tight_layout()
-    tmp = png.with_name(png.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
+    atomic_save_figure(fig, png)
     plt.close(fig)
-    os.replace(tmp, png)
 
 
 def _data_parallel_step(cfg, model, engine, optimizer, inputs, targets, n_micro, grid, step):

@@ -11,14 +11,13 @@ and `config.json` gets AutoAWQ's `quantization_config`.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from llmopt.compress.quant.io import atomic_write
+from llmopt.artifacts import atomic_write, atomic_write_json
 from llmopt.compress.quant.linear import QuantLinear
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -95,9 +94,7 @@ def export_autoawq(model: nn.Module, directory: str | Path, tokenizer: Any = Non
         "version": "gemm",
         "modules_to_not_convert": None,
     }
-    atomic_write(
-        directory / "config.json", lambda tmp: tmp.write_text(json.dumps(hf, indent=2) + "\n")
-    )
+    atomic_write_json(directory / "config.json", hf, indent=2)
     if tokenizer is not None:
         tokenizer.save(directory)
     return directory

@@ -12,15 +12,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from llmopt.artifacts import atomic_write, atomic_write_json
 from llmopt.compress.quant.config import QuantConfig
 from llmopt.compress.quant.formats import check_bits_group
 from llmopt.compress.quant.linear import QuantLinear
@@ -33,17 +31,6 @@ FORMAT_VERSION = 1
 
 class QuantFileError(ValueError):
     """A quantized directory that is corrupted, incomplete or inconsistent."""
-
-
-def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def sha256_file(path: Path) -> str:
@@ -131,7 +118,7 @@ def _float_params(model: nn.Module):
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2) + "\n"))
+    atomic_write_json(path, data, indent=2)
 
 
 def read_quant_meta(directory: str | Path) -> dict[str, Any]:

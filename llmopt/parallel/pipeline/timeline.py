@@ -6,11 +6,10 @@ records the same events with wall-clock times) are drawn the same way and can be
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from llmopt.artifacts import atomic_save_figure
 from llmopt.parallel.pipeline.simulate import Event
 
 
@@ -114,14 +113,8 @@ def render_png(
         _draw(ax, panel_events, pp or len(panel_events), panel_title, time_unit)
     fig.tight_layout()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".png", dir=path.parent)
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=110)
-        os.replace(tmp, path)
+        atomic_save_figure(fig, path)
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return path
