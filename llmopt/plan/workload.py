@@ -1,11 +1,4 @@
-"""What is trained (workload), how it is mapped (parallel config), and how many FLOPs it costs.
-
-FLOP convention (model FLOPs, the numerator of MFU): Megatron's
-72·B·s·l·h²·(1 + s/6h + V/12lh) generalised to GQA and SwiGLU, i.e. per token and layer
-forward 2·(matmul parameters) + 4·s·(heads·head_dim) for attention scores and values (full s²,
-no causal halving, as Megatron and torchtitan count), plus 2·h·V for the output layer; backward
-costs twice the forward. Hardware FLOPs (HFU) add the recomputed forward.
-"""
+"""What is trained (workload) and how it is mapped (parallel config). FLOPs: `llmopt.plan.flops`."""
 
 from __future__ import annotations
 
@@ -14,7 +7,15 @@ from typing import Literal
 
 import numpy as np
 
-from llmopt.models.config import ModelConfig
+from llmopt.models.config import ModelConfig  # noqa: F401  (re-exported for type hints)
+from llmopt.plan.flops import (  # noqa: F401  (re-exported)
+    head_flops_fwd_per_token,
+    layer_flops_fwd_per_token,
+    matmul_params_per_layer,
+    megatron_flops,
+    model_flops_per_step,
+    recompute_flops_per_step,
+)
 
 Precision = Literal["bf16", "fp8"]
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
@@ -158,50 +159,3 @@ def grid_row(grid: Grid, i: int) -> ParallelConfig:
         virtual_stages=int(grid["v"][i]),
         recompute=RECOMPUTES[int(grid["rc"][i])],  # type: ignore[arg-type]
     )
-
-
-# ---- FLOPs -----------------------------------------------------------------------------------
-def matmul_params_per_layer(model: ModelConfig) -> int:
-    """Weights of one block that take part in GEMMs (QKV, output, MLP)."""
-    h = model.hidden_size
-    n_mlp = 3 if model.mlp == "swiglu" else 2
-    return (
-        h * model.q_size
-        + 2 * h * model.kv_size
-        + model.q_size * h
-        + n_mlp * h * (model.intermediate_size)
-    )
-
-
-def layer_flops_fwd_per_token(model: ModelConfig, seq_len: int) -> float:
-    """Forward FLOPs of one block per token: GEMMs + attention scores and values (full s²)."""
-    return 2.0 * matmul_params_per_layer(model) + 4.0 * seq_len * model.q_size
-
-
-def head_flops_fwd_per_token(model: ModelConfig) -> float:
-    return 2.0 * model.hidden_size * model.vocab_size
-
-
-def model_flops_per_step(model: ModelConfig, work: Workload) -> float:
-    """Model FLOPs per step (MFU numerator): 3 × forward of all layers and the output layer."""
-    per_token = model.num_layers * layer_flops_fwd_per_token(model, work.seq_len)
-    per_token += head_flops_fwd_per_token(model)
-    return 3.0 * per_token * work.tokens_per_step
-
-
-def recompute_flops_per_step(model: ModelConfig, work: Workload, recompute: str) -> float:
-    """Extra FLOPs of activation recomputation (HFU adds these)."""
-    tokens = work.tokens_per_step
-    if recompute == "full":
-        return model.num_layers * layer_flops_fwd_per_token(model, work.seq_len) * tokens
-    if recompute == "selective":  # attention core (QK^T, softmax, ·V) again
-        return model.num_layers * 4.0 * work.seq_len * model.q_size * tokens
-    return 0.0
-
-
-def megatron_flops(batch: int, s: int, layers: int, h: int, vocab: int, recompute: bool) -> float:
-    """Narayanan et al. 2021 Eq. 3 (96·…·(1+s/6h+V/16lh), counts the recomputed forward) when
-    `recompute`, else the model-FLOPs form 72·B·s·l·h²·(1 + s/6h + V/12lh)."""
-    if recompute:
-        return 96.0 * batch * s * layers * h * h * (1 + s / (6 * h) + vocab / (16 * layers * h))
-    return 72.0 * batch * s * layers * h * h * (1 + s / (6 * h) + vocab / (12 * layers * h))
