@@ -16,7 +16,7 @@ import pytest
 import torch
 from scipy import stats as scistats
 
-import llmopt.infer.speculative as spec
+import llmopt.infer.speculative_loop as loop
 from llmopt.infer.drafts import ModelDraft, NGramDraft
 from llmopt.infer.sampling import SamplingConfig, logits_to_probs, sample
 from llmopt.infer.speculative import SpeculativeConfig, speculative_generate, verify_sampled
@@ -150,7 +150,7 @@ def _accept_always(p, q, guesses, generator):
 
 @pytest.mark.parametrize("wrong_rule", [_resample_from_target, _accept_always])
 def test_wrong_acceptance_rule_fails_the_same_test(target, draft_model, wrong_rule, monkeypatch):
-    monkeypatch.setattr(spec, "verify_sampled", wrong_rule)
+    monkeypatch.setattr(loop, "verify_sampled", wrong_rule)
     tv, bound, pvalue = _fit(target, ModelDraft(draft_model, "d"), SamplingConfig(temperature=1.0))
     # The same verdict the correct rule passes must fail; chi-square is the sharper of the two
     # (the resample-from-p mistake shifts the joint law by TV ~0.06, below the N=2000 bound).
