@@ -12,17 +12,15 @@ Float8Linear pays per call without fused casts.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+from _report import add_threads_argument, apply_threads, run_info, table, write_report
 from rich.console import Console
-from rich.table import Table
 
-from llmopt.artifacts import atomic_write_json
 from llmopt.precision.fp8 import E4M3, compute_amax, quantize, scale_from_amax
 
 # (M, K, N): square GEMMs, then the block GEMMs of SmolLM2-135M at 2048 tokens
@@ -88,23 +86,18 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("runs/fp8_gemm.json"))
     p.add_argument("--min-time", type=float, default=1.0, help="seconds per measurement")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    add_threads_argument(p)
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     args = p.parse_args(argv)
-    if args.threads is not None:
-        if args.threads < 1:
-            p.error(f"--threads={args.threads} must be >= 1")
-        torch.set_num_threads(args.threads)
+    apply_threads(p, args.threads)
     console = Console(stderr=args.json, width=120)
     rows = []
     for m, k, n in SHAPES:
         console.print(f"measuring {m}x{k}x{n} ...")
         rows.append(run_shape(m, k, n, args.min_time))
-    table = Table(title=f"GEMM throughput, GFLOP/s ({torch.get_num_threads()} threads)")
-    for col in ("M x K x N", "fp32", "bf16", "fp8", "fp8+casts", "fp8/bf16", "fp8 err", "bf16 err"):
-        table.add_column(col, justify="right", no_wrap=True)
-    for r in rows:
-        table.add_row(
+    columns = ("M x K x N", "fp32", "bf16", "fp8", "fp8+casts", "fp8/bf16", "fp8 err", "bf16 err")
+    cells = [
+        (
             "x".join(map(str, r["shape"])),
             f"{r['fp32']['gflops']:.1f}",
             f"{r['bf16']['gflops']:.1f}",
@@ -114,19 +107,18 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['fp8_rel_err']:.3%}",
             f"{r['bf16_rel_err']:.3%}",
         )
-    console.print(table)
+        for r in rows
+    ]
+    console.print(
+        table(f"GEMM throughput, GFLOP/s ({torch.get_num_threads()} threads)", columns, cells)
+    )
     payload = {
         "benchmark": "fp8_gemm_cpu",
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
+        **run_info(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "results": rows,
     }
-    atomic_write_json(args.out, payload)
-    console.print(f"wrote {args.out}")
-    if args.json:
-        print(json.dumps(payload, indent=1))
+    write_report(console, args.out, payload, echo=args.json)
     return 0
 
 

@@ -22,21 +22,22 @@ cpu --preset tiny` runs the same code paths on the CPU as a smoke test.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
-import json
 import sys
 import time
 from pathlib import Path
 
 import torch
+from _report import run_info, table, write_report
 from rich.console import Console
-from rich.table import Table
 
-from llmopt.artifacts import atomic_write_json
 from llmopt.models import ModelConfig
 from llmopt.models.llama import Block, RotaryEmbedding
 from llmopt.models.presets import get_preset
-from llmopt.precision.fp8 import BLOCK_LINEARS, convert_to_fp8, fp8_gemm_unsupported_reason
+from llmopt.models.spec import get_spec
+from llmopt.plan.flops import layer_flops_fwd_per_token
+from llmopt.precision.fp8 import convert_to_fp8, fp8_gemm_unsupported_reason
 
 MODES = ("bf16", "fp8-current", "fp8-delayed", "torchao", "te")
 TINY = ModelConfig(
@@ -51,25 +52,32 @@ TINY = ModelConfig(
 )
 
 
+SPEC = get_spec("llama")
+
+
 class OneBlock(torch.nn.Module):
-    """A single decoder block with its RoPE tables: x [B, T, H] -> [B, T, H]."""
+    """A single decoder block with its RoPE tables: x [B, T, H] -> [B, T, H]. The block sits
+    where the spec puts a model's blocks, so its linears have the names converters look for."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.layers = torch.nn.ModuleList([Block(cfg, 0)])  # "layers.0.*" names, as converted
+        self.config = cfg
+        self.add_module(SPEC.blocks, torch.nn.ModuleList([Block(cfg, 0)]))
         self.rotary = RotaryEmbedding(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cos, sin = self.rotary(0, x.shape[1], x.dtype)
-        return self.layers[0](x, cos, sin)
+        return SPEC.blocks_of(self)[0](x, cos, sin)
+
+
+def is_block_linear(fqn: str) -> bool:
+    """`layers.0.self_attn.q_proj` and the like: the linears every mode converts."""
+    return fqn.removeprefix(f"{SPEC.blocks}.0.") in SPEC.block_linears
 
 
 def block_flops(cfg: ModelConfig, batch: int, seq: int) -> float:
-    """fwd+bwd FLOPs: 6 x linear params x tokens, plus causal attention (QK^T and PV)."""
-    h, tokens = cfg.hidden_size, batch * seq
-    linear = cfg.layer_parameters() - 2 * h
-    attn = 2 * 2 * batch * seq * seq * cfg.q_size / 2  # causal: half the score matrix
-    return 6 * linear * tokens + 3 * attn
+    """fwd+bwd FLOPs of one block: 3 x forward, counted as `llmopt.plan.flops` counts them."""
+    return 3 * layer_flops_fwd_per_token(cfg, seq) * batch * seq
 
 
 def make_variant(mode: str, base: OneBlock) -> OneBlock:
@@ -82,13 +90,13 @@ def make_variant(mode: str, base: OneBlock) -> OneBlock:
         from torchao.float8 import convert_to_float8_training
 
         return convert_to_float8_training(
-            model, module_filter_fn=lambda _m, fqn: fqn.rsplit(".", 1)[-1] in BLOCK_LINEARS
+            model, module_filter_fn=lambda _m, fqn: is_block_linear(fqn)
         )
     if mode == "te":
         import transformer_engine.pytorch as te
 
         for name, module in list(model.named_modules()):
-            if name.rsplit(".", 1)[-1] in BLOCK_LINEARS:
+            if is_block_linear(name):
                 new = te.Linear(
                     module.in_features,
                     module.out_features,
@@ -106,8 +114,6 @@ def make_variant(mode: str, base: OneBlock) -> OneBlock:
 
 def te_context(mode: str):
     if mode != "te":
-        import contextlib
-
         return contextlib.nullcontext()
     import transformer_engine.pytorch as te
     from transformer_engine.common.recipe import DelayedScaling, Format
@@ -219,14 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         r["speedup_vs_bf16"] = base_ms / r["ms"]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    table = Table(
-        title=f"{cfg.name} block fwd+bwd, {args.batch}x{args.seq} tokens, {name}"
-        + (" (compiled)" if args.compile else "")
-    )
-    for col in ("mode", "ms", "TFLOP/s", "x bf16", "peak GiB", "branch err vs bf16"):
-        table.add_column(col, justify="right", no_wrap=True)
-    for r in rows:
-        table.add_row(
+    title = f"{cfg.name} block fwd+bwd, {args.batch}x{args.seq} tokens, {name}"
+    columns = ("mode", "ms", "TFLOP/s", "x bf16", "peak GiB", "branch err vs bf16")
+    cells = [
+        (
             r["mode"],
             f"{r['ms']:.2f}",
             f"{r['tflops']:.1f}",
@@ -234,12 +236,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['peak_gib']:.2f}",
             f"{r['err']:.2%}",
         )
-    console.print(table)
+        for r in rows
+    ]
+    console.print(table(title + (" (compiled)" if args.compile else ""), columns, cells))
     payload = {
         "benchmark": "fp8_block_gpu",
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        **run_info(),
         "device": name,
-        "torch": torch.__version__,
         "config": cfg.to_dict(),
         "batch": args.batch,
         "seq": args.seq,
@@ -248,10 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": rows,
         "skipped": errors,
     }
-    atomic_write_json(args.out, payload)
-    console.print(f"wrote {args.out}")
-    if args.json:
-        print(json.dumps(payload, indent=1))
+    write_report(console, args.out, payload, echo=args.json)
     return 0
 
 

@@ -2,17 +2,14 @@
 
 For each real-text prompt (World English Bible passages: some with the repetitive structure
 that prompt lookup exploits, some plain narrative) the target decodes greedily with our own
-plain `generate` and speculatively with every (draft, gamma); outputs must be identical.
+plain `generate` and speculatively with every (draft, gamma) through
+`llmopt.infer.speculative.compare_with_plain`; outputs must be identical.
 
-Predictions are made from quantities measured separately from the timed runs:
-- v(gamma): cost of a (gamma+1)-token target pass relative to a 1-token step (calibrated on a
-  cached prefix of the prompt's length),
-- c: cost of one draft step relative to one target step (calibrated the same way; also the
-  2-token pass a model draft makes to catch up after a fully accepted round),
-- alpha and the fraction of rounds with a proposal: from the runs' acceptance counters,
-and then speedup = E[tokens per round] / E[cost per round] (Leviathan et al. 2023 with the
-verify cost v(gamma) in place of 1). The PNG plots measured speedup against alpha, with the
-predicted curves and the break-even line.
+Predictions come from the library's one predictor (`llmopt.infer.speculative_predict`), fed
+with costs calibrated apart from the timed runs (`time_passes`: v(t) of a t-token target pass
+and a model draft's 1- and 2-token passes, on a cache of the prompt's length) and with the
+runs' acceptance counters. The PNG plots measured speedup against alpha, with the predicted
+curves and the break-even line.
 
     python benchmarks/speculative.py --out runs/speculative.json
 """
@@ -21,29 +18,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import statistics
-import tempfile
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from _report import run_info, save_figure, table, write_report
 from rich.console import Console
 from rich.progress import Progress
-from rich.table import Table
 
-from llmopt.artifacts import atomic_write_json
 from llmopt.data.corpus import load_text
 from llmopt.infer.drafts import ModelDraft, make_draft
-from llmopt.infer.generate import generate
 from llmopt.infer.speculative import (
+    Comparison,
     SpeculativeConfig,
-    expected_tokens_per_round,
-    speculative_generate,
+    compare_with_plain,
+    costs_from_times,
+    measure_plain,
+    predicted_speedup,
+    time_passes,
 )
-from llmopt.models.llama import KVCache
 from llmopt.models.loading import load_model, load_tokenizer
 
 # name -> (opening words in the WEB text, repetitive structure?)
@@ -57,90 +49,12 @@ PASSAGES = {
 }
 
 
-@dataclass
-class Run:
-    draft: str
-    gamma: int
-    adaptive: bool
-    group: str  # "repetitive" or "narrative" passages
-    prompts: list[str] = field(default_factory=list)
-    plain_s: float = 0.0  # end to end (prefill + decode)
-    spec_s: float = 0.0
-    plain_decode_s: float = 0.0  # from the first new token on: tokens - 1 per prompt
-    spec_decode_s: float = 0.0  # after the prefill: tokens per prompt
-    plain_decode_cpu: float = 0.0  # the same in process CPU seconds
-    spec_decode_cpu: float = 0.0
-    plain_decode_tokens: int = 0
-    tokens: int = 0
-    rounds: int = 0
-    proposing_rounds: int = 0
-    proposed: int = 0
-    accepted: int = 0
-    rejections: int = 0
-    draft_forwards: int = 0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    identical: bool = True
-
-    @property
-    def alpha(self) -> float:
-        trials = self.accepted + self.rejections
-        return self.accepted / trials if trials else 0.0
-
-
 def passage_prompt(text: str, opening: str, chars: int) -> str:
     start = text.find(opening)
     if start < 0:
         raise ValueError(f"passage opening {opening!r} not found in the corpus")
     end = text.rfind(" ", start, start + chars)
     return text[start:end]
-
-
-@torch.inference_mode()
-def pass_times(
-    model, context: list[int], sizes: list[int], repeats: int
-) -> dict[str, dict[int, float]]:
-    """Median wall and CPU seconds of a t-token pass on a cached prefix, for each t
-    (interleaved, so a change in machine load hits every size alike)."""
-    cache = KVCache.for_model(model, 1, len(context) + max(sizes))
-    model(torch.tensor([context]), cache)
-    samples: dict[str, dict[int, list[float]]] = {"wall": {}, "cpu": {}}
-    for _ in range(repeats + 1):
-        for t in sizes:
-            x = torch.tensor([context[-t:]])
-            t0, c0 = time.perf_counter(), time.process_time()
-            model(x, cache, last_only=t == 1)
-            samples["wall"].setdefault(t, []).append(time.perf_counter() - t0)
-            samples["cpu"].setdefault(t, []).append(time.process_time() - c0)
-            cache.rollback(len(context))
-    return {
-        clock: {t: statistics.median(v[1:]) for t, v in by_size.items()}
-        for clock, by_size in samples.items()
-    }
-
-
-def predict(run: Run, c: tuple[float, float], v: dict[int, float]) -> float:
-    """Speedup predicted from alpha, the draft costs c = (1-token, 2-token pass) and v(gamma).
-
-    Rounds without a proposal are plain steps. After a fully accepted round (probability
-    alpha^gamma) a model draft's first pass catches up on two tokens (its last guess and the
-    bonus token), so that pass costs c2 instead of c1.
-    """
-    if run.proposing_rounds == 0:
-        return 1.0
-    c1, c2 = c
-    gamma = max(1, round(run.proposed / run.proposing_rounds))
-    f = run.proposing_rounds / run.rounds
-    alpha = run.alpha
-    tokens = f * expected_tokens_per_round(alpha, gamma) + (1 - f)
-    draft = gamma * c1 + alpha**gamma * (c2 - c1)
-    cost = f * (draft + v[gamma + 1]) + (1 - f) * v[1]
-    return tokens / cost
-
-
-def leviathan(run: Run, c: float) -> float:
-    gamma = max(1, round(run.proposed / max(run.proposing_rounds, 1)))
-    return expected_tokens_per_round(run.alpha, gamma) / (gamma * c + 1)
 
 
 def plot(rows: list[dict], v: dict[int, float], costs: dict[str, float], path: Path) -> None:
@@ -156,7 +70,7 @@ def plot(rows: list[dict], v: dict[int, float], costs: dict[str, float], path: P
         if gamma + 1 not in v:
             continue
         for c, color in ((0.0, "tab:green"), (0.5, "tab:red")):
-            ys = [expected_tokens_per_round(a, gamma) / (gamma * c + v[gamma + 1]) for a in alphas]
+            ys = [predicted_speedup(a, gamma, c, v[gamma + 1]) for a in alphas]
             ax.plot(alphas, ys, style, color=color, lw=1, label=f"predicted, γ={gamma}, c={c}")
     ax.axhline(1.0, color="black", lw=1.5, label="break-even: plain decoding")
     palette = plt.get_cmap("tab10")
@@ -193,12 +107,8 @@ def plot(rows: list[dict], v: dict[int, float], costs: dict[str, float], path: P
     ax.set_ylim(0, None)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper left")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".png")
-    os.close(fd)
-    fig.savefig(tmp, dpi=130, bbox_inches="tight")
-    os.replace(tmp, path)
-    plt.close(fig)
+    fig.tight_layout()
+    save_figure(fig, path, dpi=130)
 
 
 def parse_configs(text: str) -> list[tuple[str, int, bool]]:
@@ -206,10 +116,43 @@ def parse_configs(text: str) -> list[tuple[str, int, bool]]:
     out = []
     for item in text.split(","):
         draft, _, gamma = item.strip().rpartition("@")
-        if not draft:
+        if not draft or not gamma.rstrip("a").isdigit():
             raise ValueError(f"config {item!r} must be DRAFT@GAMMA[a], e.g. ngram:3@4")
-        adaptive = gamma.endswith("a")
-        out.append((draft, int(gamma.rstrip("a")), adaptive))
+        out.append((draft, int(gamma.rstrip("a")), gamma.endswith("a")))
+    return out
+
+
+def row(config: tuple[str, int, bool], group: str, comp: Comparison, costs: dict) -> dict:
+    """One table/JSON row: a configuration pooled over the prompts of one group."""
+    draft, gamma, adaptive = config
+    st = comp.stats
+    wall, cpu = st.predict(costs["wall"]), st.predict(costs["cpu"])
+    out = {
+        "draft": draft,
+        "gamma": gamma,
+        "adaptive": adaptive,
+        "prompts": group,
+        "identical_output": comp.identical,
+        "tokens": st.generated,
+        "alpha": st.alpha,
+        "tokens_per_target_pass": st.tokens_per_pass,
+        "proposal_rate": st.proposal_rate,
+        "c_wall": costs["wall"].draft,
+        "c_cpu": costs["cpu"].draft,
+        "plain_s": comp.plain_total.wall_s,
+        "speculative_s": comp.speculative_total.wall_s,
+        "plain_decode_tokens_per_s": comp.plain_decode.rate("wall"),
+        "speculative_decode_tokens_per_s": comp.speculative_decode.rate("wall"),
+        "measured_speedup": comp.speedup("wall"),
+        "measured_speedup_end_to_end": comp.speedup("wall", end_to_end=True),
+        "predicted_speedup": wall["predicted_speedup"],
+        "measured_speedup_cpu": comp.speedup("cpu"),
+        "predicted_speedup_cpu": cpu["predicted_speedup"],
+        "predicted_speedup_leviathan_v1": cpu["predicted_speedup_leviathan"],
+        "optimal_gamma_cpu": cpu["optimal_gamma"],
+    }
+    out["prediction_error"] = out["predicted_speedup"] / out["measured_speedup"] - 1
+    out["prediction_error_cpu"] = out["predicted_speedup_cpu"] / out["measured_speedup_cpu"] - 1
     return out
 
 
@@ -255,123 +198,47 @@ def main(argv: list[str] | None = None) -> int:
     }
     drafts = {spec: make_draft(spec, model, tokenizer) for spec in {c[0] for c in configs}}
 
-    # ---- calibration: v(t) and the draft step costs, at the mean prompt length
-    context = prompts[names[0]]
-    gammas = sorted({g for _, g, _ in configs} | {2, 4, 8})
-    sizes = sorted({1, *[g + 1 for g in gammas], *range(1, 10)})
-    console.print(f"calibrating pass costs for {sizes} tokens at context {len(context)}")
-    times = pass_times(model, context, sizes, args.calib_repeats)
-    clocks = ("wall", "cpu")
-    v = {k: {t: times[k][t] / times[k][1] for t in sizes} for k in clocks}
-    costs: dict[str, dict[str, float]] = {k: {} for k in clocks}
-    costs2: dict[str, dict[str, float]] = {k: {} for k in clocks}  # 2-token draft pass
+    # ---- calibration, apart from the timed runs: v(t) and the draft passes, at a prompt's length
+    context_len = len(prompts[names[0]])
+    sizes = sorted({*range(1, 10), *[g + 1 for _, g, _ in configs]})
+    console.print(f"calibrating pass costs for {sizes} tokens at context {context_len}")
+    target_times = time_passes(model, context_len, sizes, args.calib_repeats)
+    costs = {}
     for spec, draft in drafts.items():
+        draft_times = None
         if isinstance(draft, ModelDraft):
-            dt = pass_times(draft.model, context, [1, 2], args.calib_repeats)
-            for k in clocks:
-                costs[k][spec] = dt[k][1] / times[k][1]
-                costs2[k][spec] = dt[k][2] / times[k][1]
-        else:  # prompt lookup: a dictionary probe, no model (its time is in the measurement)
-            for k in clocks:
-                costs[k][spec] = costs2[k][spec] = 0.0
+            draft_times = time_passes(draft.model, context_len, (1, 2), args.calib_repeats)
+        costs[spec] = costs_from_times(target_times, draft_times)
+    verify = {clock: dict(costs[configs[0][0]][clock].target) for clock in ("wall", "cpu")}
 
     # ---- timed runs, interleaved per prompt so load changes hit all configs alike
     groups = {n: "repetitive" if PASSAGES[n][1] else "narrative" for n in names}
-    runs = {
-        (d, g, a, grp): Run(d, g, a, grp) for d, g, a in configs for grp in set(groups.values())
-    }
+    runs: dict[tuple, list[Comparison]] = {}
     plain_total = 0.0
     with Progress(console=console) as progress:
         task = progress.add_task("prompts x configs", total=len(names) * (len(configs) + 1))
         for name in names:
             prompt = prompts[name]
-            stamps: list[tuple[float, float]] = []
-            t0 = time.perf_counter()
-            ref = generate(
-                model,
-                prompt,
-                max_new_tokens=args.max_new_tokens,
-                on_token=lambda _, s=stamps: s.append((time.perf_counter(), time.process_time())),
-            )
-            plain_s = time.perf_counter() - t0
-            # the first token came from the prefill: decoding is what follows it
-            plain_decode_s = stamps[-1][0] - stamps[0][0]
-            plain_decode_cpu = stamps[-1][1] - stamps[0][1]
-            plain_total += plain_s
+            plain = measure_plain(model, prompt, max_new_tokens=args.max_new_tokens)
+            plain_total += plain.total.wall_s
             progress.advance(task)
             for d, g, a in configs:
-                cfg = SpeculativeConfig(gamma=g, adaptive=a, gamma_max=max(g, 12))
-                t0 = time.perf_counter()
-                res = speculative_generate(
-                    model, drafts[d], prompt, max_new_tokens=args.max_new_tokens, config=cfg
+                _, comp = compare_with_plain(
+                    model,
+                    drafts[d],
+                    prompt,
+                    max_new_tokens=args.max_new_tokens,
+                    config=SpeculativeConfig(gamma=g, adaptive=a, gamma_max=max(g, 12)),
+                    plain=plain,
                 )
-                spec_s = time.perf_counter() - t0
-                st, run = res.stats, runs[(d, g, a, groups[name])]
-                run.prompts.append(name)
-                run.plain_s += plain_s
-                run.spec_s += spec_s
-                run.plain_decode_s += plain_decode_s
-                run.plain_decode_tokens += len(ref) - 1
-                run.spec_decode_s += st.total_time_s - st.prefill_time_s
-                run.plain_decode_cpu += plain_decode_cpu
-                run.spec_decode_cpu += st.total_cpu_s - st.prefill_cpu_s
-                run.tokens += st.generated
-                run.rounds += st.rounds
-                run.proposing_rounds += st.proposing_rounds
-                run.proposed += st.proposed
-                run.accepted += st.accepted
-                run.rejections += st.rejections
-                run.draft_forwards += st.draft_forwards
-                run.draft_s += st.draft_time_s
-                run.verify_s += st.verify_time_s
-                run.identical &= res.tokens == ref
+                runs.setdefault((d, g, a, groups[name]), []).append(comp)
                 progress.advance(task)
 
-    rows = []
-    for run in runs.values():
-        if not run.prompts:
-            continue
-        plain_rate = run.plain_decode_tokens / run.plain_decode_s
-        spec_rate = run.tokens / run.spec_decode_s
-        plain_cpu_rate = run.plain_decode_tokens / run.plain_decode_cpu
-        spec_cpu_rate = run.tokens / run.spec_decode_cpu
-        row = {
-            "draft": run.draft,
-            "gamma": run.gamma,
-            "adaptive": run.adaptive,
-            "prompts": run.group,
-            "prompt_names": run.prompts,
-            "identical_output": run.identical,
-            "tokens": run.tokens,
-            "alpha": run.alpha,
-            "tokens_per_target_pass": run.tokens / run.rounds,
-            "proposal_rate": run.proposing_rounds / run.rounds,
-            "c_wall": costs["wall"][run.draft],
-            "c_cpu": costs["cpu"][run.draft],
-            "plain_s": run.plain_s,
-            "speculative_s": run.spec_s,
-            "plain_decode_tokens_per_s": plain_rate,
-            "speculative_decode_tokens_per_s": spec_rate,
-            "measured_speedup": spec_rate / plain_rate,
-            "measured_speedup_end_to_end": run.plain_s / run.spec_s,
-            "predicted_speedup": predict(
-                run, (costs["wall"][run.draft], costs2["wall"][run.draft]), v["wall"]
-            ),
-            "measured_speedup_cpu": spec_cpu_rate / plain_cpu_rate,
-            "predicted_speedup_cpu": predict(
-                run, (costs["cpu"][run.draft], costs2["cpu"][run.draft]), v["cpu"]
-            ),
-            "predicted_speedup_leviathan_v1": leviathan(run, costs["cpu"][run.draft]),
-        }
-        row["prediction_error"] = row["predicted_speedup"] / row["measured_speedup"] - 1
-        row["prediction_error_cpu"] = row["predicted_speedup_cpu"] / row["measured_speedup_cpu"] - 1
-        rows.append(row)
-
+    rows = [
+        row(key[:3], key[3], Comparison.pooled(comps), costs[key[0]]) for key, comps in runs.items()
+    ]
     rows.sort(key=lambda r: (r["prompts"], r["draft"], r["gamma"], r["adaptive"]))
-    table = Table(
-        title=f"speculative decoding, {args.model}, greedy, decode-phase speedup over plain"
-    )
-    for col in (
+    columns = (
         "prompts",
         "draft",
         "γ",
@@ -386,10 +253,9 @@ def main(argv: list[str] | None = None) -> int:
         "pred.",
         "err",
         "Leviathan v=1",
-    ):
-        table.add_column(col, justify="right")
-    for r in rows:
-        table.add_row(
+    )
+    cells = [
+        (
             r["prompts"],
             r["draft"],
             f"{r['gamma']}{' adapt' if r['adaptive'] else ''}",
@@ -405,39 +271,35 @@ def main(argv: list[str] | None = None) -> int:
             f"{100 * r['prediction_error_cpu']:+.0f}%",
             f"{r['predicted_speedup_leviathan_v1']:.2f}x",
         )
-    console.print(table)
-    vt = Table(title="verify cost v(t) = t-token pass / 1-token step")
-    vt.add_column("clock")
-    for t in sizes:
-        vt.add_column(str(t), justify="right")
-    for k in clocks:
-        vt.add_row(k, *[f"{v[k][t]:.2f}" for t in sizes])
-    console.print(vt)
+        for r in rows
+    ]
+    title = f"speculative decoding, {args.model}, greedy, decode-phase speedup over plain"
+    console.print(table(title, columns, cells))
+    vt = [(clock, *[f"{verify[clock][t]:.2f}" for t in sizes]) for clock in verify]
     console.print(
-        f"1-token step at context {len(context)}: {1000 * times['wall'][1]:.1f} ms wall, "
-        f"{1000 * times['cpu'][1]:.1f} ms CPU"
+        table("verify cost v(t) = t-token pass / 1-token step", ["clock", *map(str, sizes)], vt)
     )
-
+    step = {clock: costs[configs[0][0]][clock].step_s for clock in verify}
+    console.print(
+        f"1-token step at context {context_len}: {1000 * step['wall']:.1f} ms wall, "
+        f"{1000 * step['cpu']:.1f} ms CPU"
+    )
     result = {
         "model": args.model,
-        "machine": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "threads": args.threads,
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        **run_info(),
         "passages": {n: {"tokens": len(prompts[n]), "repetitive": PASSAGES[n][1]} for n in names},
         "max_new_tokens": args.max_new_tokens,
-        "step_time_s": {k: times[k][1] for k in clocks},
-        "verify_cost": {k: {str(t): v[k][t] for t in sizes} for k in clocks},
-        "draft_cost": costs,
-        "draft_cost_2_tokens": costs2,
+        "step_time_s": step,
+        "verify_cost": {k: {str(t): v for t, v in by_t.items()} for k, by_t in verify.items()},
+        "draft_cost": {k: {d: c[k].draft for d, c in costs.items()} for k in verify},
+        "draft_cost_2_tokens": {k: {d: c[k].draft_2 for d, c in costs.items()} for k in verify},
         "plain_total_s": plain_total,
         "rows": rows,
     }
-    atomic_write_json(Path(args.out), result)
+    write_report(console, args.out, result)
     if args.plot:
-        plot(rows, v["cpu"], costs["cpu"], Path(args.plot))
+        plot(rows, verify["cpu"], result["draft_cost"]["cpu"], Path(args.plot))
         console.print(f"plot: {args.plot}")
-    console.print(f"json: {args.out}")
     return 0
 
 

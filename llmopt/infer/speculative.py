@@ -27,6 +27,7 @@ from llmopt.infer.speculative_measure import (
     calibrate,
     calibrate_costs,
     compare_with_plain,
+    costs_from_times,
     measure_plain,
     time_passes,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "calibrate",
     "calibrate_costs",
     "compare_with_plain",
+    "costs_from_times",
     "expected_tokens_per_round",
     "measure_plain",
     "optimal_gamma",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -64,9 +64,20 @@ def time_passes(
     }
 
 
-def _pass_costs(times: dict[int, float], c: float, c2: float) -> PassCosts:
-    step = times[1]
-    return PassCosts(step, {t: seconds / step for t, seconds in times.items()}, c, c2)
+def costs_from_times(
+    target_times: dict[str, dict[int, float]],
+    draft_times: dict[str, dict[int, float]] | None = None,
+) -> dict[str, PassCosts]:
+    """`PassCosts` per clock from `time_passes` of the target (1-token pass included) and of a
+    model draft (1- and 2-token passes; None: a draft without a model, which costs 0)."""
+    costs = {}
+    for clock in CLOCKS:
+        times = target_times[clock]
+        step = times[1]
+        c = draft_times[clock][1] / step if draft_times else 0.0
+        c2 = draft_times[clock][2] / step if draft_times else 0.0
+        costs[clock] = PassCosts(step, {t: s / step for t, s in times.items()}, c, c2)
+    return costs
 
 
 def calibrate_costs(
@@ -75,17 +86,10 @@ def calibrate_costs(
     """Pass costs per clock: target passes of 1..max_gamma+1 tokens and, for a model draft,
     its 1- and 2-token passes (a draft without a model costs 0: its time is in the run)."""
     times = time_passes(target, context_len, range(1, max_gamma + 2), repeats)
-    if not isinstance(draft, ModelDraft):
-        return {clock: _pass_costs(times[clock], 0.0, 0.0) for clock in CLOCKS}
-    drafted = time_passes(draft.model, context_len, (1, 2), repeats)
-    return {
-        clock: _pass_costs(
-            times[clock],
-            drafted[clock][1] / times[clock][1],
-            drafted[clock][2] / times[clock][1],
-        )
-        for clock in CLOCKS
-    }
+    drafted = None
+    if isinstance(draft, ModelDraft):
+        drafted = time_passes(draft.model, context_len, (1, 2), repeats)
+    return costs_from_times(times, drafted)
 
 
 def calibrate(
@@ -105,9 +109,11 @@ def calibrate(
         stats.costs = calibrate_costs(target, draft, context_len, max_gamma, repeats)
         return stats.costs
     times = time_passes(target, context_len, range(1, max_gamma + 2), repeats)
+    # the run's draft time is wall-clock: the observed c serves both clocks
     per_forward = stats.draft_time_s / (stats.draft_forwards or max(stats.proposed, 1))
     c = per_forward / times["wall"][1]
-    stats.costs = {clock: _pass_costs(times[clock], c, c) for clock in CLOCKS}
+    costs = costs_from_times(times)
+    stats.costs = {clock: replace(cost, draft=c, draft_2=c) for clock, cost in costs.items()}
     return stats.costs
 
 
