@@ -21,23 +21,29 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+from _report import (
+    add_threads_argument,
+    apply_threads,
+    run_info,
+    save_figure,
+    table,
+    write_report,
+)
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-from rich.table import Table
 
-from llmopt.artifacts import atomic_write_json
 from llmopt.data.corpus import load_text
 from llmopt.models import ModelConfig, build_model
+from llmopt.parallel.tensor_parallel import lm_loss as next_token_loss
 from llmopt.precision.fp8 import convert_to_fp8
+from llmopt.train.config import TrainConfig
+from llmopt.train.trainer import lr_at
 
 MODES = ("bf16", "fp8-current", "fp8-delayed", "torchao")
 
@@ -82,11 +88,9 @@ def apply_mode(model, mode: str):
     raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}, bf16-seed<N>")
 
 
-def lr_at(step: int, args) -> float:
-    if step < args.warmup:
-        return args.lr * (step + 1) / args.warmup
-    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
-    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+def schedule(args) -> TrainConfig:
+    """The trainer's warmup + cosine schedule (to 0.1 x lr) with this run's settings."""
+    return TrainConfig(lr=args.lr, min_lr=0.1 * args.lr, warmup_steps=args.warmup, steps=args.steps)
 
 
 def batch_starts(n_tokens: int, args, seed: int) -> torch.Tensor:
@@ -100,8 +104,7 @@ def take(tokens: torch.Tensor, starts: torch.Tensor, seq: int) -> torch.Tensor:
 
 def lm_loss(model, batch: torch.Tensor) -> torch.Tensor:
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        logits = model(batch[:, :-1])
-    return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+        return next_token_loss(model, batch[:, :-1], batch[:, 1:])
 
 
 @torch.no_grad()
@@ -126,9 +129,10 @@ def run_mode(mode: str, train, val, cfg, args, progress) -> dict:
     starts = batch_starts(len(train), args, data_seed)
     losses, times, evals = [], [], []
     task = progress.add_task(mode, total=args.steps)
+    lr_schedule = schedule(args)
     for step in range(args.steps):
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, args)
+            group["lr"] = lr_at(step, lr_schedule)
         batch = take(train, starts[step], args.seq)
         t0 = time.perf_counter()
         loss = lm_loss(model, batch)
@@ -224,11 +228,7 @@ def plot(results: dict[str, dict], path: Path, title: str) -> None:
     ax_rel.legend(fontsize=8)
     ax_rel.set_title("difference to bf16 (dotted: +-1%)")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".png", delete=False) as tmp:
-        fig.savefig(tmp.name, dpi=110)
-    os.replace(tmp.name, path)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def combine(payloads: list[dict], path: Path) -> dict[str, dict]:
@@ -289,11 +289,7 @@ def combine(payloads: list[dict], path: Path) -> dict[str, dict]:
     axes[1].legend(fontsize=7, ncol=2)
     axes[2].set_title("held-out loss vs bf16 per seed (dotted: +-1%)")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".png", delete=False) as tmp:
-        fig.savefig(tmp.name, dpi=110)
-    os.replace(tmp.name, path)
-    plt.close(fig)
+    save_figure(fig, path)
     return stats
 
 
@@ -314,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-chars", type=int, default=None)
     p.add_argument("--out", type=Path, default=Path("runs/fp8_convergence.json"))
     p.add_argument("--plot", type=Path, default=Path("runs/fp8_loss_curves.png"))
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    add_threads_argument(p)
     p.add_argument(
         "--combine",
         type=Path,
@@ -328,10 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = p.parse_args(argv)
-    if args.threads is not None:
-        if args.threads < 1:
-            p.error(f"--threads={args.threads} must be >= 1")
-        torch.set_num_threads(args.threads)
+    apply_threads(p, args.threads)
     modes = [m for m in args.modes.split(",") if m]
     if "bf16" not in modes:
         p.error("--modes must include bf16 (the baseline)")
@@ -341,15 +334,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.combine:
         payloads = [json.loads(f.read_text()) for f in args.combine]
         stats = combine(payloads, args.plot)
-        table = Table(title="held-out loss vs bf16 after the last step, across seeds")
-        for col in ("mode", "per seed", "mean", "std"):
-            table.add_column(col, justify="right", no_wrap=True)
-        for mode, st in stats.items():
-            per_seed = " ".join(f"{v:+.2f}%" for v in st["held_out_vs_bf16_pct"])
-            table.add_row(mode, per_seed, f"{st['mean']:+.2f}%", f"{st['std']:.2f}%")
-        console.print(table)
-        atomic_write_json(args.out, {"benchmark": "fp8_convergence_seeds", "stats": stats})
-        console.print(f"wrote {args.out} and {args.plot}")
+        cells = [
+            (
+                mode,
+                " ".join(f"{v:+.2f}%" for v in st["held_out_vs_bf16_pct"]),
+                f"{st['mean']:+.2f}%",
+                f"{st['std']:.2f}%",
+            )
+            for mode, st in stats.items()
+        ]
+        title = "held-out loss vs bf16 after the last step, across seeds"
+        console.print(table(title, ("mode", "per seed", "mean", "std"), cells))
+        write_report(console, args.out, {"benchmark": "fp8_convergence_seeds", "stats": stats})
+        console.print(f"plot: {args.plot}")
         if args.json:
             print(json.dumps(stats, indent=1))
         return 0
@@ -366,24 +363,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.timing_only:
         with Progress(*columns, console=console) as progress:
             medians = interleaved_step_times(modes, train, cfg, args, progress)
-        table = Table(title="train step time, modes interleaved step by step")
-        for col in ("mode", "median s", "x bf16"):
-            table.add_column(col, justify="right", no_wrap=True)
-        for mode, sec in medians.items():
-            table.add_row(mode, f"{sec:.3f}", f"{sec / medians['bf16']:.2f}")
-        console.print(table)
-        atomic_write_json(
-            args.out,
-            {
-                "benchmark": "fp8_step_time_interleaved",
-                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                "threads": torch.get_num_threads(),
-                "config": cfg.to_dict(),
-                "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                "median_step_s": medians,
-            },
-        )
-        console.print(f"wrote {args.out}")
+        cells = [(m, f"{sec:.3f}", f"{sec / medians['bf16']:.2f}") for m, sec in medians.items()]
+        title = "train step time, modes interleaved step by step"
+        console.print(table(title, ("mode", "median s", "x bf16"), cells))
+        payload = {
+            "benchmark": "fp8_step_time_interleaved",
+            **run_info(),
+            "config": cfg.to_dict(),
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "median_step_s": medians,
+        }
+        write_report(console, args.out, payload)
         return 0
     with Progress(*columns, TimeRemainingColumn(), console=console) as progress:
         for mode in modes:
@@ -411,11 +401,9 @@ def main(argv: list[str] | None = None) -> int:
                 "step_time_vs_bf16": res["step_time_median_s"] / base["step_time_median_s"],
             }
         )
-    table = Table(title=f"FP8 convergence on web-bible ({args.steps} steps)")
-    for col in ("mode", "held-out loss", "vs bf16", "train loss", "vs bf16", "step s", "x bf16"):
-        table.add_column(col, justify="right", no_wrap=True)
-    for s in summary:
-        table.add_row(
+    columns = ("mode", "held-out loss", "vs bf16", "train loss", "vs bf16", "step s", "x bf16")
+    cells = [
+        (
             s["mode"],
             f"{s['final_eval_loss']:.4f}",
             f"{s['eval_vs_bf16_pct']:+.2f}%",
@@ -424,12 +412,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{s['step_time_median_s']:.3f}",
             f"{s['step_time_vs_bf16']:.2f}",
         )
-    console.print(table)
+        for s in summary
+    ]
+    console.print(table(f"FP8 convergence on web-bible ({args.steps} steps)", columns, cells))
     payload = {
         "benchmark": "fp8_convergence",
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
+        **run_info(),
         "config": cfg.to_dict(),
         "params": cfg.num_parameters(),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
@@ -437,9 +425,9 @@ def main(argv: list[str] | None = None) -> int:
         "errors": {m: r["error"] for m, r in results.items() if "error" in r},
         "runs": ok,
     }
-    atomic_write_json(args.out, payload)
+    write_report(console, args.out, payload)
     plot(ok, args.plot, f"{cfg.num_parameters() / 1e6:.1f}M-param Llama on web-bible")
-    console.print(f"wrote {args.out} and {args.plot}")
+    console.print(f"plot: {args.plot}")
     if args.json:
         print(json.dumps({"summary": summary, "errors": payload["errors"]}, indent=1))
     return 0
