@@ -47,10 +47,11 @@ def apply_threads(parser: argparse.ArgumentParser, threads: int | None) -> None:
 
 
 def table(title: str, columns: Sequence[str], rows: Iterable[Sequence[str]]) -> Table:
-    """A rich table of already formatted cells, every column right-aligned."""
+    """A rich table of already formatted cells, every column right-aligned (cells wrap in a
+    narrow console rather than being cut)."""
     out = Table(title=title)
     for col in columns:
-        out.add_column(col, justify="right", no_wrap=True)
+        out.add_column(col, justify="right")
     for row in rows:
         out.add_row(*row)
     return out

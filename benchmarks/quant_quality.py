@@ -11,14 +11,13 @@ quantized-linear bytes vs fp16, and the size on disk of the saved directory.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from _report import run_info, save_figure, table, write_report
 
 
 def parse_schemes(text: str) -> list[tuple[int, int]]:
@@ -34,7 +33,7 @@ def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--methods", default="rtn,awq,gptq")
@@ -46,10 +45,9 @@ def main() -> None:
     parser.add_argument("--act-order", action="store_true", help="GPTQ with act-order")
     parser.add_argument("--out", default="runs/quant_quality.json")
     parser.add_argument("--png", default=None, help="bar chart (default: next to --out)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from rich.console import Console
-    from rich.table import Table
 
     from llmopt.compress.quant.apply import model_nbytes, quantize_model
     from llmopt.compress.quant.calibration import calibration_tokens
@@ -136,8 +134,7 @@ def main() -> None:
             rows.append(row)
             del q
 
-    table = Table(title=f"Weight quantization of {args.model}: {len(eval_ids)} web-bible tokens")
-    for col in (
+    columns = (
         "method",
         "W",
         "g",
@@ -149,42 +146,39 @@ def main() -> None:
         "x<fp16",
         "disk MiB",
         "time s (CPU s)",
-    ):
-        table.add_column(col, justify="right")
+    )
+    cells = []
     for r in rows:
         if r["bits"] == 32:
-            table.add_row(r["method"], "32", "-", f"{r['ppl']:.3f}", "0", "0", "1.000", *["-"] * 4)
+            cells.append((r["method"], "32", "-", f"{r['ppl']:.3f}", "0", "0", "1.000", *["-"] * 4))
             continue
-        table.add_row(
-            r["method"].upper(),
-            str(r["bits"]),
-            str(r["group_size"]),
-            f"{r['ppl']:.3f}",
-            f"{r['kl_mean']:.4f}",
-            f"{r['kl_p99']:.3f}",
-            f"{r['top1']:.3f}",
-            f"{r['quant_linear_bytes'] / 2**20:.1f}",
-            f"{r['quant_linear_fp16_bytes'] / r['quant_linear_bytes']:.2f}",
-            f"{r['disk_bytes_fp16_rest'] / 2**20:.1f}",
-            f"{r['quant_seconds']:.0f} ({r['quant_cpu_seconds']:.0f})",
+        cells.append(
+            (
+                r["method"].upper(),
+                str(r["bits"]),
+                str(r["group_size"]),
+                f"{r['ppl']:.3f}",
+                f"{r['kl_mean']:.4f}",
+                f"{r['kl_p99']:.3f}",
+                f"{r['top1']:.3f}",
+                f"{r['quant_linear_bytes'] / 2**20:.1f}",
+                f"{r['quant_linear_fp16_bytes'] / r['quant_linear_bytes']:.2f}",
+                f"{r['disk_bytes_fp16_rest'] / 2**20:.1f}",
+                f"{r['quant_seconds']:.0f} ({r['quant_cpu_seconds']:.0f})",
+            )
         )
-    console.print(table)
+    title = f"Weight quantization of {args.model}: {len(eval_ids)} web-bible tokens"
+    console.print(table(title, columns, cells))
     result = {
         "model": args.model,
+        **run_info(),
         "eval_tokens": len(eval_ids),
         "ctx": ctx,
         "calib": f"{args.calib_samples}x{args.calib_seq_len}",
-        "threads": torch.get_num_threads(),
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "rows": rows,
     }
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=2, default=lambda o: None))
-    os.replace(tmp, out)
-    console.print(f"wrote {out}")
+    write_report(console, out, result)
     _plot(rows, Path(args.png) if args.png else out.with_suffix(".png"))
 
 
@@ -209,9 +203,7 @@ def _plot(rows: list[dict], path: Path) -> None:
         ax.tick_params(axis="x", labelsize=7)
     fig.suptitle("RTN vs AWQ vs GPTQ")
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    os.replace(tmp, path)
+    save_figure(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

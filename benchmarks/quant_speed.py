@@ -12,13 +12,10 @@ token.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import time
-from pathlib import Path
 
 import torch
+from _report import run_info, table, write_report
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -30,30 +27,21 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def decode_rate(model, prompt: list[int], new_tokens: int) -> float:
-    """Decode tokens/s after the prompt (prefill excluded via the first token's timestamp)."""
-    from llmopt.infer.generate import generate
+    """Decode tokens/s after the prompt (the first token, from the prefill, excluded)."""
+    from llmopt.infer.speculative_measure import measure_plain
 
-    stamps: list[float] = []
-    with torch.no_grad():
-        generate(
-            model,
-            prompt,
-            max_new_tokens=new_tokens + 1,
-            on_token=lambda _tok: stamps.append(time.perf_counter()),
-        )
-    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+    return measure_plain(model, prompt, max_new_tokens=new_tokens + 1).decode.rate("wall")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default="runs/quant_speed.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from rich.console import Console
-    from rich.table import Table
 
     from llmopt.compress.quant.apply import quantize_model
     from llmopt.models.loading import load_model, load_tokenizer
@@ -76,37 +64,32 @@ def main() -> None:
         for name, model in variants.items():
             rates[name].append(decode_rate(model, prompt, args.new_tokens))
         console.print(f"round {r + 1}/{args.rounds} done")
-    table = Table(title=f"Batch-1 greedy decode, {args.model}, {torch.get_num_threads()} threads")
-    for col in ("variant", "tok/s (median)", "min-max", "x fp32", "weights MiB"):
-        table.add_column(col, justify="right")
     fp32 = statistics.median(rates["fp32"])
-    rows = []
+    rows, cells = [], []
     for name, model in variants.items():
         med = statistics.median(rates[name])
         wb = weight_bytes(model)
         rows.append({"variant": name, "tok_s": med, "all": rates[name], "weight_bytes": wb})
-        table.add_row(
-            name,
-            f"{med:.1f}",
-            f"{min(rates[name]):.1f}-{max(rates[name]):.1f}",
-            f"{med / fp32:.2f}",
-            f"{wb / 2**20:.1f}",
+        cells.append(
+            (
+                name,
+                f"{med:.1f}",
+                f"{min(rates[name]):.1f}-{max(rates[name]):.1f}",
+                f"{med / fp32:.2f}",
+                f"{wb / 2**20:.1f}",
+            )
         )
-    console.print(table)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    title = f"Batch-1 greedy decode, {args.model}, {torch.get_num_threads()} threads"
+    columns = ("variant", "tok/s (median)", "min-max", "x fp32", "weights MiB")
+    console.print(table(title, columns, cells))
     result = {
         "model": args.model,
+        **run_info(),
         "new_tokens": args.new_tokens,
         "rounds": args.rounds,
-        "threads": torch.get_num_threads(),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "rows": rows,
     }
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    os.replace(tmp, out)
-    console.print(f"wrote {out}")
+    write_report(console, args.out, result)
 
 
 def _int4_with_int8_head(base):
@@ -114,11 +97,13 @@ def _int4_with_int8_head(base):
     from llmopt.compress.quant.apply import quantize_model, replace_with_packed
     from llmopt.compress.quant.config import QuantConfig
     from llmopt.compress.quant.rtn import rtn_quantize
+    from llmopt.models.spec import spec_for
 
+    spec = spec_for(base)
     model = quantize_model(base, "rtn", 4, 128)
     head_cfg = QuantConfig(bits=8, group_size=-1)
-    packed = rtn_quantize(base.lm_head.weight, 8, -1, False)
-    replace_with_packed(model, "lm_head", packed, head_cfg)
+    packed = rtn_quantize(spec.top_module(base, "head").weight, 8, -1, False)
+    replace_with_packed(model, spec.head, packed, head_cfg)
     return model
 
 

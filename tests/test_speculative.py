@@ -2,26 +2,13 @@
 
 import pytest
 import torch
+from fixtures_speculative import one_thread_fixture, target_fixture  # noqa: F401
 
 from llmopt.infer.drafts import EarlyExitModel, ModelDraft, NGramDraft, Proposal
 from llmopt.infer.generate import generate
 from llmopt.infer.sampling import SamplingConfig
 from llmopt.infer.speculative import SpeculativeConfig, speculative_generate
 from llmopt.models import KVCache, build_model
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: thread hand-offs would cost more than the math on a shared 2-core box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture
-def target(tiny_config):
-    return build_model(tiny_config.replace(num_layers=4), seed=3).eval()
 
 
 def _prompt(n: int, seed: int, vocab: int = 128) -> list[int]:

@@ -14,6 +14,7 @@ import math
 
 import pytest
 import torch
+from fixtures_speculative import one_thread_fixture  # noqa: F401
 from scipy import stats as scistats
 
 import llmopt.infer.speculative_loop as loop
@@ -25,14 +26,6 @@ from llmopt.models import ModelConfig, build_model
 VOCAB = 8
 N_SAMPLES = 2000
 PROMPT = [1, 2, 3, 1, 2]  # "1 2" recurs, so the n-gram draft proposes 3
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _model(seed: int, layers: int, std: float):

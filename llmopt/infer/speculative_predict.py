@@ -53,7 +53,8 @@ def predicted_speedup(
         raise ValueError(f"proposal_rate={proposal_rate} must be in [0, 1]")
     f = proposal_rate
     tokens = f * expected_tokens_per_round(alpha, gamma) + (1 - f)
-    draft = gamma * c + alpha**gamma * (c2 - c)
+    # catch-up: the previous round proposed and kept all γ guesses (probability f·α^γ)
+    draft = gamma * c + f * alpha**gamma * (c2 - c)
     return tokens / (f * (draft + verify_cost) + (1 - f))
 
 
