@@ -253,26 +253,16 @@ def compare_with_plain(
     `plain`: a `measure_plain` of this prompt to reuse (one plain run for several drafts).
     """
     sampling = sampling or SamplingConfig()
+    run = {
+        "max_new_tokens": max_new_tokens,
+        "sampling": sampling,
+        "seed": seed,
+        "eos_token_id": eos_token_id,
+    }
     if plain is None:
-        plain = measure_plain(
-            target,
-            prompt_ids,
-            max_new_tokens=max_new_tokens,
-            sampling=sampling,
-            seed=seed,
-            eos_token_id=eos_token_id,
-        )
+        plain = measure_plain(target, prompt_ids, **run)
     elif plain.prompt_ids != tuple(prompt_ids):
         raise ValueError("the plain run given to compare_with_plain is of another prompt")
-    result = speculative_generate(
-        target,
-        draft,
-        prompt_ids,
-        max_new_tokens=max_new_tokens,
-        sampling=sampling,
-        config=config,
-        seed=seed,
-        eos_token_id=eos_token_id,
-    )
+    result = speculative_generate(target, draft, prompt_ids, config=config, **run)
     identical = result.tokens == plain.tokens if sampling.greedy else None
     return result, Comparison(result.stats, plain.decode, plain.total, identical)
