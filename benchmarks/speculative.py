@@ -200,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- calibration, apart from the timed runs: v(t) and the draft passes, at a prompt's length
     context_len = len(prompts[names[0]])
-    sizes = sorted({*range(1, 10), *[g + 1 for _, g, _ in configs]})
+    # adaptive γ may reach gamma_max = max(γ, 12): its verify passes must be calibrated too
+    top = {max(g, 12) if a else g for _, g, a in configs}
+    sizes = sorted({*range(1, 10), *range(2, max(top) + 2)})
     console.print(f"calibrating pass costs for {sizes} tokens at context {context_len}")
     target_times = time_passes(model, context_len, sizes, args.calib_repeats)
     costs = {}

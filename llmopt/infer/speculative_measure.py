@@ -104,7 +104,8 @@ def calibrate(
     """
     stats = result.stats
     max_gamma = max(8, stats.gamma, *stats.gammas_used)
-    context_len = min(result.target_cache.length, target.config.max_seq_len - max_gamma - 1)
+    room = max(0, target.config.max_seq_len - max_gamma - 1)  # for the longest pass
+    context_len = min(result.target_cache.length, room)
     if draft is not None:
         stats.costs = calibrate_costs(target, draft, context_len, max_gamma, repeats)
         return stats.costs

@@ -7,8 +7,9 @@ CPU a 5-token pass costs ~1.8 steps (GEMM instead of a bandwidth-bound matrix-ve
 product), so that formula predicts 3.6-4.8x where 1.9-2.2x is measured. Two more terms
 bring every recorded run within 14% (docs/benchmarks/speculative.md):
 - rounds where the draft proposes nothing (a prompt-lookup miss) are plain 1-token steps;
-- after a fully accepted round (probability α^γ) a model draft's first pass catches up on two
-  tokens (its last guess and the bonus token), costing c₂ instead of c.
+- after a fully accepted round (probability f·α^γ, f the fraction of rounds that propose) a
+  model draft's first pass catches up on two tokens (its last guess and the bonus token),
+  costing c₂ instead of c.
 The costs must be measured apart from the timed run (`speculative_measure.calibrate`).
 """
 
