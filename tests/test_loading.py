@@ -237,6 +237,7 @@ def _qwen2_config() -> ModelConfig:
         rms_norm_eps=1e-6,
         attention_bias=True,
         tie_embeddings=False,
+        architecture="qwen2",
     )
 
 
