@@ -36,7 +36,7 @@ from llmopt.artifacts import atomic_write_json
 from llmopt.models import ModelConfig
 from llmopt.models.llama import Block, RotaryEmbedding
 from llmopt.models.presets import get_preset
-from llmopt.precision.fp8 import BLOCK_LINEARS, convert_to_fp8, fp8_gemm_unsupported_reason
+from llmopt.precision.fp8 import convert_to_fp8, fp8_gemm_unsupported_reason, fp8_targets
 
 MODES = ("bf16", "fp8-current", "fp8-delayed", "torchao", "te")
 TINY = ModelConfig(
@@ -56,6 +56,7 @@ class OneBlock(torch.nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        self.config = cfg  # names the architecture's ModelSpec (what FP8 converts)
         self.layers = torch.nn.ModuleList([Block(cfg, 0)])  # "layers.0.*" names, as converted
         self.rotary = RotaryEmbedding(cfg)
 
@@ -81,14 +82,14 @@ def make_variant(mode: str, base: OneBlock) -> OneBlock:
     if mode == "torchao":
         from torchao.float8 import convert_to_float8_training
 
-        return convert_to_float8_training(
-            model, module_filter_fn=lambda _m, fqn: fqn.rsplit(".", 1)[-1] in BLOCK_LINEARS
-        )
+        targets = set(fp8_targets(model))
+        return convert_to_float8_training(model, module_filter_fn=lambda _m, fqn: fqn in targets)
     if mode == "te":
         import transformer_engine.pytorch as te
 
+        targets = set(fp8_targets(model))
         for name, module in list(model.named_modules()):
-            if name.rsplit(".", 1)[-1] in BLOCK_LINEARS:
+            if name in targets:
                 new = te.Linear(
                     module.in_features,
                     module.out_features,

@@ -34,7 +34,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=True,
         help="GPTQ: visit columns by decreasing Hessian diagonal (default on)",
     )
-    p.add_argument("--lm-head", action="store_true", help="also quantize the LM head")
+    p.add_argument(
+        "--lm-head", dest="quantize_head", action="store_true", help="also quantize the LM head"
+    )
     p.add_argument("--format", default="llmopt", choices=FORMATS, help="output layout")
     p.add_argument(
         "--float-dtype",
@@ -65,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         calib_samples=args.calib_samples,
         calib_seq_len=args.calib_seq_len,
         gptq_act_order=args.act_order,
-        quantize_lm_head=args.lm_head,
+        quantize_lm_head=args.quantize_head,
     )
     model = load_model(args.model, dtype=torch.float32)
     if args.format == "autoawq":

@@ -72,7 +72,7 @@ def stage_layout(
 
 
 class PipelineStage(Transformer):
-    """One virtual stage: [embedding] -> blocks -> [norm -> lm_head].
+    """One virtual stage: [embedding] -> blocks -> [final norm -> head].
 
     Input is token ids [B, T] on the first stage and hidden states [B, T', H] elsewhere; output
     is hidden states, or logits on the last stage (T' differs from T only when sequence
