@@ -115,6 +115,12 @@ class ModelConfig:
                     f"rope_scaling type {kind!r} is not supported; supported: 'llama3', 'default'"
                 )
 
+    @property
+    def mlp_kind(self) -> MlpKind:
+        """The MLP's activation ("swiglu" / "gelu"): `mlp` read under a name that cannot be
+        mistaken for a block's MLP module outside llmopt.models."""
+        return self.mlp
+
     # ---- derived sizes (used by the planner; no tensors involved) ----
     @property
     def q_size(self) -> int:
