@@ -19,7 +19,7 @@ from llmopt.compress.quant.config import QuantConfig
 from llmopt.compress.quant.linear import QuantLinear
 from llmopt.compress.quant.progress import layer_progress
 from llmopt.compress.quant.rtn import rtn_quantize
-from llmopt.compress.quant.targets import block_linears, replace_with_packed
+from llmopt.compress.quant.targets import block_linears, replace_with_packed, selected_names
 from llmopt.models.spec import spec_for
 
 
@@ -55,6 +55,7 @@ def quantize_model(
     if config is None:
         config = QuantConfig(method=method, bits=bits, group_size=group_size, sym=sym, **options)
     spec = spec_for(model)
+    selected_names(spec, config)  # unknown module names fail before any work
     if config.needs_calibration:
         if calib_tokens is None:
             raise ValueError(
