@@ -7,6 +7,12 @@ Llama's attribute names, so adding an architecture is one `register_spec` call b
 Names are dotted paths: top-level ones relative to the model (`embed_tokens`), block-level ones
 relative to one block (`self_attn.q_proj`). A block-level name the block does not have (e.g.
 `mlp.gate_proj` in a GELU MLP) is skipped by every consumer (`block_module` returns None).
+
+A model's architecture is `model.config.architecture` (set by `ModelConfig.from_hf_config` and
+the GGUF loader, written back by `to_hf_config`); `spec_for(model)` returns its spec. Llama,
+Qwen2 and Mistral share one module layout (`llmopt.models.llama.Transformer`) and differ only
+in the family flags (q/k/v biases, sliding window, GGUF Q/K permutation). A stage-deleted
+model (modules set to None, blocks a ModuleDict subset) is walked with `named_blocks`.
 """
 
 from __future__ import annotations
