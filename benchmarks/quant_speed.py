@@ -111,14 +111,17 @@ def main() -> None:
 
 def _int4_with_int8_head(base):
     """INT4 g128 body with the (tied, 28M-parameter) LM head as INT8 per-channel."""
-    from llmopt.compress.quant.apply import quantize_model, replace_with_packed
+    from llmopt.compress.quant.apply import quantize_model
     from llmopt.compress.quant.config import QuantConfig
     from llmopt.compress.quant.rtn import rtn_quantize
+    from llmopt.compress.quant.targets import replace_with_packed
+    from llmopt.models.spec import spec_for
 
+    spec = spec_for(base)
     model = quantize_model(base, "rtn", 4, 128)
     head_cfg = QuantConfig(bits=8, group_size=-1)
-    packed = rtn_quantize(base.lm_head.weight, 8, -1, False)
-    replace_with_packed(model, "lm_head", packed, head_cfg)
+    packed = rtn_quantize(spec.top_module(base, "head").weight, 8, -1, False)
+    replace_with_packed(model, spec.head, packed, head_cfg)
     return model
 
 

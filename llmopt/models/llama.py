@@ -67,7 +67,7 @@ class KVCache:
             raise ValueError(
                 f"cache length {max_len} exceeds the model context max_seq_len={cfg.max_seq_len}"
             )
-        attn = next(iter(model.blocks())).self_attn
+        attn = next(iter(model.held_blocks())).self_attn
         param = next(model.parameters())
         dtype = param.dtype if param.is_floating_point() else torch.float32
         return cls(  # indexed by each block's layer_idx: a stage's blocks keep theirs
@@ -283,7 +283,7 @@ class Transformer(nn.Module):
                 param.copy_(torch.randn(param.shape, generator=gen) * std)
         return self
 
-    def blocks(self) -> list[Block]:
+    def held_blocks(self) -> list[Block]:
         """The blocks this (possibly stage-deleted) model holds, in order."""
         layers = self.layers
         return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
@@ -315,7 +315,7 @@ class Transformer(nn.Module):
             )
         x = self.embed_tokens(tokens) if self.embed_tokens is not None else tokens
         cos, sin = self.rotary(start, full, x.dtype)
-        for layer in self.blocks():
+        for layer in self.held_blocks():
             x = layer(x, cos, sin, cache, start)
         if cache is not None:
             cache.length = start + t
