@@ -37,7 +37,7 @@ from llmopt.models.llama import Block, RotaryEmbedding
 from llmopt.models.presets import get_preset
 from llmopt.models.spec import get_spec
 from llmopt.plan.flops import layer_flops_fwd_per_token
-from llmopt.precision.fp8 import convert_to_fp8, fp8_gemm_unsupported_reason
+from llmopt.precision.fp8 import convert_to_fp8, fp8_gemm_unsupported_reason, fp8_targets
 
 MODES = ("bf16", "fp8-current", "fp8-delayed", "torchao", "te")
 TINY = ModelConfig(
@@ -61,18 +61,13 @@ class OneBlock(torch.nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.config = cfg
-        self.add_module(SPEC.blocks, torch.nn.ModuleList([Block(cfg, 0)]))
+        self.config = cfg  # names the architecture's ModelSpec (what FP8 converts)
+        self.add_module(SPEC.blocks, torch.nn.ModuleList([Block(cfg, 0)]))  # names as converted
         self.rotary = RotaryEmbedding(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cos, sin = self.rotary(0, x.shape[1], x.dtype)
         return SPEC.blocks_of(self)[0](x, cos, sin)
-
-
-def is_block_linear(fqn: str) -> bool:
-    """`layers.0.self_attn.q_proj` and the like: the linears every mode converts."""
-    return fqn.removeprefix(f"{SPEC.blocks}.0.") in SPEC.block_linears
 
 
 def block_flops(cfg: ModelConfig, batch: int, seq: int) -> float:
@@ -89,14 +84,14 @@ def make_variant(mode: str, base: OneBlock) -> OneBlock:
     if mode == "torchao":
         from torchao.float8 import convert_to_float8_training
 
-        return convert_to_float8_training(
-            model, module_filter_fn=lambda _m, fqn: is_block_linear(fqn)
-        )
+        targets = set(fp8_targets(model))
+        return convert_to_float8_training(model, module_filter_fn=lambda _m, fqn: fqn in targets)
     if mode == "te":
         import transformer_engine.pytorch as te
 
+        targets = set(fp8_targets(model))
         for name, module in list(model.named_modules()):
-            if is_block_linear(name):
+            if name in targets:
                 new = te.Linear(
                     module.in_features,
                     module.out_features,
