@@ -26,7 +26,9 @@ SHAPE_FIELDS = (
 
 def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """Shape fields the user set, by ModelConfig name."""
-    out: dict[str, Any] = {f: getattr(args, f) for f in SHAPE_FIELDS if getattr(args, f, None)}
+    out: dict[str, Any] = {
+        f: getattr(args, f) for f in SHAPE_FIELDS if getattr(args, f, None) is not None
+    }
     if getattr(args, "mlp", None):
         out["mlp"] = args.mlp
     if getattr(args, "tied", None):
