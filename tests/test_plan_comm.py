@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 from llmopt.models.presets import get_preset
+from llmopt.parallel.plan import ParallelPlan
 from llmopt.plan.comm import collectives_for, summarize
+from llmopt.plan.grid import to_grid
 from llmopt.plan.hardware import get_cluster
 from llmopt.plan.memory import layer_params_per_rank, stage_params
 from llmopt.plan.timing import comm_bytes_per_gpu, step_time
-from llmopt.parallel.plan import ParallelPlan
-from llmopt.plan.grid import to_grid
 from llmopt.plan.workload import Workload
 
 MODEL = get_preset("llama-3-70b")

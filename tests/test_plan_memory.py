@@ -18,7 +18,9 @@ from llmopt.models.presets import get_preset
 from llmopt.parallel.pipeline.measure import SavedTensorMeter
 from llmopt.parallel.pipeline.schedule import build_schedule
 from llmopt.parallel.pipeline.simulate import simulate
+from llmopt.parallel.plan import ParallelPlan
 from llmopt.parallel.recompute import apply_activation_checkpointing
+from llmopt.plan.grid import to_grid
 from llmopt.plan.hardware import GIB, get_cluster
 from llmopt.plan.memory import (
     RC_FULL,
@@ -32,8 +34,6 @@ from llmopt.plan.memory import (
     model_state_bytes,
     rope_table_bytes,
 )
-from llmopt.parallel.plan import ParallelPlan
-from llmopt.plan.grid import to_grid
 from llmopt.plan.workload import Workload
 
 # name, layers, hidden, heads, pp, micro_batch, virtual stages; t = 8, s = 2048, V = 51200.

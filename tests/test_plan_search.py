@@ -8,8 +8,8 @@ import pytest
 
 from llmopt.models.config import ModelConfig
 from llmopt.models.presets import get_preset
-from llmopt.plan.hardware import customize, get_cluster, load_cluster_toml
 from llmopt.parallel.plan import ParallelPlan
+from llmopt.plan.hardware import customize, get_cluster, load_cluster_toml
 from llmopt.plan.rules import format_constraints, parse_constraints
 from llmopt.plan.search import estimate, search
 from llmopt.plan.workload import (

@@ -352,7 +352,9 @@ def estimate(model: ModelConfig, work: Workload, cluster: Cluster, plan: Paralle
         )
     work = workload_for(work, plan)
     ev = evaluate(model, work, cluster, to_grid(plan))
-    return plan_at(ev, 0)
+    out = plan_at(ev, 0)
+    out.parallel = plan  # the grid does not carry fp8_recipe: keep the plan as given
+    return out
 
 
 def plan_of_rank(
