@@ -148,3 +148,30 @@ def test_where_restricts_the_ranking(capsys):
     assert data["where"] == "tp=2,pp=2,sequence_parallel=false"
     for plan in data["plans"]:
         assert (plan["tp"], plan["pp"], plan["dp"], plan["sequence_parallel"]) == (2, 2, 4, False)
+
+
+NO_TORCH = """
+import sys
+from llmopt.cli import main
+assert main(sys.argv[1:]) == 0
+heavy = sorted(m for m in ("torch", "numpy.testing", "transformers") if m in sys.modules)
+print("HEAVY", heavy)
+"""
+
+
+@pytest.mark.parametrize(
+    "argv", [["plan"], ["plan", "--top-k", "2", "--emit", "{tmp}/run.toml"],
+             ["plan", "--emit", "{tmp}/x.megatron.sh"], ["plan", "compare"]],
+)  # fmt: skip
+def test_plan_never_imports_torch(argv, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    out = subprocess.run([sys.executable, "-c", NO_TORCH, *argv], capture_output=True, text=True,
+                         cwd=root, env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
+                         timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "HEAVY []"
