@@ -58,6 +58,8 @@ def test_format_from_file_name():
     assert format_for("a.json", "torchtitan") == "torchtitan"
     with pytest.raises(EmitError, match="--emit-format='slurm' is not valid"):
         format_for("a.toml", "slurm")
+    with pytest.raises(EmitError, match="cannot tell which framework launch.sh is for"):
+        format_for("launch.sh")
 
 
 @pytest.mark.parametrize("suffix", [".toml", ".json"])

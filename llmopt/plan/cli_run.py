@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import TYPE_CHECKING
 
 from llmopt.plan.cli_inputs import build_plan, header, inputs, model_overrides
 from llmopt.plan.cli_render import label, links_table, plans_table, plot_breakdown, print_json
+
+if TYPE_CHECKING:
+    from llmopt.models.config import ModelConfig
+    from llmopt.plan.hardware import Cluster
+    from llmopt.plan.search import Plan, SearchResult
+    from llmopt.plan.workload import Workload
 
 
 def _console():
@@ -15,7 +22,13 @@ def _console():
     return Console(width=max(Console().width, 130))
 
 
-def _emit(args: argparse.Namespace, model, work, cluster, result) -> list[str]:
+def _emit(
+    args: argparse.Namespace,
+    model: ModelConfig,
+    work: Workload,
+    cluster: Cluster,
+    result: SearchResult,
+) -> list[str]:
     """Write plan #--pick; if the format cannot express it, name the best plan it can."""
     from llmopt.plan.emit import EmitError, PlannedRun, check, format_for, write
     from llmopt.plan.search import first_rank, plan_of_rank
@@ -25,7 +38,7 @@ def _emit(args: argparse.Namespace, model, work, cluster, result) -> list[str]:
     fmt = format_for(args.emit, args.emit_format)
     overrides = model_overrides(args)
 
-    def run_of(plan):
+    def run_of(plan: Plan) -> PlannedRun:
         return PlannedRun(model, args.model, work, cluster, plan, overrides)
 
     plan = plan_of_rank(model, work, cluster, result, args.pick)
@@ -33,7 +46,7 @@ def _emit(args: argparse.Namespace, model, work, cluster, result) -> list[str]:
         check(run_of(plan), fmt)
     except EmitError as exc:
 
-        def accepts(p) -> bool:
+        def accepts(p: Plan) -> bool:
             try:
                 check(run_of(p), fmt)
             except EmitError:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -373,7 +374,7 @@ def plan_of_rank(
     return plan
 
 
-def first_rank(result: SearchResult, accepts) -> int | None:
+def first_rank(result: SearchResult, accepts: Callable[[Plan], bool]) -> int | None:
     """The best rank whose plan `accepts(plan)` (a cheap check, e.g. an exporter's), if any."""
     for r, i in enumerate(ranked(result.evaluation), start=1):
         if accepts(plan_at(result.evaluation, int(i))):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
+from types import ModuleType
 
 from llmopt.artifacts import atomic_write_text
 from llmopt.plan.emit.base import EmitError, Emitted, PlannedRun
@@ -18,19 +19,27 @@ __all__ = ["FORMATS", "EmitError", "Emitted", "PlannedRun", "check", "emit", "fo
 
 def format_for(path: str | Path, fmt: str | None = None) -> str:
     """The explicit format, else a framework named in the file name ("x.megatron.sh"), else
-    llmopt's run config."""
+    llmopt's run config for a .toml or .json file."""
     if fmt is not None:
         if fmt not in FORMATS:
             raise EmitError(
                 f"--emit-format={fmt!r} is not valid; choose one of {', '.join(FORMATS)}"
             )
         return fmt
-    parts = Path(path).name.lower().split(".")
+    path = Path(path)
+    parts = path.name.lower().split(".")
     named = [f for f in FORMATS if f in parts[1:-1] or f in parts[0].split("-")]
-    return named[0] if named else "llmopt"
+    if named:
+        return named[0]
+    if path.suffix in (".toml", ".json"):
+        return "llmopt"
+    raise EmitError(
+        f"cannot tell which framework {path.name} is for: name it like x.megatron.sh, "
+        "x.nemo.sh, x.torchtitan.toml, x.deepspeed.json, or pass --emit-format"
+    )
 
 
-def _module(fmt: str):
+def _module(fmt: str) -> ModuleType:
     if fmt not in FORMATS:
         raise EmitError(f"format {fmt!r} is not valid; choose one of {', '.join(FORMATS)}")
     name = "runconfig" if fmt == "llmopt" else fmt

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llmopt.models.config import ModelConfig
+from llmopt.parallel.plan import ParallelPlan
 from llmopt.plan.hardware import Cluster
 from llmopt.plan.search import Plan
 from llmopt.plan.workload import Workload
@@ -31,7 +32,7 @@ class PlannedRun:
     model_overrides: dict[str, int] = field(default_factory=dict)
 
     @property
-    def parallel(self):
+    def parallel(self) -> ParallelPlan:
         return self.plan.parallel
 
 
