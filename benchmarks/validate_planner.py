@@ -1,6 +1,6 @@
 """Validate the planner against published training runs.
 
-    python benchmarks/validate_planner.py --runs ../shared/anchors/published_runs.csv
+    python benchmarks/validate_planner.py [--runs benchmarks/data/published_runs.csv]
 
 Each row's exact configuration is evaluated with `llmopt.plan` and the prediction is converted
 into the quantity and FLOP convention the source reported (Narayanan Eq. 3 TFLOP/s, which counts
@@ -205,14 +205,20 @@ def predict(setup: RowSetup):
         best = ok[np.argmin(ev.memory["total"][ok])]
         fits = False
     sub = {k: v[[best]] for k, v in grid.items()}
-    plan = plan_at(evaluate(model, work, cluster, sub), 0, work.precision)
+    plan = plan_at(evaluate(model, work, cluster, sub), 0)
     chosen = []
-    names = {"mb": "micro_batch", "rc": "recompute", "sp": "sp", "v": "v", "zero": "zero"}
+    names = {
+        "mb": "micro_batch",
+        "rc": "recompute",
+        "sp": "sequence_parallel",
+        "v": "virtual_stages",
+        "zero": "zero_stage",
+    }
     p = plan.parallel
     values = {
         "mb": p.micro_batch,
         "rc": p.recompute,
-        "sp": int(p.sp),
+        "sp": str(p.sequence_parallel).lower(),
         "v": f"{p.virtual_stages} ({p.schedule})",
         "zero": p.zero_stage,
     }
@@ -262,7 +268,7 @@ def measured_and_predicted(row: dict[str, str], setup: RowSetup, step_s: float):
 
 
 def main(argv: list[str] | None = None) -> int:
-    default_csv = Path(__file__).resolve().parents[2] / "shared/anchors/published_runs.csv"
+    default_csv = Path(__file__).resolve().parent / "data" / "published_runs.csv"
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", default=str(default_csv), help="CSV of published runs")
     ap.add_argument("--out", default="runs/validate_planner.json", help="JSON results path")

@@ -7,11 +7,11 @@ import json
 import pytest
 
 from llmopt.cli import main
+from llmopt.parallel.plan import ParallelPlan
 
-PLAN_KEYS = {
-    "tp", "pp", "dp", "cp", "sp", "zero_stage", "micro_batch", "num_microbatches", "schedule",
-    "virtual_stages", "recompute", "precision", "fits", "memory_gib", "step_time_s",
-    "tokens_per_s", "mfu", "hfu", "comm_bytes_per_gpu_per_step", "explanation",
+PLAN_KEYS = set(ParallelPlan.field_names()) | {
+    "fits", "memory_gib", "step_time_s", "tokens_per_s", "mfu", "hfu",
+    "comm_bytes_per_gpu_per_step", "explanation",
 }  # fmt: skip
 TIME_KEYS = {
     "total", "compute", "recompute", "tp_comm_exposed", "pp_bubble", "pp_p2p",
@@ -37,6 +37,8 @@ def test_plan_json_schema(capsys):
     assert len(data["plans"]) == 3
     for plan in data["plans"]:
         assert PLAN_KEYS <= set(plan)
+        assert "sp" not in plan and "zero" not in plan
+        ParallelPlan.from_dict({k: plan[k] for k in ParallelPlan.field_names()})
         assert TIME_KEYS <= set(plan["step_time_s"])
         assert set(plan["memory_gib"]) == {
             "params", "grads", "optimizer", "activations", "other", "total",
@@ -49,21 +51,25 @@ def test_plan_json_schema(capsys):
 def test_estimate_json_lists_collectives_with_links(capsys):
     data = _json(
         capsys,
-        ["plan", "estimate", "--tp", "8", "--pp", "8", "--sp", "--micro-batch", "2", "--json"],
-    )
+        ["plan", "estimate", "--tp", "8", "--pp", "8", "--sequence-parallel", "--micro-batch", "2",
+         "--json"],
+    )  # fmt: skip
     assert data["plan"]["dp"] == 1 and data["plan"]["num_microbatches"] == 512
+    assert data["plan"]["sequence_parallel"] is True
     links = {(c["group"], c["link"]) for c in data["collectives"]}
     assert ("tp", "intra_node") in links and ("pp", "inter_node") in links
 
 
 def test_compare_tp_across_nodes_is_slower_with_more_network_bytes(capsys):
-    data = _json(capsys, ["plan", "compare", "tp=8,pp=8", "tp=16,pp=4", "dp=64,zero=3", "--json"])
+    data = _json(
+        capsys, ["plan", "compare", "tp=8,pp=8", "tp=16,pp=4", "dp=64,zero_stage=3", "--json"]
+    )
     by = {m["spec"]: m for m in data["mappings"]}
     inside, across = by["tp=8,pp=8"]["plan"], by["tp=16,pp=4"]["plan"]
     assert across["step_time_s"]["total"] > inside["step_time_s"]["total"]
     net = "comm_bytes_per_gpu_per_step"
     assert across[net]["inter_node"] > inside[net]["inter_node"]
-    z3 = by["dp=64,zero=3"]["collectives"]
+    z3 = by["dp=64,zero_stage=3"]["collectives"]
     assert any(c["group"] == "dp" and c["op"] == "all-gather" for c in z3)
 
 
@@ -71,7 +77,7 @@ def test_why_not(capsys):
     assert main(["plan", "--why-not", "tp=16"]) == 0
     out = capsys.readouterr().out
     assert "tp=16: best such plan" in out and "slower than the top plan" in out
-    assert main(["plan", "--why-not", "tp=8,pp=1,zero=0"]) == 0
+    assert main(["plan", "--why-not", "tp=8,pp=1,zero_stage=0"]) == 0
     out = capsys.readouterr().out
     assert "rejected" in out and "GiB per GPU, more than" in out
     data = _json(capsys, ["plan", "--why-not", "tp=3", "--json"])
@@ -85,7 +91,10 @@ def test_why_not(capsys):
         (["plan", "--model", "llama-3.1-405b", "--nodes", "1"], "GiB more than"),
         (["plan", "--model", "nope"], "unknown model preset 'nope'"),
         (["plan", "--ib-gbs", "-1"], "bandwidth_gbs=-1.0 must be a positive number"),
-        (["plan", "--heads", "60"], "num_kv_heads=8 does not divide num_heads=60"),
+        (["plan", "--num-heads", "60"], "num_kv_heads=8 does not divide num_heads=60"),
+        (["plan", "--num-layers", "0"], "--num-layers=0 must be a positive integer"),
+        (["plan", "--why-not", "zero=3"], "unknown mapping key 'zero'"),
+        (["plan", "--where", "tp=3"], "tp=3 does not divide the 64 GPUs"),
         (["plan", "--global-batch-tokens", "5000"], "multiple of --seq-len=4096"),
         (["plan", "--precision", "fp8", "--cluster", "dgx-a100-80gb"], "has no FP8"),
     ],
@@ -104,7 +113,7 @@ def test_hf_config_and_explicit_dims(capsys, tmp_path):
     data = _json(capsys, ["plan", "--model", str(path), "--nodes", "1", "--json", "--top-k", "1"])
     assert data["parameters"] == get_preset("llama-3-8b").num_parameters()
     assert data["plans"][0]["fits"]
-    argv = ["plan", "--model", "llama-3-8b", "--layers", "16", "--nodes", "1", "--json"]
+    argv = ["plan", "--model", "llama-3-8b", "--num-layers", "16", "--nodes", "1", "--json"]
     data = _json(capsys, argv)
     assert data["model"] == "llama-3-8b (custom)"
     assert data["parameters"] < get_preset("llama-3-8b").num_parameters()
@@ -115,6 +124,54 @@ def test_plot_writes_png(capsys, tmp_path):
     assert main(["plan", "--top-k", "3", "--plot", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     cmp = tmp_path / "cmp.png"
-    assert main(["plan", "compare", "tp=8,pp=8", "dp=64,zero=3", "--plot", str(cmp)]) == 0
+    assert main(["plan", "compare", "tp=8,pp=8", "dp=64,zero_stage=3", "--plot", str(cmp)]) == 0
     assert cmp.read_bytes()[:4] == b"\x89PNG"
     assert not list(tmp_path.rglob("*.tmp.png"))
+
+
+def test_estimate_takes_the_trainer_flag_names(capsys):
+    argv = ["plan", "estimate", "--tp", "8", "--pp", "2", "--dp", "4", "--zero-stage", "1",
+            "--num-microbatches", "64", "--micro-batch", "4", "--sequence-parallel", "--recompute", "selective",
+            "--reduce-dtype", "bf16", "--json"]  # fmt: skip
+    plan = _json(capsys, argv)["plan"]
+    assert (plan["zero_stage"], plan["num_microbatches"], plan["micro_batch"]) == (1, 64, 4)
+    assert plan["rejected"] == [] and plan["fits"]
+    assert plan["recompute"] == "selective" and plan["reduce_dtype"] == "bf16"
+    # bf16 gradients: 2 bytes per parameter instead of fp32's 4
+    fp32 = _json(capsys, argv[:-3] + ["--json"])["plan"]
+    assert plan["memory_gib"]["grads"] == pytest.approx(fp32["memory_gib"]["grads"] / 2, rel=1e-3)
+
+
+def test_where_restricts_the_ranking(capsys):
+    data = _json(capsys, ["plan", "--where", "tp=2,pp=2,sequence_parallel=false", "--json",
+                          "--model", "llama-3-8b", "--nodes", "2", "--top-k", "3"])  # fmt: skip
+    assert data["where"] == "tp=2,pp=2,sequence_parallel=false"
+    for plan in data["plans"]:
+        assert (plan["tp"], plan["pp"], plan["dp"], plan["sequence_parallel"]) == (2, 2, 4, False)
+
+
+NO_TORCH = """
+import sys
+from llmopt.cli import main
+assert main(sys.argv[1:]) == 0
+heavy = sorted(m for m in ("torch", "numpy.testing", "transformers") if m in sys.modules)
+print("HEAVY", heavy)
+"""
+
+
+@pytest.mark.parametrize(
+    "argv", [["plan"], ["plan", "--top-k", "2", "--emit", "{tmp}/run.toml"],
+             ["plan", "--emit", "{tmp}/x.megatron.sh"], ["plan", "compare"]],
+)  # fmt: skip
+def test_plan_never_imports_torch(argv, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    out = subprocess.run([sys.executable, "-c", NO_TORCH, *argv], capture_output=True, text=True,
+                         cwd=root, env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
+                         timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "HEAVY []"

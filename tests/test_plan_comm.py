@@ -6,23 +6,27 @@ import numpy as np
 import pytest
 
 from llmopt.models.presets import get_preset
+from llmopt.parallel.plan import ParallelPlan
 from llmopt.plan.comm import collectives_for, summarize
+from llmopt.plan.grid import to_grid
 from llmopt.plan.hardware import get_cluster
 from llmopt.plan.memory import layer_params_per_rank, stage_params
 from llmopt.plan.timing import comm_bytes_per_gpu, step_time
-from llmopt.plan.workload import ParallelConfig, Workload
+from llmopt.plan.workload import Workload
 
 MODEL = get_preset("llama-3-70b")
 CLUSTER = get_cluster("dgx-h100", 8)
 WORK = Workload()
 
 
-def _totals(par: ParallelConfig, work: Workload = WORK, stage: str = "last"):
+def _totals(par: ParallelPlan, work: Workload = WORK, stage: str = "last"):
     return summarize(collectives_for(MODEL, work, CLUSTER, par, stage=stage))
 
 
 def test_tp_sequence_parallel_counts_and_bytes():
-    par = ParallelConfig(tp=8, pp=8, dp=1, sp=True, micro_batch=2, num_microbatches=512)
+    par = ParallelPlan(
+        tp=8, pp=8, dp=1, sequence_parallel=True, micro_batch=2, num_microbatches=512
+    )
     rows = collectives_for(MODEL, WORK, CLUSTER, par, stage="first")
     act = 2 * 4096 * 8192 * 2  # micro-batch x seq x hidden x bf16
     layers = 80 // 8
@@ -44,8 +48,8 @@ def test_tp_sequence_parallel_counts_and_bytes():
 
 def test_tp_without_sp_uses_all_reduce_and_full_recompute_repeats_forward():
     base = dict(tp=8, pp=8, dp=1, micro_batch=1, num_microbatches=1024)
-    plain = _totals(ParallelConfig(**base), stage="first")
-    full = _totals(ParallelConfig(recompute="full", **base), stage="first")
+    plain = _totals(ParallelPlan(**base), stage="first")
+    full = _totals(ParallelPlan(recompute="full", **base), stage="first")
     per_layer_mb = 10 * 1024
     # Forward 2 + backward 2 per layer and micro-batch, plus the embedding's forward all-reduce.
     assert plain[("tp", "all-reduce")]["calls"] == 4 * per_layer_mb + 1024
@@ -53,25 +57,29 @@ def test_tp_without_sp_uses_all_reduce_and_full_recompute_repeats_forward():
 
 
 def test_tp16_crosses_nodes_and_sends_more_inter_node_bytes():
-    inside = ParallelConfig(tp=8, pp=8, dp=1, sp=True, micro_batch=1, num_microbatches=1024)
-    across = ParallelConfig(tp=16, pp=4, dp=1, sp=True, micro_batch=1, num_microbatches=1024)
+    inside = ParallelPlan(
+        tp=8, pp=8, dp=1, sequence_parallel=True, micro_batch=1, num_microbatches=1024
+    )
+    across = ParallelPlan(
+        tp=16, pp=4, dp=1, sequence_parallel=True, micro_batch=1, num_microbatches=1024
+    )
     rows_in = collectives_for(MODEL, WORK, CLUSTER, inside)
     rows_x = collectives_for(MODEL, WORK, CLUSTER, across)
     assert {r["link"] for r in rows_in if r["group"] == "tp"} == {"intra_node"}
     assert {r["link"] for r in rows_x if r["group"] == "tp"} == {"inter_node"}
-    b_in = comm_bytes_per_gpu(MODEL, WORK, CLUSTER, inside.to_grid())["inter_node"][0]
-    b_x = comm_bytes_per_gpu(MODEL, WORK, CLUSTER, across.to_grid())["inter_node"][0]
+    b_in = comm_bytes_per_gpu(MODEL, WORK, CLUSTER, to_grid(inside))["inter_node"][0]
+    b_x = comm_bytes_per_gpu(MODEL, WORK, CLUSTER, to_grid(across))["inter_node"][0]
     assert b_x > 100 * b_in
-    t_in = step_time(MODEL, WORK, CLUSTER, inside.to_grid())["total"][0]
-    t_x = step_time(MODEL, WORK, CLUSTER, across.to_grid())["total"][0]
+    t_in = step_time(MODEL, WORK, CLUSTER, to_grid(inside))["total"][0]
+    t_x = step_time(MODEL, WORK, CLUSTER, to_grid(across))["total"][0]
     assert t_x > 2 * t_in
 
 
 def test_zero2_has_no_forward_gather_zero3_does():
-    base = dict(tp=8, pp=1, dp=8, sp=True, micro_batch=1, num_microbatches=128)
-    params = float(np.max(stage_params(MODEL, ParallelConfig(**base).to_grid())))
+    base = dict(tp=8, pp=1, dp=8, sequence_parallel=True, micro_batch=1, num_microbatches=128)
+    params = float(np.max(stage_params(MODEL, to_grid(ParallelPlan(**base)))))
     for z in (0, 1, 2, 3):
-        rows = collectives_for(MODEL, WORK, CLUSTER, ParallelConfig(zero_stage=z, **base))
+        rows = collectives_for(MODEL, WORK, CLUSTER, ParallelPlan(zero_stage=z, **base))
         fwd = [r for r in rows if r["group"] == "dp" and r["phase"] == "forward"]
         if z < 3:
             assert fwd == []
@@ -90,12 +98,12 @@ def test_zero3_moves_one_and_a_half_times_ddp_bytes():
     less the root unit (embedding, head: 2% of a 70B model) that is not re-gathered for
     backward because it stays gathered from forward."""
     work = Workload(state_bytes="zero")
-    base = dict(tp=8, pp=1, dp=8, sp=True, micro_batch=128, num_microbatches=1)
-    ddp = _totals(ParallelConfig(zero_stage=0, **base), work)
-    z3 = _totals(ParallelConfig(zero_stage=3, **base), work)
+    base = dict(tp=8, pp=1, dp=8, sequence_parallel=True, micro_batch=128, num_microbatches=1)
+    ddp = _totals(ParallelPlan(zero_stage=0, **base), work)
+    z3 = _totals(ParallelPlan(zero_stage=3, **base), work)
     ddp_wire = sum(v["wire_bytes"] for (g, _), v in ddp.items() if g == "dp")
     z3_wire = sum(v["wire_bytes"] for (g, _), v in z3.items() if g == "dp")
-    grid = ParallelConfig(zero_stage=3, **base).to_grid()
+    grid = to_grid(ParallelPlan(zero_stage=3, **base))
     psi = float(np.max(stage_params(MODEL, grid)))
     root = psi - MODEL.num_layers * float(layer_params_per_rank(MODEL, np.array(8)))
     assert z3_wire / ddp_wire == pytest.approx((3 * psi - root) / (2 * psi), rel=1e-12)
@@ -103,8 +111,8 @@ def test_zero3_moves_one_and_a_half_times_ddp_bytes():
 
 
 def test_pipeline_sends_per_chunk_boundary():
-    par = ParallelConfig(
-        tp=4, pp=4, dp=4, sp=True, micro_batch=1, num_microbatches=256,
+    par = ParallelPlan(
+        tp=4, pp=4, dp=4, sequence_parallel=True, micro_batch=1, num_microbatches=256,
         schedule="interleaved", virtual_stages=2,
     )  # fmt: skip
     msg = 4096 * 8192 * 2 / 4  # SP-sharded activation of one micro-batch
@@ -128,7 +136,7 @@ def test_pipeline_sends_per_chunk_boundary():
 
 
 def test_single_stage_has_no_pipeline_traffic():
-    par = ParallelConfig(tp=8, pp=1, dp=8, sp=True, num_microbatches=128)
+    par = ParallelPlan(tp=8, pp=1, dp=8, sequence_parallel=True, num_microbatches=128)
     for stage in ("first", "last"):
         assert not [
             r for r in collectives_for(MODEL, WORK, CLUSTER, par, stage) if r["group"] == "pp"
@@ -137,16 +145,18 @@ def test_single_stage_has_no_pipeline_traffic():
 
 def test_vectorised_bytes_equal_the_explicit_list():
     pars = [
-        ParallelConfig(tp=4, pp=4, dp=4, sp=True, zero_stage=1, num_microbatches=256),
-        ParallelConfig(tp=2, pp=2, dp=8, cp=2, sp=True, zero_stage=3, num_microbatches=64),
-        ParallelConfig(tp=8, pp=1, dp=8, zero_stage=2, micro_batch=4, num_microbatches=32),
+        ParallelPlan(tp=4, pp=4, dp=4, sequence_parallel=True, zero_stage=1, num_microbatches=256),
+        ParallelPlan(
+            tp=2, pp=2, dp=8, cp=2, sequence_parallel=True, zero_stage=3, num_microbatches=64
+        ),
+        ParallelPlan(tp=8, pp=1, dp=8, zero_stage=2, micro_batch=4, num_microbatches=32),
     ]
     for par in pars:
         rows = collectives_for(
             MODEL, Workload(seq_len=8192, global_batch=1024), CLUSTER, par, "last"
         )
         vec = comm_bytes_per_gpu(
-            MODEL, Workload(seq_len=8192, global_batch=1024), CLUSTER, par.to_grid()
+            MODEL, Workload(seq_len=8192, global_batch=1024), CLUSTER, to_grid(par)
         )
         for link in ("intra_node", "inter_node"):
             explicit = sum(r["wire_bytes"] for r in rows if r["link"] == link)
@@ -155,7 +165,9 @@ def test_vectorised_bytes_equal_the_explicit_list():
 
 def test_cp_gathers_kv_each_layer():
     work = Workload(seq_len=16384, global_batch=64)
-    par = ParallelConfig(tp=8, pp=1, dp=4, cp=2, sp=True, micro_batch=1, num_microbatches=16)
+    par = ParallelPlan(
+        tp=8, pp=1, dp=4, cp=2, sequence_parallel=True, micro_batch=1, num_microbatches=16
+    )
     t = _totals(par, work)
     kv = 16384 * 2 * 1 * 128 * 2  # seq x (K,V) x kv heads per rank (8/8) x head_dim x bf16
     assert t[("cp", "all-gather")]["calls"] == 80 * 16
@@ -165,7 +177,7 @@ def test_cp_gathers_kv_each_layer():
 def test_tied_embeddings_swap_gradients_between_first_and_last_stage():
     gpt = get_preset("gpt3-175b")
     work = Workload(seq_len=2048, global_batch=64)
-    par = ParallelConfig(tp=8, pp=8, dp=1, sp=True, num_microbatches=64)
+    par = ParallelPlan(tp=8, pp=8, dp=1, sequence_parallel=True, num_microbatches=64)
     grad = 51200 * 12288 / 8 * 4  # vocab-parallel shard of the fp32 gradient
     for stage in ("first", "last"):
         rows = collectives_for(gpt, work, CLUSTER, par, stage)

@@ -18,7 +18,9 @@ from llmopt.models.presets import get_preset
 from llmopt.parallel.pipeline.measure import SavedTensorMeter
 from llmopt.parallel.pipeline.schedule import build_schedule
 from llmopt.parallel.pipeline.simulate import simulate
+from llmopt.parallel.plan import ParallelPlan
 from llmopt.parallel.recompute import apply_activation_checkpointing
+from llmopt.plan.grid import to_grid
 from llmopt.plan.hardware import GIB, get_cluster
 from llmopt.plan.memory import (
     RC_FULL,
@@ -32,7 +34,7 @@ from llmopt.plan.memory import (
     model_state_bytes,
     rope_table_bytes,
 )
-from llmopt.plan.workload import ParallelConfig, Workload
+from llmopt.plan.workload import Workload
 
 # name, layers, hidden, heads, pp, micro_batch, virtual stages; t = 8, s = 2048, V = 51200.
 KORTHIKANTI = [
@@ -100,10 +102,10 @@ def test_zero_paper_figure1():
 def test_zero_stages_in_breakdown_match_formulas():
     """For llama-3-70b on 64 H100, per-rank model states follow 2Ψ+4Ψ+12Ψ/N_d etc."""
     model, cluster, work = get_preset("llama-3-70b"), get_cluster("dgx-h100", 8), Workload()
-    base = dict(tp=8, pp=1, dp=8, micro_batch=1, num_microbatches=128, sp=True)
+    base = dict(tp=8, pp=1, dp=8, micro_batch=1, num_microbatches=128, sequence_parallel=True)
     psi = None
     for z in range(4):
-        grid = ParallelConfig(zero_stage=z, **base).to_grid()
+        grid = to_grid(ParallelPlan(zero_stage=z, **base))
         mem = memory_breakdown(model, work, cluster, grid)
         if psi is None:
             psi = float(mem["params"][0]) / 2  # parameters per TP rank
@@ -132,8 +134,8 @@ def test_flash_attention_drops_quadratic_terms():
 
 def test_memory_fits_flag_and_total():
     model, cluster, work = get_preset("llama-3-70b"), get_cluster("dgx-h100", 8), Workload()
-    fits = ParallelConfig(tp=8, pp=8, dp=1, sp=True, num_microbatches=1024).to_grid()
-    nofit = ParallelConfig(tp=1, pp=1, dp=64, micro_batch=16, num_microbatches=1).to_grid()
+    fits = to_grid(ParallelPlan(tp=8, pp=8, dp=1, sequence_parallel=True, num_microbatches=1024))
+    nofit = to_grid(ParallelPlan(tp=1, pp=1, dp=64, micro_batch=16, num_microbatches=1))
     mem = memory_breakdown(model, work, cluster, {**fits})
     assert bool(mem["fits"][0])
     parts = sum(float(mem[k][0]) for k in ("params", "grads", "optimizer", "activations", "other"))

@@ -8,10 +8,11 @@ import pytest
 
 from llmopt.models.config import ModelConfig
 from llmopt.models.presets import get_preset
+from llmopt.parallel.plan import ParallelPlan
 from llmopt.plan.hardware import customize, get_cluster, load_cluster_toml
-from llmopt.plan.search import estimate, parse_constraints, search
+from llmopt.plan.rules import format_constraints, parse_constraints
+from llmopt.plan.search import estimate, search
 from llmopt.plan.workload import (
-    ParallelConfig,
     Workload,
     megatron_flops,
     model_flops_per_step,
@@ -49,9 +50,9 @@ def test_search_speed_70b_on_64_gpus():
 
 
 def test_full_recompute_costs_about_one_forward():
-    base = dict(tp=8, pp=1, dp=8, sp=True, micro_batch=1, num_microbatches=128)
-    none = estimate(MODEL, WORK, CLUSTER, ParallelConfig(**base))
-    full = estimate(MODEL, WORK, CLUSTER, ParallelConfig(recompute="full", **base))
+    base = dict(tp=8, pp=1, dp=8, sequence_parallel=True, micro_batch=1, num_microbatches=128)
+    none = estimate(MODEL, WORK, CLUSTER, ParallelPlan(**base))
+    full = estimate(MODEL, WORK, CLUSTER, ParallelPlan(recompute="full", **base))
     # compute = forward + backward (3 forwards) of layers and output layer; recompute = 1
     # forward of the layers only, so a bit under a third.
     ratio = full.step_time_s["recompute"] / none.step_time_s["compute"]
@@ -63,7 +64,7 @@ def test_full_recompute_costs_about_one_forward():
 
 
 def test_components_sum_to_total_and_mfu_formula():
-    par = ParallelConfig(tp=4, pp=4, dp=4, sp=True, zero_stage=1, num_microbatches=256)
+    par = ParallelPlan(tp=4, pp=4, dp=4, sequence_parallel=True, zero_stage=1, num_microbatches=256)
     plan = estimate(MODEL, WORK, CLUSTER, par)
     parts = sum(v for k, v in plan.step_time_s.items() if k != "total")
     assert plan.step_time_s["total"] == pytest.approx(parts)
@@ -73,11 +74,11 @@ def test_components_sum_to_total_and_mfu_formula():
 
 
 def test_interleaving_shrinks_bubble():
-    base = dict(tp=8, pp=8, dp=1, sp=True, micro_batch=1, num_microbatches=64)
-    flat = estimate(MODEL, Workload(global_batch=64), CLUSTER, ParallelConfig(**base))
+    base = dict(tp=8, pp=8, dp=1, sequence_parallel=True, micro_batch=1, num_microbatches=64)
+    flat = estimate(MODEL, Workload(global_batch=64), CLUSTER, ParallelPlan(**base))
     inter = estimate(
         MODEL, Workload(global_batch=64), CLUSTER,
-        ParallelConfig(schedule="interleaved", virtual_stages=5, **base),
+        ParallelPlan(schedule="interleaved", virtual_stages=5, **base),
     )  # fmt: skip
     assert inter.step_time_s["pp_bubble"] == pytest.approx(flat.step_time_s["pp_bubble"] / 5)
     assert inter.memory_bytes["activations"] > flat.memory_bytes["activations"]
@@ -94,7 +95,7 @@ def test_heads_not_divisible_is_rejected_with_reason():
         num_layers=32, num_heads=42, num_kv_heads=42,
     )  # fmt: skip
     plan = estimate(odd, Workload(global_batch=64), get_cluster("dgx-h100", 1),
-                    ParallelConfig(tp=8, dp=1, sp=True, num_microbatches=64))  # fmt: skip
+                    ParallelPlan(tp=8, dp=1, sequence_parallel=True, num_microbatches=64))  # fmt: skip
     assert any("tp=8 does not divide num_heads=42" in r for r in plan.rejected)
     with pytest.raises(ValueError, match="tp=8 does not divide num_heads=42"):
         search(odd, Workload(global_batch=64), get_cluster("dgx-h100", 1), constraints={"tp": 8})
@@ -102,7 +103,7 @@ def test_heads_not_divisible_is_rejected_with_reason():
 
 def test_world_size_mismatch_and_bad_cluster_values():
     with pytest.raises(ValueError, match=r"tp\*pp\*dp\*cp=16 but the cluster has 64 GPUs"):
-        estimate(MODEL, WORK, CLUSTER, ParallelConfig(tp=8, pp=2))
+        estimate(MODEL, WORK, CLUSTER, ParallelPlan(tp=8, pp=2))
     with pytest.raises(ValueError, match="nodes=0 must be a positive integer"):
         get_cluster("dgx-h100", 0)
     with pytest.raises(ValueError, match=r"bandwidth_gbs=-5.0 must be a positive number"):
@@ -127,12 +128,26 @@ def test_cluster_toml(tmp_path):
         load_cluster_toml(path)
 
 
-def test_parse_constraints():
-    assert parse_constraints("tp=8, pp=4,zero=3,recompute=full,schedule=interleaved,vp=2") == {
-        "tp": 8, "pp": 4, "zero": 3, "rc": 2, "sched": 2, "v": 2,
+def test_parse_constraints_uses_parallel_plan_names():
+    spec = (
+        "tp=8, pp=4,zero_stage=3,recompute=full,schedule=interleaved,virtual_stages=2,"
+        "sequence_parallel=false,num_microbatches=16,micro_batch=2"
+    )
+    parsed = parse_constraints(spec)
+    assert parsed == {
+        "tp": 8, "pp": 4, "zero": 3, "rc": 2, "sched": 2, "v": 2, "sp": 0, "m": 16, "mb": 2,
     }  # fmt: skip
-    with pytest.raises(ValueError, match="unknown mapping key 'tq'"):
+    assert format_constraints(parsed) == spec.replace(" ", "")
+    # the old short spellings are not names of anything any more
+    for old in ("zero=3", "sp=1", "vp=2", "mb=2"):
+        with pytest.raises(ValueError, match=f"unknown mapping key '{old.split('=')[0]}'"):
+            parse_constraints(old)
+    with pytest.raises(ValueError, match="valid: cp, dp, micro_batch, num_microbatches, pp"):
         parse_constraints("tq=8")
+    with pytest.raises(ValueError, match="zero_stage=4 is not a ZeRO stage"):
+        parse_constraints("zero_stage=4")
+    with pytest.raises(ValueError, match="sequence_parallel='maybe'; use true or false"):
+        parse_constraints("sequence_parallel=maybe")
     with pytest.raises(ValueError, match="expected key=value"):
         parse_constraints("tp8")
     with pytest.raises(ValueError, match="recompute='some'"):

@@ -1,4 +1,4 @@
-"""benchmarks/validate_planner.py on the published runs (shared/anchors next to the repo)."""
+"""benchmarks/validate_planner.py on the published runs (benchmarks/data/published_runs.csv)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CSV = ROOT.parent / "shared" / "anchors" / "published_runs.csv"
+CSV = ROOT / "benchmarks" / "data" / "published_runs.csv"
 
 
 def _load():
@@ -27,13 +27,14 @@ def _load():
 @pytest.fixture(scope="module")
 def runs_csv() -> Path:
     if not CSV.is_file():
-        pytest.fail(f"published runs CSV missing at {CSV}: CI must provide ../shared/anchors/")
+        pytest.fail(f"published runs CSV missing at {CSV}")
     return CSV
 
 
 def test_validation_on_published_runs(runs_csv, tmp_path, capsys):
     vp = _load()
-    assert vp.main(["--runs", str(runs_csv), "--out", str(tmp_path / "v.json")]) == 0
+    # the default is the in-repo copy of the published runs
+    assert vp.main(["--out", str(tmp_path / "v.json")]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     m = re.fullmatch(r"median_abs_rel_err=([\d.]+) p90_abs_rel_err=([\d.]+) n=(\d+)", last)
     assert m, last

@@ -41,6 +41,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from llmopt.models.config import ModelConfig
+from llmopt.parallel.plan import ParallelPlan
+from llmopt.plan.grid import Grid, to_grid
 from llmopt.plan.hardware import Cluster
 from llmopt.plan.memory import (
     ACT_BYTES,
@@ -49,7 +51,7 @@ from llmopt.plan.memory import (
     layer_params_per_rank,
     stage_params,
 )
-from llmopt.plan.workload import STATE_BYTES, Grid, ParallelConfig, Workload
+from llmopt.plan.workload import STATE_BYTES, Workload
 
 OPS = ("all-reduce", "all-gather", "reduce-scatter", "send", "recv")
 
@@ -236,7 +238,7 @@ def applies(kind: str, stage: str, pp: np.ndarray | int) -> np.ndarray:
 
 
 def collectives_for(
-    model: ModelConfig, work: Workload, cluster: Cluster, par: ParallelConfig, stage: str = "first"
+    model: ModelConfig, work: Workload, cluster: Cluster, par: ParallelPlan, stage: str = "first"
 ) -> list[dict]:
     """The collectives one rank of pipeline stage `stage` ('first' or 'last') issues per step,
     as plain dicts with nonzero call counts — what an engine trace should match exactly.
@@ -247,7 +249,7 @@ def collectives_for(
     if stage not in ("first", "last"):
         raise ValueError(f"stage={stage!r}; choose 'first' or 'last'")
     rows = []
-    for c in collectives(model, work, cluster, par.to_grid()):
+    for c in collectives(model, work, cluster, to_grid(par)):
         if not bool(applies(c.stage, stage, par.pp)):
             continue
         calls = int(c.calls[0])

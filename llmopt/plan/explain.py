@@ -11,17 +11,13 @@ import dataclasses
 import numpy as np
 
 from llmopt.models.config import ModelConfig
+from llmopt.parallel.plan import RECOMPUTES, ParallelPlan
 from llmopt.plan.comm import collectives_for
+from llmopt.plan.grid import to_grid
 from llmopt.plan.hardware import GIB, Cluster
-from llmopt.plan.search import (
-    Plan,
-    build_grid,
-    evaluate,
-    msg_at,
-    plan_at,
-    ranked,
-)
-from llmopt.plan.workload import RECOMPUTES, ParallelConfig, Workload
+from llmopt.plan.rules import format_constraints, msg_at
+from llmopt.plan.search import Plan, build_grid, evaluate, plan_at, ranked
+from llmopt.plan.workload import Workload
 
 MFU_FORMULA = (
     "MFU = model FLOPs per step / (step time x GPUs x dense bf16 peak), model FLOPs = "
@@ -35,14 +31,14 @@ def _gib(x: float) -> str:
 
 
 def _variant(
-    model: ModelConfig, work: Workload, cluster: Cluster, par: ParallelConfig, **changes
+    model: ModelConfig, work: Workload, cluster: Cluster, par: ParallelPlan, **changes
 ) -> Plan | None:
     try:
         alt = dataclasses.replace(par, **changes)
     except ValueError:
         return None
-    ev = evaluate(model, work, cluster, alt.to_grid())
-    return plan_at(ev, 0, work.precision)
+    ev = evaluate(model, work, cluster, to_grid(alt))
+    return plan_at(ev, 0)
 
 
 def explain(
@@ -67,7 +63,7 @@ def explain(
         )
         out.append(
             f"TP={p.tp} keeps its per-layer collectives ("
-            + ("2 all-gathers + 2 reduce-scatters" if p.sp else "2 all-reduces")
+            + ("2 all-gathers + 2 reduce-scatters" if p.sequence_parallel else "2 all-reduces")
             + f" per layer per micro-batch, forward and again backward) {where}; they cost "
             f"{t['tp_comm_exposed']:.2f} s of the "
             f"{t['total']:.2f} s step."
@@ -164,7 +160,7 @@ def explain(
         dt = runner_up.step_time_s["total"] - t["total"]
         r = runner_up.parallel
         out.append(
-            f"Runner-up {r.short()}, zero={r.zero_stage}, recompute={r.recompute}, "
+            f"Runner-up {r.short()}, zero_stage={r.zero_stage}, recompute={r.recompute}, "
             f"mb={r.micro_batch} is {dt / t['total']:+.1%} slower."
         )
     if top is not None and plan.rank is not None:
@@ -186,7 +182,7 @@ def why_not(
 ) -> list[str]:
     """Why the best plan does not have these settings: its rank, or each rule that rejects it."""
     grid = build_grid(model, work, cluster, constraints)
-    spec = ",".join(f"{k}={v}" for k, v in constraints.items())
+    spec = format_constraints(constraints)
     if len(grid["tp"]) == 0:
         n = cluster.num_gpus
         for key in ("tp", "pp", "dp", "cp"):
@@ -201,12 +197,13 @@ def why_not(
     order = ranked(ev)
     if len(order):
         i = int(order[0])
-        plan = plan_at(ev, i, work.precision)
+        plan = plan_at(ev, i)
         total = plan.step_time_s["total"]
         rank = int(np.sum(all_times < total - 1e-12)) + 1
         slower = total / best.step_time_s["total"] - 1
         lines = [
-            f"{spec}: best such plan ({plan.parallel.short()}, zero={plan.parallel.zero_stage}, "
+            f"{spec}: best such plan ({plan.parallel.short()}, "
+            f"zero_stage={plan.parallel.zero_stage}, "
             f"recompute={plan.parallel.recompute}, mb={plan.parallel.micro_batch}) is valid and "
             f"ranks #{rank}, {slower:+.1%} slower than the top plan."
         ]
@@ -243,7 +240,7 @@ def why_not(
 
 
 def link_report(
-    model: ModelConfig, work: Workload, cluster: Cluster, par: ParallelConfig
+    model: ModelConfig, work: Workload, cluster: Cluster, par: ParallelPlan
 ) -> list[dict]:
     """Per group and op: link crossed, calls and wire GB per GPU per step (last stage)."""
     rows = collectives_for(model, work, cluster, par, stage="last")

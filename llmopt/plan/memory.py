@@ -24,8 +24,9 @@ from __future__ import annotations
 import numpy as np
 
 from llmopt.models.config import ModelConfig
+from llmopt.plan.grid import Grid
 from llmopt.plan.hardware import GIB, Cluster
-from llmopt.plan.workload import STATE_BYTES, Grid, Workload
+from llmopt.plan.workload import STATE_BYTES, Workload
 
 ACT_BYTES = 2  # bf16 activations (FP8 training keeps bf16 activations between GEMMs)
 SCHED_GPIPE, SCHED_1F1B, SCHED_INTERLEAVED = 0, 1, 2

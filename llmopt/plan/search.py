@@ -8,28 +8,23 @@ memory, then time.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from llmopt.models.config import ModelConfig
+from llmopt.parallel.plan import RECOMPUTES, ParallelPlan
+from llmopt.plan.grid import GRID_KEYS, STATE_OF_REDUCE_DTYPE, Grid, grid_row, to_grid
 from llmopt.plan.hardware import GIB, Cluster
 from llmopt.plan.memory import memory_breakdown
+from llmopt.plan.rules import format_constraints, msg_at, structural_reasons
 from llmopt.plan.timing import comm_bytes_per_gpu, step_time
-from llmopt.plan.workload import (
-    RECOMPUTES,
-    SCHEDULES,
-    Grid,
-    ParallelConfig,
-    Workload,
-    grid_row,
-    model_flops_per_step,
-    recompute_flops_per_step,
-)
+from llmopt.plan.workload import Workload, model_flops_per_step, recompute_flops_per_step
 
-GRID_KEYS = ("tp", "pp", "dp", "cp", "sp", "zero", "mb", "m", "v", "sched", "rc")
 MAX_MICRO_BATCH = 32
 # Context parallelism is for long sequences. The model does not charge ring attention's per-step
 # costs (2·cp half-chunk flash calls, cp-1 exchange latencies), which grow as chunks shrink, so
@@ -38,23 +33,12 @@ MAX_MICRO_BATCH = 32
 MIN_CP_CHUNK = 4096
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)
 
-# Spellings accepted in constraints ("tp=8,pp=4,zero=3,recompute=full").
-ALIASES = {
-    "zero_stage": "zero",
-    "micro_batch": "mb",
-    "num_microbatches": "m",
-    "virtual_stages": "v",
-    "vp": "v",
-    "schedule": "sched",
-    "recompute": "rc",
-}
-
 
 @dataclass
 class Plan:
     """One evaluated plan: the mapping and everything the model predicts for it."""
 
-    parallel: ParallelConfig
+    parallel: ParallelPlan
     fits: bool
     memory_bytes: dict[str, float]
     step_time_s: dict[str, float]
@@ -65,24 +49,12 @@ class Plan:
     rejected: list[str] = field(default_factory=list)
     explanation: list[str] = field(default_factory=list)
     rank: int | None = None
-    precision: str = "bf16"
 
     def to_dict(self) -> dict[str, Any]:
-        p = self.parallel
+        """ParallelPlan's fields, then what the model predicts for them."""
         mem = {k: self.memory_bytes[k] / GIB for k in self.memory_bytes}
         return {
-            "tp": p.tp,
-            "pp": p.pp,
-            "dp": p.dp,
-            "cp": p.cp,
-            "sp": p.sp,
-            "zero_stage": p.zero_stage,
-            "micro_batch": p.micro_batch,
-            "num_microbatches": p.num_microbatches,
-            "schedule": p.schedule,
-            "virtual_stages": p.virtual_stages,
-            "recompute": p.recompute,
-            "precision": self.precision,
+            **self.parallel.to_dict(),
             "fits": self.fits,
             "memory_gib": {k: round(v, 3) for k, v in mem.items()},
             "step_time_s": {k: round(v, 6) for k, v in self.step_time_s.items()},
@@ -100,6 +72,7 @@ class Plan:
 class Evaluation:
     """Scores of every plan of a grid (arrays aligned with `grid`)."""
 
+    work: Workload
     grid: Grid
     valid: np.ndarray  # structural rules and memory
     structural: np.ndarray
@@ -114,9 +87,9 @@ class Evaluation:
     def __len__(self) -> int:
         return len(self.grid["tp"])
 
-    def plan(self, i: int, precision: str) -> Plan:
+    def plan(self, i: int) -> Plan:
         return Plan(
-            parallel=grid_row(self.grid, i),
+            parallel=grid_row(self.grid, i, self.work.precision, self.work.state_bytes),
             fits=bool(self.memory["fits"][i]),
             memory_bytes={
                 k: float(self.memory[k][i])
@@ -127,57 +100,7 @@ class Evaluation:
             mfu=float(self.mfu[i]),
             hfu=float(self.hfu[i]),
             comm_bytes={k: float(v[i]) for k, v in (self.comm or {}).items()},
-            precision=precision,
         )
-
-
-def msg_at(msg: str, grid: Grid, i: int, **extra: object) -> str:
-    """A rejection message filled with plan i's values (and `extra`, e.g. mem_gib)."""
-    values: dict[str, object] = {k: int(grid[k][i]) for k in GRID_KEYS}
-    values.update(extra)
-    g = {k: int(grid[k][i]) for k in GRID_KEYS}
-    values["world"] = g["tp"] * g["pp"] * g["dp"] * g["cp"]
-    values["pv"] = g["pp"] * g["v"]
-    values["dpmbm"] = g["dp"] * g["mb"] * g["m"]
-    return msg.format(**values)
-
-
-def structural_reasons(
-    model: ModelConfig, work: Workload, cluster: Cluster, grid: Grid
-) -> list[tuple[str, np.ndarray]]:
-    """Rules a plan must satisfy before its cost matters, each with a one-line reason."""
-    tp, pp, dp, cp, v = grid["tp"], grid["pp"], grid["dp"], grid["cp"], grid["v"]
-    L, heads, kv = model.num_layers, model.num_heads, model.num_kv_heads
-    n = cluster.num_gpus
-    return [
-        (f"tp*pp*dp*cp={{world}} must equal the {n} GPUs", tp * pp * dp * cp != n),
-        (f"tp={{tp}} does not divide num_heads={heads}", heads % tp != 0),
-        (
-            f"tp={{tp}} and num_kv_heads={kv}: one must divide the other",
-            (kv % tp != 0) & (tp % kv != 0),
-        ),
-        # Uneven splits are allowed (Megatron-Core's first/last-stage layer counts); the busiest
-        # stage holds ceil(L / (pp·v)) layers per chunk.
-        (f"pp*virtual_stages={{pv}} exceeds num_layers={L}", pp * v > L),
-        (
-            "interleaving needs num_microbatches={m} divisible by pp={pp}",
-            (grid["sched"] == 2) & (grid["m"] % pp != 0),
-        ),
-        (
-            f"dp*micro_batch*num_microbatches={{dpmbm}} != global batch {work.global_batch}",
-            dp * grid["mb"] * grid["m"] != work.global_batch,
-        ),
-        (
-            f"cp={{cp}} needs seq_len={work.seq_len} divisible by 2*cp (load-balanced causal)",
-            (cp > 1) & (work.seq_len % (2 * cp) != 0),
-        ),
-        ("sequence parallel needs tp>1", (grid["sp"] == 1) & (tp == 1)),
-        (
-            "zero={zero} has no data-parallel ranks to shard over (dp*cp=1)",
-            (grid["zero"] > 0) & (dp * cp == 1),
-        ),
-        ("schedule needs pp>1", (grid["sched"] != 1) & (pp == 1)),
-    ]
 
 
 def evaluate(
@@ -209,12 +132,23 @@ def evaluate(
     hfu = (mflops + rc_flops[grid["rc"]]) / (total * n * peak)
     comm = comm_bytes_per_gpu(model, work, cluster, grid) if with_comm else None
     return Evaluation(
-        grid, valid, structural, reasons, mem, time, comm, mfu, hfu, work.tokens_per_step / total
+        work,
+        grid,
+        valid,
+        structural,
+        reasons,
+        mem,
+        time,
+        comm,
+        mfu,
+        hfu,
+        work.tokens_per_step / total,
     )
 
 
-def plan_at(ev: Evaluation, i: int, precision: str) -> Plan:
-    p = ev.plan(i, precision)
+def plan_at(ev: Evaluation, i: int) -> Plan:
+    """Plan i of an evaluation, with the rules it breaks (if any) in `rejected`."""
+    p = ev.plan(i)
     mem = f"{ev.memory['total'][i] / GIB:.1f}"
     p.rejected = [msg_at(msg, ev.grid, i, mem_gib=mem) for msg, mask in ev.reasons if mask[i]]
     return p
@@ -307,41 +241,6 @@ def build_grid(
     return grid
 
 
-def parse_constraints(spec: str) -> dict[str, int]:
-    """'tp=8,pp=4,zero=3,recompute=full,schedule=interleaved,sp=1' -> grid constraints."""
-    out: dict[str, int] = {}
-    if not spec.strip():
-        return out
-    for part in spec.replace(" ", "").split(","):
-        if not part:
-            continue
-        key, eq, value = part.partition("=")
-        if not eq:
-            raise ValueError(f"bad mapping item {part!r}; expected key=value, e.g. tp=8")
-        key = ALIASES.get(key.lower(), key.lower())
-        if key not in GRID_KEYS:
-            valid = sorted(set(GRID_KEYS) | set(ALIASES))
-            raise ValueError(f"unknown mapping key {key!r}; valid: {', '.join(valid)}")
-        if key == "sched":
-            if value not in SCHEDULES:
-                raise ValueError(f"schedule={value!r}; choose from {', '.join(SCHEDULES)}")
-            out[key] = SCHEDULES.index(value)
-        elif key == "rc":
-            if value not in RECOMPUTES:
-                raise ValueError(f"recompute={value!r}; choose from {', '.join(RECOMPUTES)}")
-            out[key] = RECOMPUTES.index(value)
-        elif key == "sp" and value.lower() in ("true", "false", "yes", "no", "on", "off"):
-            out[key] = int(value.lower() in ("true", "yes", "on"))
-        else:
-            try:
-                out[key] = int(value)
-            except ValueError:
-                raise ValueError(f"{key}={value!r} must be an integer") from None
-            if out[key] < 0 or (out[key] == 0 and key not in ("zero", "sp", "rc")):
-                raise ValueError(f"{key}={value} must be positive")
-    return out
-
-
 # Plans predicted within this fraction of each other are ties: the model's own error is larger
 # (median ~6 % on published runs). Within a band, prefer fewer per-micro-batch collectives and
 # less machinery: lower ZeRO stage, less recomputation, no context parallelism, then less TP.
@@ -388,14 +287,14 @@ def search(
     top_ev = evaluate(model, work, cluster, sub, with_comm=True)
     plans = []
     for j in range(len(top)):
-        p = plan_at(top_ev, j, work.precision)
+        p = plan_at(top_ev, j)
         p.rank = j + 1
         plans.append(p)
     return SearchResult(plans, len(grid["tp"]), int(ev.valid.sum()), ev)
 
 
 def _no_candidates_message(model, work, cluster, constraints) -> str:
-    what = f" with {constraints}" if constraints else ""
+    what = f" with {format_constraints(constraints)}" if constraints else ""
     for key in ("tp", "pp", "dp", "cp"):
         if constraints and key in constraints and cluster.num_gpus % constraints[key]:
             return f"{key}={constraints[key]} does not divide the {cluster.num_gpus} GPUs"
@@ -407,7 +306,7 @@ def _no_candidates_message(model, work, cluster, constraints) -> str:
 
 
 def _nothing_fits_message(model, work, cluster, ev: Evaluation, constraints) -> str:
-    what = f" with {constraints}" if constraints else ""
+    what = f" with {format_constraints(constraints)}" if constraints else ""
     if not ev.structural.any():
         counts: dict[str, int] = {}
         for msg, mask in ev.reasons[:-1]:
@@ -422,18 +321,62 @@ def _nothing_fits_message(model, work, cluster, ev: Evaluation, constraints) -> 
     p = grid_row(ev.grid, int(best))
     return (
         f"{model.name} does not fit on {cluster.nodes}x{cluster.gpus_per_node} "
-        f"{cluster.gpu.name}{what}: the leanest plan ({p.short()}, zero={p.zero_stage}, "
+        f"{cluster.gpu.name}{what}: the leanest plan ({p.short()}, zero_stage={p.zero_stage}, "
         f"recompute={p.recompute}, micro_batch={p.micro_batch}) needs {need:.1f} GiB per GPU, "
         f"{need - have:.1f} GiB more than the {have:.1f} GiB usable"
     )
 
 
-def estimate(model: ModelConfig, work: Workload, cluster: Cluster, par: ParallelConfig) -> Plan:
-    """Evaluate one fully specified plan (even an invalid one: `rejected` says why)."""
-    if par.world_size != cluster.num_gpus:
+def workload_for(work: Workload, plan: ParallelPlan) -> Workload:
+    """The workload with the plan's numerics: its precision and its gradient-reduce dtype
+    (fp32: the "megatron" state convention, bf16: "zero"). The planner prices dense bf16/fp8
+    training; fp32 and expert parallelism are refused."""
+    if plan.precision not in ("bf16", "fp8"):
         raise ValueError(
-            f"tp*pp*dp*cp={par.world_size} but the cluster has {cluster.num_gpus} GPUs "
+            f"precision={plan.precision!r}: the planner prices bf16 or fp8 training (2-byte "
+            "activations); choose bf16 or fp8"
+        )
+    if plan.ep != 1:
+        raise ValueError(f"ep={plan.ep}: the planner models dense models only; use ep=1")
+    return dataclasses.replace(
+        work, precision=plan.precision, state_bytes=STATE_OF_REDUCE_DTYPE[plan.reduce_dtype]
+    )
+
+
+def estimate(model: ModelConfig, work: Workload, cluster: Cluster, plan: ParallelPlan) -> Plan:
+    """Evaluate one fully specified plan (even an invalid one: `rejected` says why). Precision
+    and reduce dtype come from the plan (`workload_for`)."""
+    if plan.world_size != cluster.num_gpus:
+        raise ValueError(
+            f"tp*pp*dp*cp={plan.world_size} but the cluster has {cluster.num_gpus} GPUs "
             f"({cluster.nodes} nodes x {cluster.gpus_per_node})"
         )
-    ev = evaluate(model, work, cluster, par.to_grid())
-    return plan_at(ev, 0, work.precision)
+    work = workload_for(work, plan)
+    ev = evaluate(model, work, cluster, to_grid(plan))
+    out = plan_at(ev, 0)
+    out.parallel = plan  # the grid does not carry fp8_recipe: keep the plan as given
+    return out
+
+
+def plan_of_rank(
+    model: ModelConfig, work: Workload, cluster: Cluster, result: SearchResult, rank: int
+) -> Plan:
+    """The plan ranked `rank` (1 = best) among all valid plans of a search, fully evaluated."""
+    order = ranked(result.evaluation)
+    if not 1 <= rank <= len(order):
+        raise ValueError(f"rank {rank} is not valid: {len(order)} plans are valid")
+    if rank <= len(result.plans):
+        return result.plans[rank - 1]
+    i = int(order[rank - 1])
+    sub = {k: v[[i]] for k, v in result.evaluation.grid.items()}
+    plan = plan_at(evaluate(model, work, cluster, sub, with_comm=True), 0)
+    plan.rank = rank
+    return plan
+
+
+def first_rank(result: SearchResult, accepts: Callable[[Plan], bool]) -> int | None:
+    """The best rank whose plan `accepts(plan)` (a cheap check, e.g. an exporter's), if any."""
+    for r, i in enumerate(ranked(result.evaluation), start=1):
+        if accepts(plan_at(result.evaluation, int(i))):
+            return r
+    return None

@@ -28,6 +28,7 @@ import numpy as np
 
 from llmopt.models.config import ModelConfig
 from llmopt.plan.comm import Collectives, applies, collectives
+from llmopt.plan.grid import Grid
 from llmopt.plan.hardware import Cluster
 from llmopt.plan.memory import (
     ACT_BYTES,
@@ -38,7 +39,7 @@ from llmopt.plan.memory import (
     model_state_bytes,
     stage_params,
 )
-from llmopt.plan.workload import Grid, Workload
+from llmopt.plan.workload import Workload
 
 # Adam step, bytes moved per local parameter: read fp32 master, grad, m, v (16), write master,
 # m, v (12) and the bf16 weight copy (2), plus a read of the gradient for the norm/clip (4).

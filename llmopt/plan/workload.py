@@ -1,13 +1,13 @@
-"""What is trained (workload) and how it is mapped (parallel config). FLOPs: `llmopt.plan.flops`."""
+"""What is trained (the workload). How it is mapped is a `llmopt.parallel.plan.ParallelPlan`
+(`llmopt.plan.grid` for batches of them); FLOPs are in `llmopt.plan.flops`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
-
 from llmopt.models.config import ModelConfig  # noqa: F401  (re-exported for type hints)
+from llmopt.parallel.plan import RECOMPUTES, SCHEDULES  # noqa: F401  (re-exported)
 from llmopt.plan.flops import (  # noqa: F401  (re-exported)
     head_flops_fwd_per_token,
     layer_flops_fwd_per_token,
@@ -17,11 +17,7 @@ from llmopt.plan.flops import (  # noqa: F401  (re-exported)
     recompute_flops_per_step,
 )
 
-Precision = Literal["bf16", "fp8"]
-Schedule = Literal["gpipe", "1f1b", "interleaved"]
-Recompute = Literal["none", "selective", "full"]
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
-RECOMPUTES: tuple[str, ...] = ("none", "selective", "full")
+Precision = Literal["bf16", "fp8"]  # what the cost model prices (ParallelPlan also has fp32)
 
 # Bytes per parameter (weights, gradients, optimizer states) for mixed-precision Adam.
 # "megatron": bf16 weights, fp32 gradient accumulation buffer (main_grad), fp32 master weights
@@ -67,95 +63,3 @@ class Workload:
     @property
     def tokens_per_step(self) -> int:
         return self.seq_len * self.global_batch
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """One mapping of the job onto the cluster (Megatron rank order: tp, cp, dp, pp)."""
-
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    cp: int = 1
-    sp: bool = False
-    zero_stage: int = 0
-    micro_batch: int = 1
-    num_microbatches: int = 1
-    schedule: Schedule = "1f1b"
-    virtual_stages: int = 1
-    recompute: Recompute = "none"
-
-    def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "cp", "micro_batch", "num_microbatches", "virtual_stages"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"{name}={v!r} must be a positive integer")
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"zero_stage={self.zero_stage!r} must be 0, 1, 2 or 3")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule={self.schedule!r}; choose from {', '.join(SCHEDULES)}")
-        if self.recompute not in RECOMPUTES:
-            raise ValueError(f"recompute={self.recompute!r}; choose from {', '.join(RECOMPUTES)}")
-        if self.schedule == "interleaved" and (self.virtual_stages < 2 or self.pp < 2):
-            raise ValueError(
-                f"schedule=interleaved needs pp>=2 and virtual_stages>=2 "
-                f"(got pp={self.pp}, virtual_stages={self.virtual_stages})"
-            )
-        if self.schedule != "interleaved" and self.virtual_stages != 1:
-            raise ValueError(
-                f"virtual_stages={self.virtual_stages} needs schedule=interleaved "
-                f"(got {self.schedule})"
-            )
-        if self.sp and self.tp == 1:
-            raise ValueError("sp=True (sequence parallel) needs tp>1")
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.pp * self.dp * self.cp
-
-    def to_grid(self) -> Grid:
-        return {
-            "tp": np.array([self.tp]),
-            "pp": np.array([self.pp]),
-            "dp": np.array([self.dp]),
-            "cp": np.array([self.cp]),
-            "sp": np.array([int(self.sp)]),
-            "zero": np.array([self.zero_stage]),
-            "mb": np.array([self.micro_batch]),
-            "m": np.array([self.num_microbatches]),
-            "v": np.array([self.virtual_stages]),
-            "sched": np.array([SCHEDULES.index(self.schedule)]),
-            "rc": np.array([RECOMPUTES.index(self.recompute)]),
-        }
-
-    def short(self) -> str:
-        parts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}"]
-        if self.cp > 1:
-            parts.append(f"cp={self.cp}")
-        return ",".join(parts)
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
-
-
-# A grid is a batch of parallel configs as parallel numpy arrays (same keys as `to_grid`), so
-# the cost model evaluates one config or a million with the same code.
-Grid = dict[str, np.ndarray]
-
-
-def grid_row(grid: Grid, i: int) -> ParallelConfig:
-    """The i-th config of a grid."""
-    return ParallelConfig(
-        tp=int(grid["tp"][i]),
-        pp=int(grid["pp"][i]),
-        dp=int(grid["dp"][i]),
-        cp=int(grid["cp"][i]),
-        sp=bool(grid["sp"][i]),
-        zero_stage=int(grid["zero"][i]),
-        micro_batch=int(grid["mb"][i]),
-        num_microbatches=int(grid["m"][i]),
-        schedule=SCHEDULES[int(grid["sched"][i])],  # type: ignore[arg-type]
-        virtual_stages=int(grid["v"][i]),
-        recompute=RECOMPUTES[int(grid["rc"][i])],  # type: ignore[arg-type]
-    )

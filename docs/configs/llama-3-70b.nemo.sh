@@ -1,0 +1,3 @@
+#!/bin/sh
+# Megatron-Bridge (NeMo): plan #1 (tp=4,pp=4,dp=4) for llama-3-70b on 8x8 H100-SXM5-80GB; run from the Megatron-Bridge checkout
+torchrun --nnodes 8 --nproc-per-node 8 scripts/training/run_recipe.py --recipe llama3_70b_pretrain_config --mode pretrain --dataset mock model.tensor_model_parallel_size=4 model.pipeline_model_parallel_size=4 model.virtual_pipeline_model_parallel_size=2 model.context_parallel_size=1 model.sequence_parallel=true dataset.seq_length=4096 train.micro_batch_size=1 train.global_batch_size=1024 ddp.use_distributed_optimizer=true model.recompute_granularity=null mixed_precision=bf16_mixed

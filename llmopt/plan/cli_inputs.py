@@ -1,0 +1,147 @@
+"""`llmopt plan` flags -> the planner's inputs (model, cluster, workload, one ParallelPlan).
+Flag names are the trainer's (`--num-layers`, `--zero-stage`, `--num-microbatches`, ...)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from llmopt.models.config import ModelConfig
+from llmopt.parallel.plan import ParallelPlan
+from llmopt.plan.grid import STATE_OF_REDUCE_DTYPE
+from llmopt.plan.hardware import Cluster, customize, get_cluster, load_cluster_toml
+from llmopt.plan.workload import Workload
+
+# flag dest (= ModelConfig field = TrainConfig shape override) given on the command line
+SHAPE_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "intermediate_size",
+    "num_heads",
+    "num_kv_heads",
+    "vocab_size",
+)
+
+
+def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """Shape fields the user set, by ModelConfig name."""
+    out: dict[str, Any] = {
+        f: getattr(args, f) for f in SHAPE_FIELDS if getattr(args, f, None) is not None
+    }
+    if getattr(args, "mlp", None):
+        out["mlp"] = args.mlp
+    if getattr(args, "tied", None):
+        out["tie_embeddings"] = True
+    return out
+
+
+def build_model(args: argparse.Namespace) -> ModelConfig:
+    from llmopt.models.presets import get_preset
+
+    spec = args.model
+    path = Path(spec)
+    if spec.endswith(".json") or path.is_dir():
+        model = ModelConfig.from_hf_config(path, name=path.stem)
+    else:
+        model = get_preset(spec)
+    changes = model_overrides(args)
+    for name in SHAPE_FIELDS:
+        value = changes.get(name)
+        if value is not None and value <= 0:
+            raise ValueError(f"--{name.replace('_', '-')}={value} must be a positive integer")
+    if changes:
+        if "hidden_size" in changes or "num_heads" in changes:
+            changes.setdefault("head_dim", None)
+        model = model.replace(name=f"{model.name} (custom)", **changes)
+    return model
+
+
+def build_cluster(args: argparse.Namespace) -> Cluster:
+    if args.nodes is not None and args.nodes <= 0:
+        raise ValueError(f"--nodes={args.nodes} must be a positive integer")
+    if args.cluster.endswith(".toml"):
+        cluster = load_cluster_toml(args.cluster, nodes=args.nodes)
+    else:
+        cluster = get_cluster(args.cluster, args.nodes)
+    overrides = {
+        "gpus_per_node": args.gpus_per_node,
+        "gpu.peak_bf16_tflops": args.peak_tflops,
+        "gpu.peak_fp8_tflops": args.fp8_tflops,
+        "gpu.hbm_gib": args.hbm_gib,
+        "gpu.hbm_bandwidth_gbs": args.hbm_gbs,
+        "gpu.gemm_efficiency": args.gemm_efficiency,
+        "intra_node.bandwidth_gbs": args.nvlink_gbs,
+        "inter_node.bandwidth_gbs": args.ib_gbs,
+    }
+    return customize(cluster, **overrides)
+
+
+def build_workload(args: argparse.Namespace) -> Workload:
+    batch = args.global_batch
+    if args.global_batch_tokens is not None:
+        if args.global_batch_tokens <= 0 or args.global_batch_tokens % args.seq_len:
+            raise ValueError(
+                f"--global-batch-tokens={args.global_batch_tokens} must be a positive multiple "
+                f"of --seq-len={args.seq_len}"
+            )
+        batch = args.global_batch_tokens // args.seq_len
+    return Workload(
+        seq_len=args.seq_len,
+        global_batch=batch,
+        precision=args.precision,
+        flash_attention=not args.no_flash,
+        state_bytes=STATE_OF_REDUCE_DTYPE[args.reduce_dtype],
+        tp_comm_overlap=args.tp_comm_overlap,
+        dp_comm_overlap=not args.no_dp_overlap,
+    )
+
+
+def inputs(args: argparse.Namespace) -> tuple[ModelConfig, Workload, Cluster]:
+    return build_model(args), build_workload(args), build_cluster(args)
+
+
+def build_plan(args: argparse.Namespace, work: Workload, cluster: Cluster) -> ParallelPlan:
+    """`plan estimate`'s fully specified plan; dp and num_microbatches default to what the
+    GPU count and the global batch leave."""
+    inner = args.tp * args.pp * args.cp
+    dp = args.dp
+    if dp is None:
+        if cluster.num_gpus % inner:
+            raise ValueError(
+                f"tp*pp*cp={inner} does not divide the {cluster.num_gpus} GPUs; pass --dp"
+            )
+        dp = cluster.num_gpus // inner
+    m = args.num_microbatches
+    if m is None:
+        per = dp * args.micro_batch
+        if work.global_batch % per:
+            raise ValueError(
+                f"global batch {work.global_batch} is not divisible by dp*micro_batch={per}"
+            )
+        m = work.global_batch // per
+    return ParallelPlan(
+        tp=args.tp, pp=args.pp, dp=dp, cp=args.cp, sequence_parallel=bool(args.sequence_parallel),
+        zero_stage=args.zero_stage, micro_batch=args.micro_batch, num_microbatches=m,
+        schedule=args.schedule, virtual_stages=args.virtual_stages, recompute=args.recompute,
+        precision=work.precision, fp8_recipe=args.fp8_recipe, reduce_dtype=args.reduce_dtype,
+    )  # fmt: skip
+
+
+def header(model: ModelConfig, work: Workload, cluster: Cluster) -> dict[str, Any]:
+    return {
+        "model": model.name,
+        "parameters": model.num_parameters(),
+        "cluster": {
+            "name": cluster.name,
+            "gpu": cluster.gpu.name,
+            "nodes": cluster.nodes,
+            "gpus_per_node": cluster.gpus_per_node,
+        },
+        "workload": {
+            "seq_len": work.seq_len,
+            "global_batch": work.global_batch,
+            "precision": work.precision,
+            "state_bytes": work.state_bytes,
+        },
+    }

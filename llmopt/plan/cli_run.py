@@ -1,0 +1,184 @@
+"""Handlers of `llmopt plan`, `plan estimate` and `plan compare`: call the API, print."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import TYPE_CHECKING
+
+from llmopt.plan.cli_inputs import build_plan, header, inputs, model_overrides
+from llmopt.plan.cli_render import label, links_table, plans_table, plot_breakdown, print_json
+
+if TYPE_CHECKING:
+    from llmopt.models.config import ModelConfig
+    from llmopt.plan.hardware import Cluster
+    from llmopt.plan.search import Plan, SearchResult
+    from llmopt.plan.workload import Workload
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(width=max(Console().width, 130))
+
+
+def _emit(
+    args: argparse.Namespace,
+    model: ModelConfig,
+    work: Workload,
+    cluster: Cluster,
+    result: SearchResult,
+) -> list[str]:
+    """Write plan #--pick; if the format cannot express it, name the best plan it can."""
+    from llmopt.plan.emit import EmitError, PlannedRun, check, format_for, write
+    from llmopt.plan.search import first_rank, plan_of_rank
+
+    if args.pick <= 0:
+        raise ValueError(f"--pick={args.pick} must be a positive rank")
+    fmt = format_for(args.emit, args.emit_format)
+    overrides = model_overrides(args)
+
+    def run_of(plan: Plan) -> PlannedRun:
+        return PlannedRun(model, args.model, work, cluster, plan, overrides)
+
+    plan = plan_of_rank(model, work, cluster, result, args.pick)
+    try:
+        check(run_of(plan), fmt)
+    except EmitError as exc:
+
+        def accepts(p: Plan) -> bool:
+            try:
+                check(run_of(p), fmt)
+            except EmitError:
+                return False
+            return True
+
+        best = first_rank(result, accepts)
+        hint = (
+            f"; the best plan it can express is #{best}: use --pick {best}"
+            if best
+            else f"; none of the {result.valid} valid plans can be expressed in {fmt}"
+        )
+        raise EmitError(f"plan #{args.pick}: {exc}{hint}") from None
+    return [str(p) for p in write(run_of(plan), args.emit, fmt)]
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from llmopt.plan.explain import explain, why_not
+    from llmopt.plan.rules import parse_constraints
+    from llmopt.plan.search import search
+
+    if args.top_k <= 0:
+        raise ValueError(f"--top-k={args.top_k} must be positive")
+    model, work, cluster = inputs(args)
+    constraints = parse_constraints(args.why_not) if args.why_not else None
+    where = parse_constraints(args.where) if args.where else None
+    t0 = time.perf_counter()
+    result = search(model, work, cluster, top_k=max(args.top_k, args.pick, 2), constraints=where)
+    seconds = time.perf_counter() - t0
+    plans = result.plans[: args.top_k]
+    runner = result.plans[1] if len(result.plans) > 1 else None
+    plans[0].explanation = explain(model, work, cluster, plans[0], runner)
+    for plan in plans[1:]:
+        plan.explanation = explain(model, work, cluster, plan, top=plans[0])
+    written = _emit(args, model, work, cluster, result) if args.emit else []
+    if args.plot:
+        title = f"{model.name} on {cluster.num_gpus} x {cluster.gpu.name}: top plans"
+        plot_breakdown(plans, [label(p) for p in plans], args.plot, title)
+    why: list[str] = []
+    if constraints is not None:
+        ev = result.evaluation
+        why = why_not(model, work, cluster, constraints, plans[0], ev.time["total"][ev.valid])
+    if args.json:
+        out = header(model, work, cluster)
+        out.update(
+            {
+                "evaluated": result.evaluated,
+                "valid": result.valid,
+                "search_seconds": seconds,
+                "plans": [p.to_dict() for p in plans],
+            }
+        )
+        if where:
+            out["where"] = args.where
+        if constraints is not None:
+            out["why_not"] = {"spec": args.why_not, "explanation": why}
+        if written:
+            out["emitted"] = written
+        print_json(out)
+        return 0
+    console = _console()
+    title = (
+        f"{model.name} on {cluster.nodes}x{cluster.gpus_per_node} {cluster.gpu.name}, "
+        f"seq {work.seq_len}, batch {work.global_batch}, {work.precision} -- "
+        f"{result.valid:,} of {result.evaluated:,} plans valid"
+        + (f" with {args.where}" if where else "")
+        + f", searched in {seconds:.2f} s"
+    )
+    console.print(plans_table(plans, title))
+    console.print("[bold]Why the top plan:[/bold]")
+    for line in plans[0].explanation:
+        console.print(f"  - {line}", soft_wrap=True, highlight=False)
+    if why:
+        console.print(f"[bold]Why not {args.why_not}:[/bold]")
+        for line in why:
+            console.print(f"  {line}", soft_wrap=True, highlight=False)
+    for path in written:
+        console.print(f"wrote {path} (plan #{args.pick})", soft_wrap=True, highlight=False)
+    return 0
+
+
+def run_estimate(args: argparse.Namespace) -> int:
+    from llmopt.plan.explain import explain, link_report
+    from llmopt.plan.search import estimate, workload_for
+
+    model, work, cluster = inputs(args)
+    par = build_plan(args, work, cluster)
+    plan = estimate(model, work, cluster, par)
+    work = workload_for(work, par)
+    plan.explanation = explain(model, work, cluster, plan)
+    links = link_report(model, work, cluster, par)
+    if args.json:
+        out = header(model, work, cluster)
+        out["plan"] = plan.to_dict()
+        out["collectives"] = links
+        print_json(out)
+        return 0
+    console = _console()
+    console.print(plans_table([plan], f"{model.name}: estimate of {par.short()}"))
+    if plan.rejected:
+        console.print("[bold red]Invalid:[/bold red] " + "; ".join(plan.rejected), soft_wrap=True)
+    for line in plan.explanation:
+        console.print(f"  - {line}", soft_wrap=True, highlight=False)
+    return 0
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    from llmopt.plan.compare import compare
+
+    model, work, cluster = inputs(args)
+    results = compare(model, work, cluster, list(args.mappings))
+    if args.plot:
+        plot_breakdown([r.plan for r in results], [r.spec for r in results], args.plot, model.name)
+    if args.json:
+        out = header(model, work, cluster)
+        out["mappings"] = [
+            {
+                "spec": r.spec,
+                "plan": r.plan.to_dict(),
+                "collectives": r.collectives,
+                "verdict": r.verdict,
+            }
+            for r in results
+        ]
+        print_json(out)
+        return 0
+    console = _console()
+    console.print(
+        plans_table([r.plan for r in results], f"{model.name}: {' vs '.join(args.mappings)}")
+    )
+    for r in results:
+        title = f"{r.spec}: collectives per GPU per step (last pipeline stage)"
+        console.print(links_table(title, r.collectives))
+        console.print(f"  {r.spec}: {r.verdict}", soft_wrap=True, highlight=False)
+    return 0

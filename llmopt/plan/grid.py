@@ -1,0 +1,73 @@
+"""A batch of parallel plans as aligned numpy arrays, so the cost model scores one plan or a
+million with the same code.
+
+The arrays use short internal keys (below); everything that leaves the planner (JSON, run
+configs, messages) uses `ParallelPlan`'s field names. `GRID_FIELDS` is the one mapping.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from llmopt.parallel.plan import RECOMPUTES, SCHEDULES, ParallelPlan
+
+# internal array key -> ParallelPlan field
+GRID_FIELDS: dict[str, str] = {
+    "tp": "tp",
+    "pp": "pp",
+    "dp": "dp",
+    "cp": "cp",
+    "sp": "sequence_parallel",
+    "zero": "zero_stage",
+    "mb": "micro_batch",
+    "m": "num_microbatches",
+    "v": "virtual_stages",
+    "sched": "schedule",
+    "rc": "recompute",
+}
+GRID_KEYS: tuple[str, ...] = tuple(GRID_FIELDS)
+
+Grid = dict[str, np.ndarray]
+
+# What the planner's numerics mean for the data-parallel reduction: the "megatron" convention
+# keeps fp32 gradients (main_grad) and reduces them in fp32, "zero" keeps and reduces bf16.
+REDUCE_DTYPE_OF_STATE = {"megatron": "fp32", "zero": "bf16"}
+STATE_OF_REDUCE_DTYPE = {v: k for k, v in REDUCE_DTYPE_OF_STATE.items()}
+
+
+def to_grid(plan: ParallelPlan) -> Grid:
+    """A one-plan grid."""
+    return {
+        "tp": np.array([plan.tp]),
+        "pp": np.array([plan.pp]),
+        "dp": np.array([plan.dp]),
+        "cp": np.array([plan.cp]),
+        "sp": np.array([int(plan.sequence_parallel)]),
+        "zero": np.array([plan.zero_stage]),
+        "mb": np.array([plan.micro_batch]),
+        "m": np.array([plan.num_microbatches]),
+        "v": np.array([plan.virtual_stages]),
+        "sched": np.array([SCHEDULES.index(plan.schedule)]),
+        "rc": np.array([RECOMPUTES.index(plan.recompute)]),
+    }
+
+
+def grid_row(
+    grid: Grid, i: int, precision: str = "bf16", state_bytes: str = "megatron"
+) -> ParallelPlan:
+    """The i-th plan of a grid, with the workload's numerics."""
+    return ParallelPlan(
+        tp=int(grid["tp"][i]),
+        pp=int(grid["pp"][i]),
+        dp=int(grid["dp"][i]),
+        cp=int(grid["cp"][i]),
+        sequence_parallel=bool(grid["sp"][i]),
+        zero_stage=int(grid["zero"][i]),
+        micro_batch=int(grid["mb"][i]),
+        num_microbatches=int(grid["m"][i]),
+        schedule=SCHEDULES[int(grid["sched"][i])],  # type: ignore[arg-type]
+        virtual_stages=int(grid["v"][i]),
+        recompute=RECOMPUTES[int(grid["rc"][i])],  # type: ignore[arg-type]
+        precision=precision,  # type: ignore[arg-type]
+        reduce_dtype=REDUCE_DTYPE_OF_STATE[state_bytes],
+    )

@@ -1,0 +1,133 @@
+"""The structural rules a parallel plan must satisfy, and the `key=value` constraint spelling
+(`--why-not`, `--where`, `plan compare`) that restricts the search to some plans.
+
+Rules are vectorised masks over a grid, each paired with a one-line message in ParallelPlan's
+names, so the search prunes with them and `--why-not` quotes them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from llmopt.models.config import ModelConfig
+from llmopt.parallel.plan import RECOMPUTES, SCHEDULES
+from llmopt.plan.grid import GRID_FIELDS, GRID_KEYS, Grid
+from llmopt.plan.hardware import Cluster
+from llmopt.plan.workload import Workload
+
+KEY_OF_FIELD = {name: key for key, name in GRID_FIELDS.items()}
+_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
+class ConstraintError(ValueError):
+    """A `key=value` mapping spec that names an unknown field or an invalid value."""
+
+
+def msg_at(msg: str, grid: Grid, i: int, **extra: object) -> str:
+    """A rejection message filled with plan i's values (and `extra`, e.g. mem_gib)."""
+    g = {k: int(grid[k][i]) for k in GRID_KEYS}
+    values: dict[str, object] = dict(g)
+    values.update(extra)
+    values["world"] = g["tp"] * g["pp"] * g["dp"] * g["cp"]
+    values["pv"] = g["pp"] * g["v"]
+    values["dpmbm"] = g["dp"] * g["mb"] * g["m"]
+    values["schedule"] = SCHEDULES[g["sched"]]
+    return msg.format(**values)
+
+
+def structural_reasons(
+    model: ModelConfig, work: Workload, cluster: Cluster, grid: Grid
+) -> list[tuple[str, np.ndarray]]:
+    """Rules a plan must satisfy before its cost matters, each with a one-line reason."""
+    tp, pp, dp, cp, v = grid["tp"], grid["pp"], grid["dp"], grid["cp"], grid["v"]
+    L, heads, kv = model.num_layers, model.num_heads, model.num_kv_heads
+    n = cluster.num_gpus
+    return [
+        (f"tp*pp*dp*cp={{world}} must equal the {n} GPUs", tp * pp * dp * cp != n),
+        (f"tp={{tp}} does not divide num_heads={heads}", heads % tp != 0),
+        (
+            f"tp={{tp}} and num_kv_heads={kv}: one must divide the other",
+            (kv % tp != 0) & (tp % kv != 0),
+        ),
+        # Uneven splits are allowed (Megatron-Core's first/last-stage layer counts); the busiest
+        # stage holds ceil(L / (pp·v)) layers per chunk.
+        (f"pp*virtual_stages={{pv}} exceeds num_layers={L}", pp * v > L),
+        (
+            "schedule=interleaved needs num_microbatches={m} divisible by pp={pp}",
+            (grid["sched"] == 2) & (grid["m"] % pp != 0),
+        ),
+        (
+            f"dp*micro_batch*num_microbatches={{dpmbm}} != global_batch {work.global_batch}",
+            dp * grid["mb"] * grid["m"] != work.global_batch,
+        ),
+        (
+            f"cp={{cp}} needs seq_len={work.seq_len} divisible by 2*cp (load-balanced causal)",
+            (cp > 1) & (work.seq_len % (2 * cp) != 0),
+        ),
+        ("sequence_parallel needs tp>1", (grid["sp"] == 1) & (tp == 1)),
+        (
+            "zero_stage={zero} has no data-parallel ranks to shard over (dp*cp=1)",
+            (grid["zero"] > 0) & (dp * cp == 1),
+        ),
+        ("schedule={schedule} needs pp>1", (grid["sched"] != 1) & (pp == 1)),
+    ]
+
+
+def parse_constraints(spec: str) -> dict[str, int]:
+    """'tp=8,pp=4,zero_stage=3,recompute=full,schedule=interleaved' -> grid constraints.
+
+    Keys are ParallelPlan field names that the search varies; values as in a run config.
+    """
+    out: dict[str, int] = {}
+    if not spec.strip():
+        return out
+    for part in spec.replace(" ", "").split(","):
+        if not part:
+            continue
+        name, eq, value = part.partition("=")
+        if not eq:
+            raise ConstraintError(f"bad mapping item {part!r}; expected key=value, e.g. tp=8")
+        name = name.lower()
+        if name not in KEY_OF_FIELD:
+            raise ConstraintError(
+                f"unknown mapping key {name!r}; valid: {', '.join(sorted(KEY_OF_FIELD))}"
+            )
+        key = KEY_OF_FIELD[name]
+        if key == "sched":
+            if value not in SCHEDULES:
+                raise ConstraintError(f"schedule={value!r}; choose from {', '.join(SCHEDULES)}")
+            out[key] = SCHEDULES.index(value)
+        elif key == "rc":
+            if value not in RECOMPUTES:
+                raise ConstraintError(f"recompute={value!r}; choose from {', '.join(RECOMPUTES)}")
+            out[key] = RECOMPUTES.index(value)
+        elif key == "sp":
+            if value.lower() not in _TRUE + _FALSE:
+                raise ConstraintError(f"sequence_parallel={value!r}; use true or false")
+            out[key] = int(value.lower() in _TRUE)
+        else:
+            try:
+                out[key] = int(value)
+            except ValueError:
+                raise ConstraintError(f"{name}={value!r} must be an integer") from None
+            if key == "zero" and out[key] not in (0, 1, 2, 3):
+                raise ConstraintError(f"zero_stage={value} is not a ZeRO stage; choose 0-3")
+            if key != "zero" and out[key] <= 0:
+                raise ConstraintError(f"{name}={value} must be a positive integer")
+    return out
+
+
+def format_constraints(constraints: dict[str, int]) -> str:
+    """Grid constraints back in the spelling `parse_constraints` reads."""
+    parts = []
+    for key, value in constraints.items():
+        name = GRID_FIELDS[key]
+        if key == "sched":
+            parts.append(f"{name}={SCHEDULES[value]}")
+        elif key == "rc":
+            parts.append(f"{name}={RECOMPUTES[value]}")
+        elif key == "sp":
+            parts.append(f"{name}={'true' if value else 'false'}")
+        else:
+            parts.append(f"{name}={value}")
+    return ",".join(parts)
