@@ -37,7 +37,7 @@ def _common(p: argparse.ArgumentParser, sub: bool) -> None:
         ("vocab-size", None),
     ):
         m.add_argument(f"--{name}", type=int, default=d(None), help=text)
-    m.add_argument("--mlp", choices=("swiglu", "gelu"), default=d(None))
+    m.add_argument("--activation", dest="mlp_kind", choices=("swiglu", "gelu"), default=d(None))
     m.add_argument("--tied", action="store_true", default=d(None), help="tied embeddings")
     c = p.add_argument_group("cluster")
     c.add_argument(

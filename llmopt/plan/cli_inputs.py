@@ -29,8 +29,8 @@ def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {
         f: getattr(args, f) for f in SHAPE_FIELDS if getattr(args, f, None) is not None
     }
-    if getattr(args, "mlp", None):
-        out["mlp"] = args.mlp
+    if getattr(args, "mlp_kind", None):
+        out.update(mlp=args.mlp_kind)  # the ModelConfig field behind --mlp-kind
     if getattr(args, "tied", None):
         out["tie_embeddings"] = True
     return out

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 def matmul_params_per_layer(model: ModelConfig) -> int:
     """Weights of one block that take part in GEMMs (QKV, output, MLP)."""
     h = model.hidden_size
-    n_mlp = 3 if model.mlp == "swiglu" else 2
+    n_mlp = 3 if model.mlp_kind == "swiglu" else 2
     return (
         h * model.q_size
         + 2 * h * model.kv_size

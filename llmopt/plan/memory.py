@@ -64,7 +64,7 @@ def layer_params_per_rank(model: ModelConfig, tp: np.ndarray) -> np.ndarray:
     """Parameters of one block held by one TP rank (norm weights replicated)."""
     h, hd = model.hidden_size, model.head_dim
     t = np.asarray(tp, dtype=np.float64)
-    n_mlp = 3 if model.mlp == "swiglu" else 2
+    n_mlp = 3 if model.mlp_kind == "swiglu" else 2
     split = 2 * h * model.q_size + n_mlp * h * model.intermediate_size
     kv = 2 * h * hd * kv_heads_per_rank(model, t)
     bias = 0.0
@@ -137,7 +137,7 @@ def activation_bytes_per_layer(
     rep_div = np.where(spf, t, 1.0)
     replicated = 4 * ACT_BYTES * h + (2 * h if dropout else 0)
     kv = kv_heads_per_rank(model, t) * model.head_dim
-    mlp = (3 if model.mlp == "swiglu" else 2) * ACT_BYTES * f
+    mlp = (3 if model.mlp_kind == "swiglu" else 2) * ACT_BYTES * f
     split = (2 * ACT_BYTES * model.q_size + mlp) / t + 2 * ACT_BYTES * kv
     if flash_attention:
         scores = 4.0 * a / t  # fp32 log-sum-exp per head and query
@@ -149,7 +149,9 @@ def activation_bytes_per_layer(
         # With fused attention there is no s² term to drop; "selective" then means op-level
         # recomputation of the cheap memory-bound ops (torchtitan's selective AC): the norm
         # outputs (QKV and MLP inputs) and the SwiGLU product are rebuilt, GEMM outputs kept.
-        dropped = 2 * ACT_BYTES * h / rep_div + (ACT_BYTES * f / t if model.mlp == "swiglu" else 0)
+        dropped = 2 * ACT_BYTES * h / rep_div + (
+            ACT_BYTES * f / t if model.mlp_kind == "swiglu" else 0
+        )
         selective = full - tokens * dropped
     else:
         selective = full - tokens * scores
@@ -182,13 +184,13 @@ def eager_activation_bytes_per_layer(
       read them; under SP the all-gathered input is a non-contiguous view and every linear
       that reads it saves its own contiguous copy: 3 (q, k, v) + 2 (gate, up) copies;
     - attention: post-RoPE q (A·q/t), k and v (A·kv each, GQA heads of this rank), the output
-      (A·q/t, also the o_proj input, same storage) and the fp32 log-sum-exp per head (4a/t).
+      (A·q/t, also the output projection's input, same storage) and the fp32 log-sum-exp per head (4a/t).
       RoPE itself keeps no activation (x·cos and rotate(x)·sin save cos and sin only, see
       `rope_table_bytes`);
-    - SwiGLU: gate output, silu output, up output and their product (down_proj input),
+    - SwiGLU: gate output, silu output, up output and their product (the down projection's input),
       4·A·f/t (fused model: 3); GELU: its input and output, 2·A·f/t;
     - selective recompute (the engine checkpoints the attention core): its inputs q, k, v stay
-      saved and o_proj keeps its own input, so only the log-sum-exp (4a/t) is dropped;
+      saved and the output projection keeps its own input, so only the log-sum-exp (4a/t) is dropped;
     - full recompute (per-block checkpoint): the block input, A·h (/t under SP).
     Residual adds save nothing. No s² term: the SDPA kernel is memory-efficient.
     """
@@ -199,12 +201,12 @@ def eager_activation_bytes_per_layer(
     tokens = np.asarray(micro_batch, dtype=np.float64) * seq_len / np.asarray(cp, np.float64)
     rep_div = np.where(spf, t, 1.0)
     norms = 2 * ((4 + act_bytes) * h + 4) / rep_div
-    mlp_inputs = 2 if model.mlp == "swiglu" else 1
+    mlp_inputs = 2 if model.mlp_kind == "swiglu" else 1
     linear_inputs = act_bytes * h * np.where(spf & (t > 1), 3 + mlp_inputs, 2)
     kv = kv_heads_per_rank(model, t) * model.head_dim
     attention = act_bytes * (2 * model.q_size / t + 2 * kv)
     lse = 4.0 * a / t
-    mlp = (4 if model.mlp == "swiglu" else 2) * act_bytes * f / t
+    mlp = (4 if model.mlp_kind == "swiglu" else 2) * act_bytes * f / t
     full = tokens * (norms + linear_inputs + attention + lse + mlp)
     selective = full - tokens * lse
     kept_input = tokens * act_bytes * h / rep_div

@@ -70,7 +70,7 @@ def step_time(
     bf16 = gpu.peak_flops("bf16") * gpu.clock_scale
     hbm = gpu.hbm_bandwidth_gbs * 1e9 * gpu.hbm_efficiency
     kv_dim = kv_heads_per_rank(model, tp) * model.head_dim
-    n_mlp = 3 if model.mlp == "swiglu" else 2
+    n_mlp = 3 if model.mlp_kind == "swiglu" else 2
 
     # Forward of one layer for one micro-batch.
     gemm_params = (2 * h * model.q_size + n_mlp * h * f) / t + 2 * h * kv_dim
@@ -87,7 +87,7 @@ def step_time(
     # norms 36h, RoPE 14(q+k), SwiGLU 5f.
     norms = 4 * h if work.fused_kernels else 36 * h
     replicated = norms + 6 * h + (5 * h if work.dropout else 0)
-    act_fn = ((3 if work.fused_kernels else 5) if model.mlp == "swiglu" else 4) * f / t
+    act_fn = ((3 if work.fused_kernels else 5) if model.mlp_kind == "swiglu" else 4) * f / t
     rope = (2 if work.fused_kernels else 14) * (model.q_size / t + kv_dim)
     softmax = 0.0 if work.flash_attention else (2 + (2.5 if work.dropout else 0)) * a * s / t
     elem_fwd = replicated / np.where(sp, t, 1.0) + act_fn + rope

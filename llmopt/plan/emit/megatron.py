@@ -52,7 +52,7 @@ def arguments(run: PlannedRun) -> list[str]:
     args += ["--seq-length", str(w.seq_len), "--max-position-embeddings", str(m.max_seq_len)]
     args += ["--position-embedding-type", "rope", "--rotary-base", f"{m.rope_theta:g}"]
     args += ["--normalization", "RMSNorm"]
-    if m.mlp == "swiglu":
+    if m.mlp_kind == "swiglu":
         args.append("--swiglu")
     if not m.attention_bias:
         args.append("--disable-bias-linear")
