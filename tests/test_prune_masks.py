@@ -119,3 +119,5 @@ def test_bad_inputs_are_refused(tiny_model):
         prune_model(tiny_model, "obs", 0.5)
     magnitude = prune_model(tiny_model, "magnitude", 0.5)  # no calibration needed
     assert magnitude.prune_report["pruned_fraction"] == pytest.approx(0.5)
+    with pytest.raises(PruneConfigError, match="already pruned"):
+        prune_model(magnitude, "magnitude", 0.5)

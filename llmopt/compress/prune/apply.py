@@ -113,6 +113,8 @@ def prune_model(
     _check_calib(calib_tokens, config)
     if getattr(model, "quant_config", None) is not None:
         raise PruneConfigError("model is quantized; prune the full-precision model")
+    if getattr(model, "prune_config", None) is not None:
+        raise PruneConfigError("model is already pruned; prune the dense model")
     spec = spec_for(model)
     _check_shapes(model, spec, config.sparsity)
     start = time.perf_counter()
