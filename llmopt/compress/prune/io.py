@@ -34,6 +34,7 @@ from llmopt.compress.prune.packed import (
     unpack_bits,
 )
 from llmopt.compress.quant.io import sha256_file
+from llmopt.models.spec import spec_for
 
 MARKER = "llmopt_prune.json"
 WEIGHTS = "model.safetensors"
@@ -107,10 +108,10 @@ def _pruned_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, 
             state[f"{name}.bias"] = lin.bias.detach().cpu().contiguous()
         dense16 += 2 * lin.in_features * lin.out_features
         modules[name] = entry
-    tied = getattr(model.config, "tie_embeddings", False)
+    tied_head = f"{spec_for(model).head}.weight" if model.config.tie_embeddings else None
     for key, tensor in model.state_dict().items():
         module = key.rpartition(".")[0]
-        if module in modules or (tied and key == "lm_head.weight"):
+        if module in modules or key == tied_head:
             continue
         state[key] = tensor.detach().cpu().contiguous()
     return state, modules, stored, dense16
