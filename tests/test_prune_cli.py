@@ -118,3 +118,29 @@ def test_cli_refuses_out_in_the_source(hf_dir, capsys):
         assert "is the source model" in capsys.readouterr().err
     assert not (hf_dir / "pruned").exists()
     assert not (hf_dir / "llmopt_prune.json").exists()
+
+
+def test_cli_float16_rest_halves_the_embedding_and_dir_is_readable(tmp_path, hf_dir, capsys):
+    import os
+
+    from safetensors import safe_open
+
+    base = ["prune", "--model", str(hf_dir), "--method", "magnitude", "--sparsity", "2:4"]
+    assert cli_main([*base, "--out", str(tmp_path / "a"), "--json"]) == 0
+    assert cli_main([*base, "--float-dtype", "float16", "--out", str(tmp_path / "b")]) == 0
+    capsys.readouterr()
+    from llmopt.models.spec import get_spec
+
+    embedding = get_spec("llama").embedding
+    with safe_open(str(tmp_path / "b" / "model.safetensors"), framework="pt") as handle:
+        assert handle.get_tensor(f"{embedding}.weight").dtype == torch.float16
+    size_a = (tmp_path / "a" / "model.safetensors").stat().st_size
+    size_b = (tmp_path / "b" / "model.safetensors").stat().st_size
+    assert 0.45 < size_b / size_a < 0.6  # the 49152 x 64 embedding dominates the tiny model
+    loaded = load_pruned(tmp_path / "b")
+    assert (
+        loaded.get_submodule(embedding).weight.dtype == torch.float32
+    )  # loaded in the requested dtype
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "b").stat().st_mode & 0o777 == 0o777 & ~umask

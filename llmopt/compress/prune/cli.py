@@ -29,10 +29,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--calib", default="corpus:web-bible", help="calibration text (Wanda, SparseGPT)"
     )
-    p.add_argument("--calib-tokens", type=int, default=8192, help="calibration tokens in all")
+    p.add_argument(
+        "--calib-tokens",
+        type=int,
+        default=8192,
+        help="calibration tokens in all (whole windows of --calib-seq-len, rounded down)",
+    )
     p.add_argument("--calib-seq-len", type=int, default=512, help="tokens per calibration window")
     p.add_argument("--damp", type=float, default=0.01, help="SparseGPT Hessian dampening")
     p.add_argument("--block-size", type=int, default=128, help="SparseGPT lazy-update block")
+    p.add_argument(
+        "--float-dtype",
+        default="keep",
+        choices=("keep", "float16", "bfloat16"),
+        help="dtype of the unpruned tensors on disk (keep: exact round trip; float16 halves "
+        "the embedding's bytes); pruned linears are fp16 either way",
+    )
     p.add_argument("--out", required=True, help="output directory (not the source's)")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.set_defaults(func=run)
@@ -77,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
     start, cpu_start = time.perf_counter(), time.process_time()
     pruned = prune_model(model, config=config, calib_tokens=calib, progress=not args.json)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
-    out = save_pruned(pruned, args.out, tokenizer, source=source)
+    float_dtype = None if args.float_dtype == "keep" else getattr(torch, args.float_dtype)
+    out = save_pruned(pruned, args.out, tokenizer, source=source, float_dtype=float_dtype)
     meta = json.loads((out / "llmopt_prune.json").read_text())
     report = pruned.prune_report
     summary: dict[str, Any] = {

@@ -77,7 +77,9 @@ def _publish(staging: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _pruned_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, Any], int, int]:
+def _pruned_state(
+    model: nn.Module, float_dtype: torch.dtype | None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], int, int]:
     """(tensors to save, module entries, stored bytes of pruned linears, their fp16 bytes)."""
     config: PruneConfig = model.prune_config
     masks: dict[str, torch.Tensor] = getattr(model, "prune_masks", {})
@@ -113,6 +115,8 @@ def _pruned_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, 
         module = key.rpartition(".")[0]
         if module in modules or key == tied_head:
             continue
+        if float_dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(float_dtype)
         state[key] = tensor.detach().cpu().contiguous()
     return state, modules, stored, dense16
 
@@ -123,18 +127,24 @@ def save_pruned(
     tokenizer: Any = None,
     *,
     source: str | Path | None = None,
+    float_dtype: torch.dtype | None = None,
 ) -> Path:
     """Write a model from `prune_model` (or `load_pruned`) so `load_pruned(directory)` restores
-    it. `source`: the model's own file or directory, which `directory` may not be or be inside."""
+    it. `source`: the model's own file or directory, which `directory` may not be or be inside.
+    `float_dtype` optionally stores the unpruned tensors (embedding, norms) smaller; by default
+    they keep their dtype (the pruned linears are fp16 either way)."""
     from safetensors.torch import save_file
 
     if getattr(model, "prune_config", None) is None:
         raise PruneFileError("model has no prune_config: prune it with prune_model first")
     out = check_out_dir(directory, source)
-    state, modules, stored, dense16 = _pruned_state(model)
+    state, modules, stored, dense16 = _pruned_state(model, float_dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(staging, 0o777 & ~umask)  # mkdtemp's 0700 is for the staging phase only
         weights = staging / WEIGHTS
         atomic_write(weights, lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
         if tokenizer is not None:
@@ -149,6 +159,7 @@ def save_pruned(
             "weights_sha256": sha256_file(weights),
             "pruned_linear_bytes": stored,
             "pruned_linear_fp16_bytes": dense16,
+            "float_dtype": str(float_dtype) if float_dtype is not None else "keep",
             "report": {k: v for k, v in report.items() if k != "layers"},
         }
         atomic_write_json(staging / MARKER, meta, indent=2)  # last: marks it complete
