@@ -67,7 +67,9 @@ def check_out_dir(out: str | Path, source: str | Path | None = None) -> Path:
 
 
 def _publish(staging: Path, out: Path) -> None:
-    """Move a finished staging directory to `out`, replacing a previous prune output."""
+    """Move a finished staging directory to `out`, replacing a previous prune output (moved
+    aside first: for an instant between the two renames `out` does not exist, but it is never
+    half-written)."""
     if not out.exists():
         os.replace(staging, out)
         return

@@ -137,6 +137,10 @@ class SparseLinear(nn.Module):
             self._dense = w
         return w
 
+    def _apply(self, fn, *args, **kwargs):
+        self._dense = None  # a cached unpacked weight would stay on the old device/dtype
+        return super()._apply(fn, *args, **kwargs)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dense_weight(x.dtype), bias)
