@@ -1,0 +1,276 @@
+"""Pruned model directories: `model.safetensors` + `llmopt_prune.json` (+ tokenizer files).
+
+Pruned linears are stored by structure:
+- N:M: `<module>.values` (fp16, the N kept of every M) + `<module>.indices` (bit-packed
+  in-group positions) — 9/16 of dense fp16 for 2:4;
+- unstructured: `<module>.weight` dense fp16 (zeros included: no smaller on disk, honestly) +
+  `<module>.mask` (the keep-mask, 1 bit per weight), so kept weights equal to 0.0 survive.
+Everything else keeps its dtype. `llmopt_prune.json` records the model and pruning configs,
+every pruned module, and the SHA-256 of the weights; `load_pruned` checks them. The directory
+is assembled under a temporary name beside its destination and renamed into place, so no
+reader ever sees half of one, and it may not be the source model's directory or inside it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmopt.artifacts import atomic_write, atomic_write_json
+from llmopt.compress.prune.config import PruneConfig
+from llmopt.compress.prune.packed import (
+    PackedNM,
+    SparseLinear,
+    check_fp16_range,
+    pack_bits,
+    pack_nm,
+    unpack_bits,
+)
+from llmopt.compress.quant.io import sha256_file
+from llmopt.models.spec import spec_for
+
+MARKER = "llmopt_prune.json"
+WEIGHTS = "model.safetensors"
+FORMAT_NAME = "llmopt-prune"
+FORMAT_VERSION = 1
+
+
+class PruneFileError(ValueError):
+    """A pruned directory that is corrupted, incomplete or inconsistent, or a bad destination."""
+
+
+def check_out_dir(out: str | Path, source: str | Path | None = None) -> Path:
+    """Refuse a destination equal to or inside the source, or an unrelated existing path."""
+    out = Path(out).expanduser().resolve()
+    if source is not None:
+        src = Path(source).expanduser().resolve()
+        if out == src or src in out.parents:
+            raise PruneFileError(
+                f"--out {out} is the source model {src} or inside it; choose a directory "
+                "outside the source"
+            )
+    if out.exists():
+        if not out.is_dir():
+            raise PruneFileError(f"--out {out} exists and is not a directory")
+        if any(out.iterdir()) and not (out / MARKER).is_file():
+            raise PruneFileError(
+                f"--out {out} exists and is not an llmopt prune output; choose a new directory"
+            )
+    return out
+
+
+def _publish(staging: Path, out: Path) -> None:
+    """Move a finished staging directory to `out`, replacing a previous prune output (moved
+    aside first: for an instant between the two renames `out` does not exist, but it is never
+    half-written)."""
+    if not out.exists():
+        os.replace(staging, out)
+        return
+    old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old."))
+    os.replace(out, old / "dir")
+    os.replace(staging, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _pruned_state(
+    model: nn.Module, float_dtype: torch.dtype | None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], int, int]:
+    """(tensors to save, module entries, stored bytes of pruned linears, their fp16 bytes)."""
+    config: PruneConfig = model.prune_config
+    masks: dict[str, torch.Tensor] = getattr(model, "prune_masks", {})
+    sparsity = config.sparsity
+    modules: dict[str, Any] = {}
+    state: dict[str, torch.Tensor] = {}
+    stored = dense16 = 0
+    targets = set(masks) | {n for n, m in model.named_modules() if isinstance(m, SparseLinear)}
+    for name in sorted(targets):
+        lin = model.get_submodule(name)
+        entry = {"in_features": lin.in_features, "out_features": lin.out_features}
+        entry["bias"] = lin.bias is not None
+        if isinstance(lin, SparseLinear) or sparsity.structured:
+            packed = lin.packed() if isinstance(lin, SparseLinear) else None
+            if packed is None:
+                packed = pack_nm(lin.weight.data.cpu(), masks[name], sparsity.n, sparsity.m)
+            state[f"{name}.values"], state[f"{name}.indices"] = packed.values, packed.indices
+            entry.update(kind="nm", n=packed.n, m=packed.m)
+            stored += packed.nbytes()
+        else:
+            weight = lin.weight.detach().cpu()
+            check_fp16_range(weight)
+            state[f"{name}.weight"] = weight.to(torch.float16).contiguous()
+            state[f"{name}.mask"] = pack_bits(masks[name].to(torch.uint8), 1)
+            entry.update(kind="masked")
+            stored += weight.numel() * 2 + state[f"{name}.mask"].numel()
+        if lin.bias is not None:
+            state[f"{name}.bias"] = lin.bias.detach().cpu().contiguous()
+        dense16 += 2 * lin.in_features * lin.out_features
+        modules[name] = entry
+    tied_head = f"{spec_for(model).head}.weight" if model.config.tie_embeddings else None
+    for key, tensor in model.state_dict().items():
+        module = key.rpartition(".")[0]
+        if module in modules or key == tied_head:
+            continue
+        if float_dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(float_dtype)
+        state[key] = tensor.detach().cpu().contiguous()
+    return state, modules, stored, dense16
+
+
+def save_pruned(
+    model: nn.Module,
+    directory: str | Path,
+    tokenizer: Any = None,
+    *,
+    source: str | Path | None = None,
+    float_dtype: torch.dtype | None = None,
+) -> Path:
+    """Write a model from `prune_model` (or `load_pruned`) so `load_pruned(directory)` restores
+    it. `source`: the model's own file or directory, which `directory` may not be or be inside.
+    `float_dtype` optionally stores the unpruned tensors (embedding, norms) smaller; by default
+    they keep their dtype (the pruned linears are fp16 either way)."""
+    from safetensors.torch import save_file
+
+    if getattr(model, "prune_config", None) is None:
+        raise PruneFileError("model has no prune_config: prune it with prune_model first")
+    out = check_out_dir(directory, source)
+    state, modules, stored, dense16 = _pruned_state(model, float_dtype)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(staging, 0o777 & ~umask)  # mkdtemp's 0700 is for the staging phase only
+        weights = staging / WEIGHTS
+        atomic_write(weights, lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
+        if tokenizer is not None:
+            tokenizer.save(staging)
+        report = getattr(model, "prune_report", {})
+        meta = {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "model_config": model.config.to_dict(),
+            "prune_config": model.prune_config.to_dict(),
+            "modules": modules,
+            "weights_sha256": sha256_file(weights),
+            "pruned_linear_bytes": stored,
+            "pruned_linear_fp16_bytes": dense16,
+            "float_dtype": str(float_dtype) if float_dtype is not None else "keep",
+            "report": {k: v for k, v in report.items() if k != "layers"},
+        }
+        atomic_write_json(staging / MARKER, meta, indent=2)  # last: marks it complete
+        _publish(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+def read_prune_meta(directory: str | Path) -> dict[str, Any]:
+    path = Path(directory) / MARKER
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory} is not a pruned model directory (no {MARKER})")
+    try:
+        meta = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise PruneFileError(f"{path} is not valid JSON ({exc})") from exc
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+        raise PruneFileError(f"{path} is not an {FORMAT_NAME} file")
+    if meta.get("version") != FORMAT_VERSION:
+        raise PruneFileError(
+            f"{path} has format version {meta.get('version')!r}; this llmopt reads "
+            f"version {FORMAT_VERSION}"
+        )
+    for key in ("model_config", "prune_config", "modules", "weights_sha256"):
+        if key not in meta:
+            raise PruneFileError(f"{path} lacks the key {key!r}")
+    return meta
+
+
+def _take(state: dict[str, torch.Tensor], key: str) -> torch.Tensor:
+    try:
+        return state.pop(key)
+    except KeyError:
+        raise PruneFileError(f"{WEIGHTS} lacks tensor {key!r} that {MARKER} implies") from None
+
+
+def load_pruned(
+    directory: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    packed: bool = True,
+) -> nn.Module:
+    """Rebuild a model written by `save_pruned`. N:M linears become `SparseLinear` (packed) or,
+    with packed=False, plain linears holding the dense weight; other tensors are cast to dtype."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from llmopt.models.config import ModelConfig
+    from llmopt.models.loading import model_from_tensors
+
+    directory = Path(directory)
+    meta = read_prune_meta(directory)
+    weights = directory / WEIGHTS
+    if not weights.is_file():
+        raise FileNotFoundError(f"{directory} lacks {WEIGHTS}")
+    digest = sha256_file(weights)
+    if digest != meta["weights_sha256"]:
+        raise PruneFileError(
+            f"{weights} is corrupted or was replaced: SHA-256 {digest[:12]}... differs from "
+            f"{meta['weights_sha256'][:12]}... recorded in {MARKER}"
+        )
+    try:
+        model_config = ModelConfig.from_dict(meta["model_config"])
+        prune_config = PruneConfig.from_dict(meta["prune_config"])
+        state = load_file(str(weights))
+    except (TypeError, ValueError, SafetensorError, OSError, RuntimeError) as exc:
+        raise PruneFileError(f"{directory}: cannot read the pruned model: {exc}") from exc
+    masks: dict[str, torch.Tensor] = {}
+    sparse: dict[str, PackedNM] = {}
+    for name, entry in meta["modules"].items():
+        try:
+            rows, cols, kind = entry["out_features"], entry["in_features"], entry["kind"]
+        except (KeyError, TypeError) as exc:
+            raise PruneFileError(f"{MARKER}: bad entry for module {name!r}: {exc}") from exc
+        if kind == "nm":
+            pk = PackedNM(
+                _take(state, f"{name}.values"),
+                _take(state, f"{name}.indices"),
+                int(entry["n"]),
+                int(entry["m"]),
+                cols,
+            )
+            if pk.values.shape != (rows, cols // pk.m * pk.n):
+                raise PruneFileError(f"{name}.values has shape {tuple(pk.values.shape)}")
+            weight = pk.dense(torch.float16)
+            keep = torch.zeros(rows, cols // pk.m, pk.m, dtype=torch.bool)
+            masks[name] = keep.scatter_(-1, pk.positions(), True).reshape(rows, cols)
+            if packed:
+                sparse[name] = pk
+        elif kind == "masked":
+            weight = _take(state, f"{name}.weight")
+            keep = unpack_bits(_take(state, f"{name}.mask"), 1, cols).bool()
+            if keep.shape != weight.shape or bool(weight[~keep].any()):
+                raise PruneFileError(f"{name}: weight is non-zero where its mask prunes it")
+            masks[name] = keep
+        else:
+            raise PruneFileError(f"{MARKER}: module {name!r} has unknown kind {kind!r}")
+        state[f"{name}.weight"] = weight
+    tensors = ((k, t.to(dtype) if t.is_floating_point() else t) for k, t in state.items())
+    model = model_from_tensors(model_config, tensors, device=device, source=str(directory))
+    for name, pk in sparse.items():
+        lin = model.get_submodule(name)
+        values = PackedNM(pk.values.to(device), pk.indices.to(device), pk.n, pk.m, pk.in_features)
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, SparseLinear(values, lin.bias))
+    model.prune_config = prune_config
+    model.prune_masks = masks
+    model.prune_report = meta.get("report", {})
+    return model.eval()
