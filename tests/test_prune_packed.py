@@ -141,3 +141,15 @@ def test_bad_destinations_and_files_are_refused(tmp_path, tiny_model):
         load_pruned(tmp_path / "other")
     with pytest.raises(PruneFileError, match="no prune_config"):
         save_pruned(tiny_model, tmp_path / "q")
+
+
+def test_load_model_opens_a_pruned_directory(tmp_path, tiny_model):
+    """`llmopt.compress` registers the pruned format, so every command that takes --model
+    (generate, eval) opens a pruned directory like any other model."""
+    from llmopt.models.loading import load_model
+
+    calib = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))
+    pruned = prune_model(tiny_model, "sparsegpt", "2:4", calib_tokens=calib)
+    out = save_pruned(pruned, tmp_path / "p")
+    tokens = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(load_model(str(out))(tokens), load_pruned(out)(tokens))

@@ -1,6 +1,6 @@
-"""llmopt.compress: weight quantization (RTN, AWQ, GPTQ) and its file formats.
+"""llmopt.compress: weight quantization (RTN, AWQ, GPTQ), pruning, and their file formats.
 
-Importing the package registers the quantized-directory format with `load_model`
+Importing the package registers the quantized and pruned directory formats with `load_model`
 (`llmopt.models.loading` never imports this package).
 """
 
@@ -9,3 +9,4 @@ from llmopt.models.directory_formats import register_directory_format
 QUANT_MARKER = "llmopt_quant.json"  # also `llmopt.compress.quant.io.MARKER`
 
 register_directory_format("quant", QUANT_MARKER, "llmopt.compress.quant.io:load_quantized_model")
+register_directory_format("prune", "llmopt_prune.json", "llmopt.compress.prune.io:load_pruned")

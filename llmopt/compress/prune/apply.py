@@ -27,8 +27,8 @@ from llmopt.compress.prune.masks import (
     wanda_score,
 )
 from llmopt.compress.prune.sparsegpt import sparsegpt_solve
-from llmopt.compress.quant.apply import layer_progress
 from llmopt.compress.quant.gptq import collect_hessians
+from llmopt.compress.quant.progress import layer_progress
 from llmopt.models.spec import ModelSpec, spec_for
 
 
