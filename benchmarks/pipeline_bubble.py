@@ -1,4 +1,4 @@
-"""Measured pipeline bubble vs theory: gpipe, 1f1b and interleaved-1f1b on gloo CPU processes.
+"""Measured pipeline bubble vs theory: gpipe, 1f1b and interleaved on gloo CPU processes.
 
 Stage compute is made uniform (tiny model + a fixed sleep per forward/backward, split over the
 v chunks of a rank), so the idle fraction of each rank can be compared with
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pp", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--virtual-stages", type=int, default=2, help="for interleaved-1f1b")
+    parser.add_argument("--virtual-stages", type=int, default=2, help="for interleaved")
     parser.add_argument("--t-fwd", type=float, default=0.02, help="seconds per stage forward")
     parser.add_argument("--t-bwd", type=float, default=0.04, help="seconds per stage backward")
     parser.add_argument("--steps", type=int, default=5, help="measured steps (after 1 warm-up)")
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     from llmopt.parallel.pipeline.timeline import render_png
 
     pp, m, v = args.pp, args.microbatches, args.virtual_stages
-    cases = [("gpipe", m, 1), ("1f1b", m, 1), ("interleaved-1f1b", m, v)]
+    cases = [("gpipe", m, 1), ("1f1b", m, 1), ("interleaved", m, v)]
     for name, cm, cv in cases:
         build_schedule(name, pp, cm, cv)  # validate before spawning
     t0 = time.perf_counter()

@@ -18,14 +18,17 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 from rich.console import Console
 from rich.table import Table
+
+from llmopt.parallel.pipeline.crosscheck import MB, SEQ, crosscheck_model
 
 CONFIGS = {
     "pp4": dict(tp=1, pp=4, sp=False, zero=0, m=4, schedule="1f1b", v=1, rc="none"),
     "tp2-sp-pp2-z1": dict(tp=2, pp=2, sp=True, zero=1, m=2, schedule="1f1b", v=1, rc="none"),
     "pp2-dp2-interleaved-z2": dict(
-        tp=1, pp=2, dp=2, sp=False, zero=2, m=2, schedule="interleaved-1f1b", v=2, rc="none"
+        tp=1, pp=2, dp=2, sp=False, zero=2, m=2, schedule="interleaved", v=2, rc="none"
     ),
     "tp2-pp2-dp2-z1-sel": dict(
         tp=2, pp=2, dp=2, sp=False, zero=1, m=2, schedule="1f1b", v=1, rc="selective"
@@ -36,19 +39,75 @@ CONFIGS = {
 }
 
 
+def planner_prediction(case: dict, dp: int) -> dict:
+    """The planner's per-(group, op) bytes/calls and activation bytes, first and last stage."""
+    from llmopt.plan.comm import collectives_for, summarize
+    from llmopt.plan.hardware import get_cluster
+    from llmopt.plan.memory import (
+        SCHED_1F1B,
+        SCHED_GPIPE,
+        SCHED_INTERLEAVED,
+        activation_bytes_per_layer,
+        layers_per_stage,
+        microbatches_in_flight_on_rank,
+        rope_table_bytes,
+    )
+    from llmopt.plan.workload import RECOMPUTES, ParallelConfig, Workload
+
+    cfg = crosscheck_model(case.get("tied", False))
+    seq, mb = case.get("seq", SEQ), case.get("mb", MB)
+    work = Workload(seq_len=seq, global_batch=dp * case["m"] * mb)
+    sched = "interleaved" if case["v"] > 1 else case["schedule"]
+    par = ParallelConfig(
+        tp=case["tp"],
+        pp=case["pp"],
+        dp=dp,
+        sp=case["sp"],
+        zero_stage=case["zero"],
+        micro_batch=mb,
+        num_microbatches=case["m"],
+        schedule=sched,
+        virtual_stages=case["v"],
+        recompute=case["rc"],
+    )
+    cluster = get_cluster("h100")
+    comm = {}
+    for stage in ("first", "last"):
+        rows = summarize(collectives_for(cfg, work, cluster, par, stage))
+        comm[stage] = {
+            f"{g}/{op.replace('-', '_')}": {"calls": int(v["calls"]), "bytes": int(v["bytes"])}
+            for (g, op), v in rows.items()
+        }
+    rc = RECOMPUTES.index(case["rc"])
+    # Like with like: the planner's "eager" activation model (what this engine's autograd
+    # saves, bf16 here), not the fused-kernel Korthikanti default.
+    per_layer = float(
+        activation_bytes_per_layer(
+            cfg, seq, mb, case["tp"], case["sp"], 1, rc, True, False, kernels="eager"
+        )
+    )
+    rope = rope_table_bytes(cfg, seq)  # one cos/sin pair per chunk and micro-batch in flight
+    pp, v = np.array(case["pp"]), np.array(case["v"])
+    n_layers = float(layers_per_stage(cfg, pp, v))
+    code = {"gpipe": SCHED_GPIPE, "1f1b": SCHED_1F1B, "interleaved": SCHED_INTERLEAVED}[sched]
+    acts = {}
+    for stage, rank in (("first", 0), ("last", case["pp"] - 1)):
+        inflight = float(
+            microbatches_in_flight_on_rank(pp, np.array(case["m"]), v, np.array(code), rank)
+        )
+        # Full recompute: the hooks see the kept block inputs, not the layer rebuilt during
+        # backward (checkpoint packs those itself), so no working-layer term here.
+        acts[stage] = inflight * (per_layer * n_layers + rope * case["v"])
+    return {"comm": comm, "activations": acts, "per_layer_activation_bytes": per_layer}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names")
     parser.add_argument("--out", default="runs/planner_vs_engine.json")
     args = parser.parse_args(argv)
-    from llmopt.parallel.pipeline.crosscheck import (
-        MB,
-        SEQ,
-        crosscheck_model,
-        engine_step,
-        planner_prediction,
-    )
-    from llmopt.parallel.pipeline.measure import spawn_gloo
+    from llmopt.parallel.pipeline.crosscheck import engine_step
+    from llmopt.train.launch import spawn
 
     names = args.configs.split(",")
     unknown = [n for n in names if n not in CONFIGS]
@@ -61,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         case = CONFIGS[name]
         world = case["tp"] * case["pp"] * case.get("dp", 1)
         dp = world // (case["tp"] * case["pp"])
-        ranks = spawn_gloo(engine_step, world, case)
+        ranks = spawn(engine_step, world, case)
         pred = planner_prediction(case, dp)
         first = next(r for r in ranks if r["coords"]["pp"] == 0)
         last = next(r for r in ranks if r["coords"]["pp"] == case["pp"] - 1)

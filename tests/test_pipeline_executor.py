@@ -104,10 +104,10 @@ def _parity_worker(rank: int, world: int, cases: list[tuple[str, int, int, bool]
 def _cases(pp: int) -> list[tuple[str, int, int, bool]]:
     cases = [
         (name, m, v, False)
-        for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2))
+        for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
         for m in (pp, 2 * pp + 1)
     ]
-    return cases + [("1f1b", pp, 1, True), ("interleaved-1f1b", 2 * pp + 1, 2, True)]
+    return cases + [("1f1b", pp, 1, True), ("interleaved", 2 * pp + 1, 2, True)]
 
 
 @pytest.mark.parametrize("pp", [2, 4])

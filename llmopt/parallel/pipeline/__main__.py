@@ -1,6 +1,6 @@
 """Print (and draw) a pipeline schedule: `python -m llmopt.parallel.pipeline --help`.
 
-    python -m llmopt.parallel.pipeline --schedule interleaved-1f1b --pp 4 -m 8 -v 2 \
+    python -m llmopt.parallel.pipeline --schedule interleaved --pp 4 -m 8 -v 2 \
         --png runs/schedule.png
 
 Shows each rank's program, the simulated timeline with uniform stage times, the idle (bubble)
