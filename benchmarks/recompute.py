@@ -25,6 +25,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from llmopt.models import ModelConfig, build_model
+from llmopt.models.spec import spec_for
 from llmopt.parallel.pipeline.measure import SavedTensorMeter
 from llmopt.parallel.recompute import RECOMPUTE_MODES, apply_activation_checkpointing
 from llmopt.parallel.tensor_parallel import lm_loss
@@ -36,9 +37,10 @@ def activation_bytes(model, mode: str, tok, tgt) -> int:
     """Bytes saved for backward by one forward (the peak: nothing is freed before backward)."""
     meter = SavedTensorMeter(exclude=list(model.parameters()))
     handles = []
+    spec = spec_for(model)
     if mode != "none":  # what checkpointed regions keep alive for their recomputation
-        for block in model.layers:
-            target = block if mode == "full" else block.self_attn.core
+        for block in spec.blocks_of(model):
+            target = block if mode == "full" else spec.block_module(block, spec.attention + ".core")
 
             def hook(module, args):
                 for a in args:

@@ -97,18 +97,18 @@ def spawn(
 def _collect(procs, results_q, world: int, timeout_s: float) -> dict[int, tuple[bool, Any]]:
     results: dict[int, tuple[bool, Any]] = {}
     deadline = time.monotonic() + timeout_s
-    grace: float | None = None
+    grace: float | None = None  # after a failure, the others get a moment to report
     while len(results) < world:
         try:
             rank, ok, payload = results_q.get(timeout=0.2)
             results[rank] = (ok, payload)
-            if not ok and grace is None:  # let the others report for a moment, then stop
+            if not ok and grace is None:
                 grace = time.monotonic() + 5
             continue
         except queue_lib.Empty:
             pass
-        if grace is not None and time.monotonic() > grace:
-            return results
+        # A rank that died without reporting is the root cause (its peers then fail with
+        # connection errors): it is named first.
         dead = [
             r
             for r, p in enumerate(procs)
@@ -122,12 +122,13 @@ def _collect(procs, results_q, world: int, timeout_s: float) -> dict[int, tuple[
                 except queue_lib.Empty:
                     break
                 results[rank] = (ok, payload)
-            if any(not ok for ok, _ in results.values()):
-                return results
             dead = [r for r in dead if r not in results]
             if dead:
                 raise SpawnError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if grace is not None and now > grace:
+            return results
+        if now > deadline:
             if any(not ok for ok, _ in results.values()):
                 return results
             missing = sorted(set(range(world)) - set(results))
