@@ -4,7 +4,7 @@ Stage compute is made uniform (tiny model + a fixed sleep per forward/backward, 
 v chunks of a rank), so the idle fraction of each rank can be compared with
 (p-1)/(m+p-1) and (p-1)/(v*m+p-1). Communication is real (`batch_isend_irecv` on gloo).
 
-    python benchmarks/pipeline_bubble.py --pp 4 --microbatches 8 --out runs/pipeline_bubble.json \
+    python benchmarks/pipeline_bubble.py --pp 4 --num-microbatches 8 --out runs/pipeline_bubble.json \
         --png docs/pipeline_bubble.png
 """
 
@@ -99,7 +99,7 @@ def run(pp: int, cases, t_fwd: float, t_bwd: float, steps: int):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pp", type=int, default=4)
-    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("-m", "--num-microbatches", type=int, default=8)
     parser.add_argument("--virtual-stages", type=int, default=2, help="for interleaved")
     parser.add_argument("--t-fwd", type=float, default=0.02, help="seconds per stage forward")
     parser.add_argument("--t-bwd", type=float, default=0.04, help="seconds per stage backward")
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     from llmopt.parallel.pipeline.simulate import simulate, theoretical_bubble
     from llmopt.parallel.pipeline.timeline import render_png
 
-    pp, m, v = args.pp, args.microbatches, args.virtual_stages
+    pp, m, v = args.pp, args.num_microbatches, args.virtual_stages
     cases = [("gpipe", m, 1), ("1f1b", m, 1), ("interleaved", m, v)]
     for name, cm, cv in cases:
         build_schedule(name, pp, cm, cv)  # validate before spawning
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "schedule": name,
                 "pp": pp,
-                "microbatches": cm,
+                "num_microbatches": cm,
                 "virtual_stages": cv,
                 "theory": theory,
                 "simulated": sim,
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         table.add_row(
             r["schedule"],
-            str(r["microbatches"]),
+            str(r["num_microbatches"]),
             str(r["virtual_stages"]),
             f"{r['theory']:.4f}",
             f"{r['simulated']:.4f}",

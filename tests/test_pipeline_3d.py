@@ -161,7 +161,7 @@ def test_bad_pipeline_configs_are_rejected_clearly():
         parallelize(model, grid, pp4.replace(zero_stage=3))
     with pytest.raises(EngineError, match="plan tp=2 but the rank grid has tp=1"):
         parallelize(model, grid, pp4.replace(tp=2))
-    with pytest.raises(ScheduleError, match="interleaved needs microbatches >= pp"):
+    with pytest.raises(ScheduleError, match="interleaved needs num_microbatches >= pp"):
         parallelize(
             model, grid, pp4.replace(schedule="interleaved", num_microbatches=2, virtual_stages=2)
         )

@@ -159,7 +159,7 @@ def test_single_stage_pipeline_is_plain_gradient_accumulation():
     assert result.loss == pytest.approx(ref_loss, rel=RTOL)
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         assert _rel(p.grad, q.grad) <= RTOL, name
-    with pytest.raises(ValueError, match="batch size 6 is not divisible by microbatches=4"):
+    with pytest.raises(ValueError, match="batch size 6 is not divisible by num_microbatches=4"):
         PipelineExecutor(split_model(model, 0, 1), build_schedule("gpipe", 1, 4), group).step(
             tokens, labels
         )

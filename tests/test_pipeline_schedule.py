@@ -93,12 +93,12 @@ def test_uneven_stage_time_grows_the_bubble():
     "args,message",
     [
         (("interleaved", 1, 4, 2), "interleaved needs pp >= 2 (got pp=1)"),
-        (("interleaved", 4, 3, 2), "microbatches=3 < pp=4"),
+        (("interleaved", 4, 3, 2), "num_microbatches=3 < pp=4"),
         (("interleaved", 2, 4, 1), "virtual_stages >= 2 (got 1)"),
         (("1f1b", 2, 4, 2), "virtual_stages=2"),
         (("pipedream", 2, 4, 1), "unknown schedule 'pipedream'; choose from gpipe, 1f1b"),
         (("gpipe", 0, 4, 1), "pp=0 must be a positive integer"),
-        (("gpipe", 2, 0, 1), "microbatches=0 must be a positive integer"),
+        (("gpipe", 2, 0, 1), "num_microbatches=0 must be a positive integer"),
     ],
 )
 def test_bad_configs_are_rejected_with_the_bad_value(args, message):
@@ -173,4 +173,4 @@ def test_schedule_command_prints_json_and_rejects_bad_configs(tmp_path, capsys):
     assert out["programs"][1][0] == "RECV_F(mb=0,s=1)@0"
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert main(["--schedule", "interleaved", "--pp", "4", "-m", "2", "-v", "2"]) == 2
-    assert "microbatches=2 < pp=4" in capsys.readouterr().err
+    assert "num_microbatches=2 < pp=4" in capsys.readouterr().err

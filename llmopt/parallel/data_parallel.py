@@ -25,14 +25,32 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
+from llmopt.parallel.comm import Group
 from llmopt.parallel.grid import RankGrid
 from llmopt.parallel.tensor_parallel import gather_tp_tensor
+from llmopt.parallel.zero3 import ZeroStage3
 from llmopt.parallel.zero_buffers import ROOT, Slot, Unit, build_unit, group_parameters, overlap
-from llmopt.parallel.zero_stages import ZERO_STAGES, ZeroStage, make_stage
+from llmopt.parallel.zero_stages import ZERO_STAGES, ZeroStage, ZeroStage1, ZeroStage2
 
-__all__ = ["ZERO_STAGES", "DataParallel"]
+__all__ = ["ZERO_STAGES", "DataParallel", "make_stage"]
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+STAGE_CLASSES: dict[int, type[ZeroStage]] = {0: ZeroStage, 1: ZeroStage1, 2: ZeroStage2}
+
+
+def make_stage(
+    zero: int,
+    dp: Group,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    prefetch: bool = True,
+) -> ZeroStage:
+    """The strategy object of ZeRO stage `zero` over the DP group `dp`."""
+    if isinstance(zero, bool) or zero not in ZERO_STAGES:
+        raise ValueError(f"zero={zero!r} is not a ZeRO stage; choose one of 0, 1, 2, 3")
+    if zero == 3:
+        return ZeroStage3(dp, param_dtype, reduce_dtype, prefetch=prefetch)
+    return STAGE_CLASSES[zero](dp, param_dtype, reduce_dtype)
 
 
 class DataParallel:

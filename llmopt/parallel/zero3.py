@@ -49,7 +49,7 @@ class ZeroStage3(ZeroStage2):
         prefetch: bool = True,
     ) -> None:
         super().__init__(dp, param_dtype, reduce_dtype)
-        self.prefetch_enabled = prefetch
+        self.prefetch_enabled = prefetch  # gather the next block while this one computes
         self.blocks: list[Unit] = []
         self.root: Unit | None = None
 

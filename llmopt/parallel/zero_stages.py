@@ -12,6 +12,8 @@ compute parameters (`update`). Rajbhandari et al.'s stages, each a small step fr
 - 2: gradients reduce-scattered every micro-batch and summed into an fp32 shard, so no rank
   holds a full gradient across accumulation (DeepSpeed stage 2); `no_sync()` is ignored.
 - 3: parameters sharded too (`llmopt.parallel.zero3`).
+
+`llmopt.parallel.data_parallel.make_stage(zero, ...)` picks the class.
 """
 
 from __future__ import annotations
@@ -155,21 +157,3 @@ class ZeroStage2(ZeroStage1):
         self._fold(unit)
         grad, unit.grad_accum = unit.grad_accum, None
         return grad
-
-
-def make_stage(
-    zero: int,
-    dp: Group,
-    param_dtype: torch.dtype,
-    reduce_dtype: torch.dtype,
-    prefetch: bool = True,
-) -> ZeroStage:
-    """The strategy object of ZeRO stage `zero`."""
-    if isinstance(zero, bool) or zero not in ZERO_STAGES:
-        raise ValueError(f"zero={zero!r} is not a ZeRO stage; choose one of 0, 1, 2, 3")
-    if zero == 3:
-        from llmopt.parallel.zero3 import ZeroStage3
-
-        return ZeroStage3(dp, param_dtype, reduce_dtype, prefetch=prefetch)
-    cls = {0: ZeroStage, 1: ZeroStage1, 2: ZeroStage2}[zero]
-    return cls(dp, param_dtype, reduce_dtype)

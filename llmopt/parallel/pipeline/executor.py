@@ -111,14 +111,14 @@ class PipelineExecutor:
         `tokens` is needed on the first stage's rank, `labels` on the last stage's; other
         ranks may pass None (they only need the shape, given by whichever is present).
         """
-        m = self.schedule.microbatches
+        m = self.schedule.num_microbatches
         ref = tokens if tokens is not None else labels
         if ref is None:
             raise ValueError("step needs tokens or labels to know the batch shape")
         batch, seq_len = ref.shape
         if batch % m:
             raise ValueError(
-                f"batch size {batch} is not divisible by microbatches={m}; "
+                f"batch size {batch} is not divisible by num_microbatches={m}; "
                 f"use a batch size that is a multiple of {m}"
             )
         mb_size = batch // m

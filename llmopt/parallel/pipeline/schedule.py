@@ -73,7 +73,7 @@ class ScheduleConfig:
 
     name: str
     pp: int
-    microbatches: int
+    num_microbatches: int
     virtual_stages: int = 1
 
     def __post_init__(self) -> None:
@@ -83,11 +83,11 @@ class ScheduleConfig:
             raise ScheduleError(
                 f"unknown schedule {self.name!r}; choose from {', '.join(SCHEDULES)}"
             )
-        for field_name in ("pp", "microbatches", "virtual_stages"):
+        for field_name in ("pp", "num_microbatches", "virtual_stages"):
             value = getattr(self, field_name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ScheduleError(f"{field_name}={value!r} must be a positive integer")
-        pp, m, v = self.pp, self.microbatches, self.virtual_stages
+        pp, m, v = self.pp, self.num_microbatches, self.virtual_stages
         if self.name == "interleaved":
             if pp < 2:
                 raise ScheduleError(
@@ -99,7 +99,7 @@ class ScheduleConfig:
                 )
             if m < pp:
                 raise ScheduleError(
-                    f"interleaved needs microbatches >= pp: got microbatches={m} < pp={pp}"
+                    f"interleaved needs num_microbatches >= pp: got num_microbatches={m} < pp={pp}"
                 )
         elif v != 1:
             raise ScheduleError(
@@ -124,8 +124,8 @@ class PipelineSchedule:
         return self.config.pp
 
     @property
-    def microbatches(self) -> int:
-        return self.config.microbatches
+    def num_microbatches(self) -> int:
+        return self.config.num_microbatches
 
     @property
     def virtual_stages(self) -> int:
@@ -255,11 +255,11 @@ def _insert_communication(
 
 
 def build_schedule(
-    name: str, pp: int, microbatches: int, virtual_stages: int = 1
+    name: str, pp: int, num_microbatches: int, virtual_stages: int = 1
 ) -> PipelineSchedule:
     """Each rank's ordered action list for `name` with pp ranks, m micro-batches, v chunks."""
-    config = ScheduleConfig(name, pp, microbatches, virtual_stages)
-    m, v = microbatches, virtual_stages
+    config = ScheduleConfig(name, pp, num_microbatches, virtual_stages)
+    m, v = num_microbatches, virtual_stages
     if name == "gpipe":
         orders = [_gpipe_order(pp, m, r) for r in range(pp)]
     elif name == "1f1b":
