@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 import pytest
@@ -228,3 +229,15 @@ def test_fp8_flag_trains_with_float8_linears(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "llmopt.precision.fp8", None)
     with pytest.raises(EngineError, match="precision=fp8 needs llmopt.precision.fp8"):
         train(_tiny(tmp_path, precision="fp8"))
+
+
+def test_logged_mfu_is_the_planner_definition(tmp_path):
+    from llmopt.plan.flops import model_flops_per_token
+    from llmopt.train.trainer import model_config, train
+
+    cfg = _tiny(tmp_path, steps=1, peak_tflops=2.0)
+    (record,) = train(cfg).steps
+    flops = model_flops_per_token(model_config(cfg), cfg.seq_len) * cfg.global_batch * cfg.seq_len
+    assert record["mfu"] == pytest.approx(flops / record["step_time_s"] / 2e12, rel=1e-12)
+    header = json.loads((tmp_path / "train_log.jsonl").read_text().splitlines()[0])
+    assert header["plan"]["num_microbatches"] == 2  # global_batch 2 / (dp 1 x micro_batch 1)

@@ -177,7 +177,7 @@ class DataParallel:
             unit.launched = False
             unit.master.grad = self.stage.collect(unit)
 
-    def _counted(self, unit: Unit, slot: Slot) -> bool:
+    def _counted(self, slot: Slot) -> bool:
         # Parameters replicated across TP count on TP rank 0 only.
         return self.grid.tp.rank == 0 or hasattr(slot.param, "tp_dim")
 
@@ -195,7 +195,7 @@ class DataParallel:
                 continue
             lo, hi = self.stage.local_range(unit)
             for slot in unit.slots:
-                part = overlap(slot, lo, hi) if self._counted(unit, slot) else None
+                part = overlap(slot, lo, hi) if self._counted(slot) else None
                 if part is not None:
                     sumsq += torch.linalg.vector_norm(g[part[0] : part[1]]).double() ** 2
         return sumsq

@@ -54,8 +54,11 @@ class EngineError(ValueError):
 
 
 class _RankModule(nn.Module):
-    """This rank's stages seen as one module (what DataParallel buckets and shards): its
-    parameters carry their single-model names (`layers.6.mlp...`), in stage order."""
+    """This rank's stages seen as one module (what DataParallel buckets and shards).
+
+    `named_parameters` yields the single-model names (`layers.6.mlp...`, `embed_tokens.weight`)
+    in stage order rather than `stages.0.layers...`, so gradients, masters and checkpoints of
+    every layout are keyed like the plain model's `state_dict`. `blocks` get one unit each."""
 
     def __init__(self, stages: Sequence[PipelineStage]) -> None:
         super().__init__()
