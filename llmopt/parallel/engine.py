@@ -115,6 +115,7 @@ class Engine:
             blocks=self.rank_module.blocks,
             hold_root=tied,
         )
+        self.device = self.dp.units[0].master.device
         self.last_rank = self.schedule.rank_of(self.schedule.num_stages - 1)
         tied_stages = (0, self.schedule.num_stages - 1) if tied else ()
         self._tied = [
@@ -219,7 +220,9 @@ class Engine:
 
     def global_loss(self, result: StepResult) -> float:
         """The last stage's loss, broadcast over PP and averaged over DP (uncounted: logging)."""
-        value = torch.tensor(result.loss if result.loss is not None else 0.0, dtype=torch.float64)
+        loss = result.loss if result.loss is not None else 0.0
+        # On the parameters' device: NCCL reduces only CUDA tensors.
+        value = torch.tensor(loss, dtype=torch.float64, device=self.device)
         with self.grid.counter.paused():
             self.grid.pp.broadcast(value, src=self.last_rank)
             self.grid.dp.all_reduce(value)
@@ -283,7 +286,7 @@ class Engine:
             if config.tie_embeddings:
                 local.setdefault("lm_head.weight", local["embed_tokens.weight"])
             return local
-        with self.grid.counter.paused():
+        with self.grid.counter.paused():  # sends go from the parameters' device (NCCL)
             if self.grid.pp.rank != 0:
                 names = self._flat_names(self.grid.pp.rank)
                 flat = torch.cat([local[n].reshape(-1).float() for n, _ in names])
@@ -292,7 +295,7 @@ class Engine:
             out = dict(local)
             for rank in range(1, pp):
                 names = self._flat_names(rank)
-                flat = torch.empty(sum(shape.numel() for _, shape in names))
+                flat = torch.empty(sum(s.numel() for _, s in names), device=self.device)
                 self.grid.pp.batch_p2p([("recv", flat, rank)], wait=True)
                 offset = 0
                 for name, shape in names:
