@@ -48,6 +48,7 @@ def test_defaults_file_flags_precedence(tmp_path):
         (dict(zero_stage=5), "zero_stage=5 is not a ZeRO stage"),
         (dict(schedule="interleaved-1f1b"), "schedule='interleaved-1f1b' is now called"),
         (dict(lr=float("nan")), "lr=nan must be a finite number"),
+        (dict(clip="1.0"), "clip='1.0' must be a finite number"),
         (dict(num_microbatches=0), "num_microbatches=0 must be a positive integer"),
         (dict(cp=2), "cp=2: the trainer runs cp=1 only"),
         (dict(recompute="some"), "recompute='some' is not valid"),

@@ -150,7 +150,8 @@ class TrainConfig:
             )
         for name in ("lr", "min_lr", "clip", "weight_decay", "eps", "beta1", "beta2"):
             value = getattr(self, name)
-            if not math.isfinite(value):
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not number or not math.isfinite(value):
                 raise TrainConfigError(f"{name}={value!r} must be a finite number")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise TrainConfigError(f"need 0 <= min_lr ({self.min_lr}) <= lr ({self.lr}), lr > 0")
