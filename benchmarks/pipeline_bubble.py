@@ -1,10 +1,10 @@
-"""Measured pipeline bubble vs theory: gpipe, 1f1b and interleaved-1f1b on gloo CPU processes.
+"""Measured pipeline bubble vs theory: gpipe, 1f1b and interleaved on gloo CPU processes.
 
 Stage compute is made uniform (tiny model + a fixed sleep per forward/backward, split over the
 v chunks of a rank), so the idle fraction of each rank can be compared with
 (p-1)/(m+p-1) and (p-1)/(v*m+p-1). Communication is real (`batch_isend_irecv` on gloo).
 
-    python benchmarks/pipeline_bubble.py --pp 4 --microbatches 8 --out runs/pipeline_bubble.json \
+    python benchmarks/pipeline_bubble.py --pp 4 --num-microbatches 8 --out runs/pipeline_bubble.json \
         --png docs/pipeline_bubble.png
 """
 
@@ -12,20 +12,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import sys
-import tempfile
 import time
-import traceback
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
+from llmopt.train.launch import spawn
 
-def _worker(rank, world, init_file, cases, t_fwd, t_bwd, steps, queue):
-    os.environ["OMP_NUM_THREADS"] = "1"
+
+def _worker(rank, world, cases, t_fwd, t_bwd, steps):
+    """One pipeline rank (inside `llmopt.train.launch.spawn`'s gloo world): events per step."""
     import torch
     import torch.distributed as dist
 
@@ -36,71 +35,40 @@ def _worker(rank, world, init_file, cases, t_fwd, t_bwd, steps, queue):
     from llmopt.parallel.pipeline.schedule import build_schedule
     from llmopt.parallel.pipeline.stage import split_model
 
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group(
-            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world
+    group = Group("pp", tuple(range(world)), rank, dist.group.WORLD, CommCounter())
+    out = []
+    for name, m, v in cases:
+        cfg = ModelConfig(
+            "bubble", 64, 16, 32, world * v, num_heads=2, num_kv_heads=2, max_seq_len=16
         )
-        group = Group("pp", tuple(range(world)), rank, dist.group.WORLD, CommCounter())
-        out = []
-        for name, m, v in cases:
-            cfg = ModelConfig(
-                "bubble", 64, 16, 32, world * v, num_heads=2, num_kv_heads=2, max_seq_len=16
-            )
-            model = build_model(cfg, seed=0)
-            stages = [
-                add_uniform_delay(s, t_fwd / v, t_bwd / v)
-                for s in split_model(model, rank, world, v)
-            ]
-            executor = PipelineExecutor(
-                stages, build_schedule(name, world, m, v), group, record_events=True
-            )
-            tokens = torch.randint(0, 64, (m, 8), generator=torch.Generator().manual_seed(0))
-            runs = []
-            for step in range(steps + 1):
-                dist.barrier()
-                result = executor.step(tokens, tokens)
-                model.zero_grad(set_to_none=True)
-                if step:  # step 0 warms up
-                    runs.append((result.events, (result.start, result.end)))
-            out.append(runs)
-        queue.put((rank, "ok", out))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        model = build_model(cfg, seed=0)
+        stages = [
+            add_uniform_delay(s, t_fwd / v, t_bwd / v) for s in split_model(model, rank, world, v)
+        ]
+        executor = PipelineExecutor(
+            stages, build_schedule(name, world, m, v), group, record_events=True
+        )
+        tokens = torch.randint(0, 64, (m, 8), generator=torch.Generator().manual_seed(0))
+        runs = []
+        for step in range(steps + 1):
+            dist.barrier()
+            result = executor.step(tokens, tokens)
+            model.zero_grad(set_to_none=True)
+            if step:  # step 0 warms up
+                runs.append((result.events, (result.start, result.end)))
+        out.append(runs)
+    return out
 
 
 def run(pp: int, cases, t_fwd: float, t_bwd: float, steps: int):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        procs = [
-            ctx.Process(target=_worker, args=(r, pp, init_file, cases, t_fwd, t_bwd, steps, queue))
-            for r in range(pp)
-        ]
-        for p in procs:
-            p.start()
-        results = {}
-        for _ in range(pp):
-            rank, status, payload = queue.get(timeout=600)
-            if status != "ok":
-                for p in procs:
-                    p.kill()
-                raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            results[rank] = payload
-        for p in procs:
-            p.join()
-    return [results[r] for r in range(pp)]
+    return spawn(_worker, pp, cases, t_fwd, t_bwd, steps, timeout_s=600)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pp", type=int, default=4)
-    parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--virtual-stages", type=int, default=2, help="for interleaved-1f1b")
+    parser.add_argument("-m", "--num-microbatches", type=int, default=8)
+    parser.add_argument("--virtual-stages", type=int, default=2, help="for interleaved")
     parser.add_argument("--t-fwd", type=float, default=0.02, help="seconds per stage forward")
     parser.add_argument("--t-bwd", type=float, default=0.04, help="seconds per stage backward")
     parser.add_argument("--steps", type=int, default=5, help="measured steps (after 1 warm-up)")
@@ -116,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     from llmopt.parallel.pipeline.simulate import simulate, theoretical_bubble
     from llmopt.parallel.pipeline.timeline import render_png
 
-    pp, m, v = args.pp, args.microbatches, args.virtual_stages
-    cases = [("gpipe", m, 1), ("1f1b", m, 1), ("interleaved-1f1b", m, v)]
+    pp, m, v = args.pp, args.num_microbatches, args.virtual_stages
+    cases = [("gpipe", m, 1), ("1f1b", m, 1), ("interleaved", m, v)]
     for name, cm, cv in cases:
         build_schedule(name, pp, cm, cv)  # validate before spawning
     t0 = time.perf_counter()
@@ -141,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "schedule": name,
                 "pp": pp,
-                "microbatches": cm,
+                "num_microbatches": cm,
                 "virtual_stages": cv,
                 "theory": theory,
                 "simulated": sim,
@@ -178,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         table.add_row(
             r["schedule"],
-            str(r["microbatches"]),
+            str(r["num_microbatches"]),
             str(r["virtual_stages"]),
             f"{r['theory']:.4f}",
             f"{r['simulated']:.4f}",

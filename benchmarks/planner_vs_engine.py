@@ -21,11 +21,13 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from llmopt.parallel.pipeline.crosscheck import MB, SEQ, crosscheck_model
+
 CONFIGS = {
     "pp4": dict(tp=1, pp=4, sp=False, zero=0, m=4, schedule="1f1b", v=1, rc="none"),
     "tp2-sp-pp2-z1": dict(tp=2, pp=2, sp=True, zero=1, m=2, schedule="1f1b", v=1, rc="none"),
     "pp2-dp2-interleaved-z2": dict(
-        tp=1, pp=2, dp=2, sp=False, zero=2, m=2, schedule="interleaved-1f1b", v=2, rc="none"
+        tp=1, pp=2, dp=2, sp=False, zero=2, m=2, schedule="interleaved", v=2, rc="none"
     ),
     "tp2-pp2-dp2-z1-sel": dict(
         tp=2, pp=2, dp=2, sp=False, zero=1, m=2, schedule="1f1b", v=1, rc="selective"
@@ -36,19 +38,48 @@ CONFIGS = {
 }
 
 
+def planner_prediction(case: dict, dp: int) -> dict:
+    """The planner's per-(group, op) bytes/calls and activation bytes, first and last stage
+    (`llmopt.plan.predict`: the same numbers `llmopt plan --emit` writes into a run config)."""
+    from llmopt.parallel.plan import ParallelPlan
+    from llmopt.plan.predict import STAGES, predicted_activation_bytes, predicted_comm
+
+    cfg = crosscheck_model(case.get("tied", False))
+    seq, mb = case.get("seq", SEQ), case.get("mb", MB)
+    plan = ParallelPlan(
+        tp=case["tp"],
+        pp=case["pp"],
+        dp=dp,
+        sequence_parallel=case["sp"],
+        zero_stage=case["zero"],
+        micro_batch=mb,
+        num_microbatches=case["m"],
+        schedule="interleaved" if case["v"] > 1 else case["schedule"],
+        virtual_stages=case["v"],
+        recompute=case["rc"],
+    )
+    batch = plan.sequences_per_step()
+    comm = {
+        stage: {
+            f"{group}/{op}": row
+            for group, ops in predicted_comm(cfg, seq, batch, plan, stage).items()
+            for op, row in ops.items()
+        }
+        for stage in STAGES
+    }
+    # Like with like: the planner's "eager" activation model (what this engine's autograd
+    # saves, bf16 here), not the fused-kernel Korthikanti default.
+    acts = {s: predicted_activation_bytes(cfg, seq, batch, plan, s) for s in STAGES}
+    return {"comm": comm, "activations": acts}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names")
     parser.add_argument("--out", default="runs/planner_vs_engine.json")
     args = parser.parse_args(argv)
-    from llmopt.parallel.pipeline.crosscheck import (
-        MB,
-        SEQ,
-        crosscheck_model,
-        engine_step,
-        planner_prediction,
-    )
-    from llmopt.parallel.pipeline.measure import spawn_gloo
+    from llmopt.parallel.pipeline.crosscheck import engine_step
+    from llmopt.train.launch import spawn
 
     names = args.configs.split(",")
     unknown = [n for n in names if n not in CONFIGS]
@@ -61,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         case = CONFIGS[name]
         world = case["tp"] * case["pp"] * case.get("dp", 1)
         dp = world // (case["tp"] * case["pp"])
-        ranks = spawn_gloo(engine_step, world, case)
+        ranks = spawn(engine_step, world, case)
         pred = planner_prediction(case, dp)
         first = next(r for r in ranks if r["coords"]["pp"] == 0)
         last = next(r for r in ranks if r["coords"]["pp"] == case["pp"] - 1)

@@ -1,8 +1,8 @@
 """Activation recomputation: step time and activation memory for none / selective / full.
 
-Activation memory is measured, not estimated: a saved-tensor hook records every tensor
-autograd keeps for backward during the forward (deduplicated by storage, parameters excluded),
-and the inputs that checkpointed regions keep for their recomputation are added. Times are
+Activation memory is measured, not estimated, by `SavedTensorMeter` (the engine's meter): every
+tensor autograd keeps for backward during the forward (deduplicated by storage, parameters
+excluded), plus the inputs that checkpointed regions keep for their recomputation. Times are
 the median forward+backward over --reps, modes interleaved round-robin (shared machine).
 
 Two attention kernels are measured: the fused SDPA kernel (saves only its output and
@@ -25,55 +25,37 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from llmopt.models import ModelConfig, build_model
+from llmopt.models.spec import spec_for
+from llmopt.parallel.pipeline.measure import SavedTensorMeter
 from llmopt.parallel.recompute import RECOMPUTE_MODES, apply_activation_checkpointing
 from llmopt.parallel.tensor_parallel import lm_loss
 
 BACKENDS = {"fused": None, "math": SDPBackend.MATH}
 
 
-class SavedBytes:
-    """Bytes of distinct storages autograd saves (parameters excluded)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self.storages: dict[int, int] = {}
-
-    def add(self, t: torch.Tensor) -> None:
-        if not torch.is_tensor(t):
-            return
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in self.params:
-            self.storages[ptr] = max(self.storages.get(ptr, 0), storage.nbytes())
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        self.add(t)
-        return t
-
-    @property
-    def total(self) -> int:
-        return sum(self.storages.values())
-
-
 def activation_bytes(model, mode: str, tok, tgt) -> int:
-    counter = SavedBytes(model)
+    """Bytes saved for backward by one forward (the peak: nothing is freed before backward)."""
+    meter = SavedTensorMeter(exclude=list(model.parameters()))
     handles = []
+    spec = spec_for(model)
     if mode != "none":  # what checkpointed regions keep alive for their recomputation
-        for block in model.layers:
-            target = block if mode == "full" else block.self_attn.core
+        for block in spec.blocks_of(model):
+            target = block if mode == "full" else spec.block_module(block, spec.attention + ".core")
 
             def hook(module, args):
                 for a in args:
-                    counter.add(a)
+                    if torch.is_tensor(a):
+                        meter.keep(a)
 
             handles.append(target.register_forward_pre_hook(hook))
-    with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+    with meter:
         loss = lm_loss(model, tok, tgt)
+        peak = meter.peak
     loss.backward()
     for h in handles:
         h.remove()
     model.zero_grad(set_to_none=True)
-    return counter.total
+    return peak
 
 
 def main(argv=None) -> int:

@@ -27,10 +27,12 @@ import torch.distributed as dist
 from torch import nn
 
 from llmopt.models import ModelConfig, build_model
-from llmopt.parallel.data_parallel import DataParallel
+from llmopt.parallel.engine import parallelize
 from llmopt.parallel.grid import ParallelDims, RankGrid
 from llmopt.parallel.optim import AdamW
+from llmopt.parallel.plan import ParallelPlan
 from llmopt.parallel.tensor_parallel import lm_loss
+from llmopt.train.launch import launch_env, torchrun_command
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -79,14 +81,15 @@ def make_system(name: str, args):
     cfg = model_config(args)
     model = build_model(cfg, seed=0)
     if name.startswith("llmopt"):
-        zero = int(name[-1])
-        engine = DataParallel(model, RankGrid.create(ParallelDims(dist.get_world_size())), zero)
+        world = dist.get_world_size()
+        plan = ParallelPlan(
+            dp=world, zero_stage=int(name[-1]), micro_batch=args.micro_batch, precision="fp32"
+        )
+        engine = parallelize(model, RankGrid.create(ParallelDims(world)), plan)
         opt = AdamW(engine.master_params(), lr=1e-4, weight_decay=0.1)
 
         def step(tok, tgt):
-            loss = lm_loss(model, tok, tgt)
-            loss.backward()
-            engine.step(opt, max_norm=1.0)
+            engine.step(tok, tgt, opt, max_norm=1.0)
 
         return step
     wrapped = LossModule(model)
@@ -235,7 +238,6 @@ def main(argv=None) -> int:
     if "LOCAL_RANK" in os.environ:
         worker(args)
         return 0
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     # torchrun would read "--nproc" after the script name as its own (ambiguous) option, so
     # the workers get the arguments without it; they take the world size from torchrun.
     given = list(argv or sys.argv[1:])
@@ -244,8 +246,8 @@ def main(argv=None) -> int:
         for i, a in enumerate(given)
         if not a.startswith("--nproc") and (i == 0 or given[i - 1] != "--nproc")
     ]
-    cmd += ["--nproc-per-node", str(args.nproc), __file__, *forwarded]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = torchrun_command([__file__, *forwarded], args.nproc)
+    env = dict(launch_env(), OMP_NUM_THREADS="1")
     if args.deepspeed:
         env.setdefault("DS_ACCELERATOR", "cpu")
     return subprocess.call(cmd, env=env)

@@ -18,6 +18,7 @@ import torch
 from llmopt.models import ModelConfig, build_model
 from llmopt.parallel.pipeline.executor import cross_entropy_sum
 from llmopt.parallel.pipeline.schedule import ScheduleError
+from llmopt.parallel.plan import ParallelPlan, PlanError
 from tests.dist_helpers import run_distributed
 
 TOL = 1e-5
@@ -43,8 +44,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _worker(rank: int, world: int, cases: list[dict]):
+    from llmopt.parallel.engine import parallelize
     from llmopt.parallel.grid import ParallelDims, RankGrid
-    from llmopt.parallel.pipeline.parallelize import PipelineConfig, build_pipeline_model
 
     report = []
     for case in cases:
@@ -69,14 +70,20 @@ def _worker(rank: int, world: int, cases: list[dict]):
             ref_opt.zero_grad()
             ref_losses.append(loss.item())
 
-        pm = build_pipeline_model(
-            build_model(cfg, seed=3),
-            grid,
-            PipelineConfig(case["schedule"], m, case.get("v", 1)),
-            zero=case.get("zero", 0),
+        plan = ParallelPlan(
+            tp=case["tp"],
+            pp=case["pp"],
+            dp=dp,
             sequence_parallel=case.get("sp", False),
+            zero_stage=case.get("zero", 0),
+            micro_batch=MB,
+            num_microbatches=m,
+            schedule=case["schedule"],
+            virtual_stages=case.get("v", 1),
             recompute=case.get("recompute", "none"),
+            precision="fp32",
         )
+        pm = parallelize(build_model(cfg, seed=3), grid, plan)
         opt = torch.optim.SGD(pm.master_params(), lr=LR)
         rows = slice(grid.dp.rank * m * MB, (grid.dp.rank + 1) * m * MB)
         result = pm.forward_backward(tokens[0][rows], labels[0][rows])
@@ -85,7 +92,7 @@ def _worker(rank: int, world: int, cases: list[dict]):
         norm = pm.grad_norm()  # the tied weight counts once, as in the reference
         assert abs(norm - ref_norm.item()) <= TOL * ref_norm.item(), (case, norm, ref_norm)
         optimizer_step(pm, opt)
-        loss2 = pm.train_step(tokens[1][rows], labels[1][rows], opt).loss
+        loss2 = pm.step(tokens[1][rows], labels[1][rows], opt).loss
 
         full = pm.full_state_dict()  # the whole model, gathered over TP, DP and PP
         if grid.pp.rank == 0:
@@ -110,8 +117,8 @@ def _worker(rank: int, world: int, cases: list[dict]):
 def optimizer_step(pm, opt) -> None:
     pm.clip_grad_norm_(None)
     opt.step()
-    pm.dp.update_params()
-    pm.dp.zero_grad()
+    pm.update_params()
+    pm.zero_grad()
 
 
 CASES_8 = [
@@ -121,7 +128,7 @@ CASES_8 = [
 CASES_4 = [
     dict(tp=1, pp=2, schedule="gpipe", m=2, zero=3, tie=True),
     dict(tp=2, pp=2, schedule="1f1b", m=2, zero=0, sp=True, recompute="full", tie=True),
-    dict(tp=1, pp=2, schedule="interleaved-1f1b", v=2, m=5, zero=2, tie=True),
+    dict(tp=1, pp=2, schedule="interleaved", v=2, m=5, zero=2, tie=True),
 ]
 
 
@@ -133,22 +140,31 @@ def test_3d_matches_single_process(world, cases):
 
 def test_bad_pipeline_configs_are_rejected_clearly():
     from llmopt.parallel.comm import CommCounter, Group
+    from llmopt.parallel.engine import EngineError, parallelize
     from llmopt.parallel.grid import ParallelDims, RankGrid
-    from llmopt.parallel.pipeline.parallelize import PipelineConfig, PipelineModel
 
-    with pytest.raises(ScheduleError, match="unknown schedule 'zb'; choose from gpipe"):
-        PipelineConfig("zb")
-    with pytest.raises(ScheduleError, match="microbatches=0 must be a positive integer"):
-        PipelineConfig("1f1b", 0)
+    with pytest.raises(PlanError, match="schedule='zb' is not valid; choose one of gpipe"):
+        ParallelPlan(schedule="zb")
+    with pytest.raises(PlanError, match="num_microbatches=0 must be a positive integer"):
+        ParallelPlan(num_microbatches=0)
+    with pytest.raises(ScheduleError, match="'interleaved-1f1b' is now called 'interleaved'"):
+        from llmopt.parallel.pipeline.schedule import build_schedule
+
+        build_schedule("interleaved-1f1b", 2, 4, 2)
     counter = CommCounter()
     groups = {d: Group(d, (0,), 0, None, counter) for d in ("tp", "cp", "dp", "world")}
     groups["pp"] = Group("pp", (0, 1, 2, 3), 0, None, counter)  # rank 0 of a pp=4 grid
     grid = RankGrid(ParallelDims(4, pp=4), 0, groups, counter)
     model = build_model(_config(False), seed=0)
-    with pytest.raises(ScheduleError, match="zero=3 with pp=4 > 2 is not supported"):
-        PipelineModel(model, grid, PipelineConfig("1f1b", 4), zero=3)
-    with pytest.raises(ScheduleError, match="interleaved-1f1b needs microbatches >= pp"):
-        PipelineModel(model, grid, PipelineConfig("interleaved-1f1b", 2, 2))
+    pp4 = ParallelPlan(pp=4, num_microbatches=4)
+    with pytest.raises(EngineError, match="zero_stage=3 with pp=4 > 2 is not supported"):
+        parallelize(model, grid, pp4.replace(zero_stage=3))
+    with pytest.raises(EngineError, match="plan tp=2 but the rank grid has tp=1"):
+        parallelize(model, grid, pp4.replace(tp=2))
+    with pytest.raises(ScheduleError, match="interleaved needs num_microbatches >= pp"):
+        parallelize(
+            model, grid, pp4.replace(schedule="interleaved", num_microbatches=2, virtual_stages=2)
+        )
     with pytest.raises(ScheduleError, match=r"num_layers=4 is fewer than pp\*v=8 stages"):
-        PipelineModel(model, grid, PipelineConfig("interleaved-1f1b", 4, 2))
+        parallelize(model, grid, pp4.replace(schedule="interleaved", virtual_stages=2))
     assert not hasattr(model, "tp_group")  # rejected before the model was touched

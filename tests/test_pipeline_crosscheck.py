@@ -9,19 +9,19 @@ micro-batch, where the planner counts the same bytes as one bucketed call per st
 
 from __future__ import annotations
 
+from benchmarks.planner_vs_engine import planner_prediction
 from llmopt.parallel.pipeline.crosscheck import (
     MB,
     SEQ,
     crosscheck_model,
     engine_step,
-    planner_prediction,
 )
 from tests.dist_helpers import run_distributed
 
-CASE_PP = dict(tp=1, pp=2, sp=False, zero=0, m=3, schedule="interleaved-1f1b", v=2, rc="none")
+CASE_PP = dict(tp=1, pp=2, sp=False, zero=0, m=3, schedule="interleaved", v=2, rc="none")
 CASE_TP_SP = dict(tp=2, pp=2, sp=True, zero=0, m=2, schedule="1f1b", v=1, rc="none")
 # ZeRO-2 reduce-scatters every micro-batch; ZeRO-3 with tied embeddings holds the root unit.
-CASE_Z2 = dict(tp=1, pp=2, sp=False, zero=2, m=2, schedule="interleaved-1f1b", v=2, rc="selective")
+CASE_Z2 = dict(tp=1, pp=2, sp=False, zero=2, m=2, schedule="interleaved", v=2, rc="selective")
 CASE_Z3_TIED = dict(tp=1, pp=2, sp=False, zero=3, m=3, schedule="gpipe", v=1, rc="full", tied=True)
 
 

@@ -104,10 +104,10 @@ def _parity_worker(rank: int, world: int, cases: list[tuple[str, int, int, bool]
 def _cases(pp: int) -> list[tuple[str, int, int, bool]]:
     cases = [
         (name, m, v, False)
-        for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2))
+        for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
         for m in (pp, 2 * pp + 1)
     ]
-    return cases + [("1f1b", pp, 1, True), ("interleaved-1f1b", 2 * pp + 1, 2, True)]
+    return cases + [("1f1b", pp, 1, True), ("interleaved", 2 * pp + 1, 2, True)]
 
 
 @pytest.mark.parametrize("pp", [2, 4])
@@ -159,7 +159,7 @@ def test_single_stage_pipeline_is_plain_gradient_accumulation():
     assert result.loss == pytest.approx(ref_loss, rel=RTOL)
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         assert _rel(p.grad, q.grad) <= RTOL, name
-    with pytest.raises(ValueError, match="batch size 6 is not divisible by microbatches=4"):
+    with pytest.raises(ValueError, match="batch size 6 is not divisible by num_microbatches=4"):
         PipelineExecutor(split_model(model, 0, 1), build_schedule("gpipe", 1, 4), group).step(
             tokens, labels
         )

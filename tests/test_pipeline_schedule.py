@@ -18,7 +18,7 @@ CONFIGS = (
     [("gpipe", pp, m, 1) for pp in (1, 2, 3, 4, 8) for m in range(1, 2 * pp + 3)]
     + [("1f1b", pp, m, 1) for pp in (1, 2, 3, 4, 8) for m in range(1, 2 * pp + 3)]
     + [
-        ("interleaved-1f1b", pp, m, v)
+        ("interleaved", pp, m, v)
         for pp in (2, 3, 4, 8)
         for v in (2, 3, 4)
         for m in range(pp, 3 * pp + 2)
@@ -66,7 +66,7 @@ def test_bubble_matches_p_minus_1_over_m_plus_p_minus_1(name, pp, m):
     "pp,m,v", [(2, 2, 2), (2, 4, 3), (4, 4, 2), (4, 8, 2), (4, 8, 4), (8, 16, 2)]
 )
 def test_interleaved_bubble_matches_the_interleaved_formula(pp, m, v):
-    result = simulate(build_schedule("interleaved-1f1b", pp, m, v), t_fwd=1.0, t_bwd=2.0)
+    result = simulate(build_schedule("interleaved", pp, m, v), t_fwd=1.0, t_bwd=2.0)
     expected = (pp - 1) / (v * m + pp - 1)
     for bubble in result.bubble:
         assert bubble == pytest.approx(expected, abs=1e-12)
@@ -78,7 +78,7 @@ def test_interleaved_with_indivisible_m_runs_no_worse_than_1f1b():
     # m = 2pp+1: the enlarged last group costs some bubble but the schedule is valid.
     for pp in (2, 4):
         m = 2 * pp + 1
-        result = simulate(build_schedule("interleaved-1f1b", pp, m, 2))
+        result = simulate(build_schedule("interleaved", pp, m, 2))
         assert result.mean_bubble <= (pp - 1) / (m + pp - 1) + 1e-12
 
 
@@ -92,13 +92,13 @@ def test_uneven_stage_time_grows_the_bubble():
 @pytest.mark.parametrize(
     "args,message",
     [
-        (("interleaved-1f1b", 1, 4, 2), "interleaved-1f1b needs pp >= 2 (got pp=1)"),
-        (("interleaved-1f1b", 4, 3, 2), "microbatches=3 < pp=4"),
-        (("interleaved-1f1b", 2, 4, 1), "virtual_stages >= 2 (got 1)"),
+        (("interleaved", 1, 4, 2), "interleaved needs pp >= 2 (got pp=1)"),
+        (("interleaved", 4, 3, 2), "num_microbatches=3 < pp=4"),
+        (("interleaved", 2, 4, 1), "virtual_stages >= 2 (got 1)"),
         (("1f1b", 2, 4, 2), "virtual_stages=2"),
         (("pipedream", 2, 4, 1), "unknown schedule 'pipedream'; choose from gpipe, 1f1b"),
         (("gpipe", 0, 4, 1), "pp=0 must be a positive integer"),
-        (("gpipe", 2, 0, 1), "microbatches=0 must be a positive integer"),
+        (("gpipe", 2, 0, 1), "num_microbatches=0 must be a positive integer"),
     ],
 )
 def test_bad_configs_are_rejected_with_the_bad_value(args, message):
@@ -172,5 +172,5 @@ def test_schedule_command_prints_json_and_rejects_bad_configs(tmp_path, capsys):
     assert out["peak_in_flight"] == [3, 3]
     assert out["programs"][1][0] == "RECV_F(mb=0,s=1)@0"
     assert png.read_bytes()[:4] == b"\x89PNG"
-    assert main(["--schedule", "interleaved-1f1b", "--pp", "4", "-m", "2", "-v", "2"]) == 2
-    assert "microbatches=2 < pp=4" in capsys.readouterr().err
+    assert main(["--schedule", "interleaved", "--pp", "4", "-m", "2", "-v", "2"]) == 2
+    assert "num_microbatches=2 < pp=4" in capsys.readouterr().err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 import pytest
@@ -27,18 +28,29 @@ def _parse(argv):
 def test_defaults_file_flags_precedence(tmp_path):
     toml = tmp_path / "run.toml"
     toml.write_text(
-        'model = "smollm2-135m"\nsteps = 7\n[parallel]\ntp = 2\nzero = 1\n'
+        'model = "smollm2-135m"\nsteps = 7\n[parallel]\ntp = 2\nzero_stage = 1\n'
         "sequence_parallel = true\n[optim]\nlr = 1e-3\n"
     )
-    cfg = _parse(["--config", str(toml), "--zero", "2", "--no-sequence-parallel"])
-    assert (cfg.steps, cfg.tp, cfg.zero, cfg.sequence_parallel, cfg.lr) == (7, 2, 2, False, 1e-3)
+    cfg = _parse(["--config", str(toml), "--zero-stage", "2", "--no-sequence-parallel"])
+    assert (cfg.steps, cfg.tp, cfg.zero_stage, cfg.sequence_parallel, cfg.lr) == (
+        7,
+        2,
+        2,
+        False,
+        1e-3,
+    )
     assert cfg.micro_batch == TrainConfig().micro_batch
 
 
 @pytest.mark.parametrize(
     "changes, message",
     [
-        (dict(zero=5), "zero=5 is not a ZeRO stage"),
+        (dict(zero_stage=5), "zero_stage=5 is not a ZeRO stage"),
+        (dict(schedule="interleaved-1f1b"), "schedule='interleaved-1f1b' is now called"),
+        (dict(lr=float("nan")), "lr=nan must be a finite number"),
+        (dict(clip="1.0"), "clip='1.0' must be a finite number"),
+        (dict(num_microbatches=0), "num_microbatches=0 must be a positive integer"),
+        (dict(cp=2), "cp=2: the trainer runs cp=1 only"),
         (dict(recompute="some"), "recompute='some' is not valid"),
         (dict(precision="int4"), "precision='int4' is not valid"),
         (dict(fp8_recipe="x"), "fp8_recipe='x' is not valid"),
@@ -95,8 +107,85 @@ def test_train_help_and_cli_error(capsys):
         main(["train", "--help"])
     assert exit_info.value.code == 0
     assert "--sequence-parallel" in capsys.readouterr().out
-    assert main(["train", "--zero", "4"]) == 2
-    assert "zero=4 is not a ZeRO stage" in capsys.readouterr().err
+    assert main(["train", "--zero-stage", "4"]) == 2
+    assert "zero_stage=4 is not a ZeRO stage" in capsys.readouterr().err
+    # The old spellings are refused with the new name, not silently taken as a prefix.
+    for old, new in (("--zero", "--zero-stage"), ("--microbatches", "--num-microbatches")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["train", old, "1"])
+        assert exit_info.value.code == 2
+        assert f"{old} is now {new}" in capsys.readouterr().err
+
+
+def test_old_keys_in_a_file_name_the_new_ones(tmp_path):
+    for old, new in (("zero", "zero_stage"), ("microbatches", "num_microbatches")):
+        path = tmp_path / "old.toml"
+        path.write_text(f"[parallel]\n{old} = 1\n")
+        with pytest.raises(TrainConfigError, match=f"key '{old}' is now called '{new}'"):
+            TrainConfig.from_file(path)
+
+
+RUN_TOML = """
+[model]
+model = "smollm2-135m"
+[data]
+seq_len = 4096
+global_batch = 1024
+[parallel]
+tp = 2
+pp = 2
+dp = 2
+cp = 1
+ep = 1
+sequence_parallel = true
+zero_stage = 1
+micro_batch = 1
+num_microbatches = 512
+schedule = "interleaved"
+virtual_stages = 2
+recompute = "selective"
+precision = "bf16"
+fp8_recipe = "current"
+reduce_dtype = "fp32"
+[planner]
+cluster = "h100"
+predicted_step_time_s = 1.5
+[planner.comm]
+tp = 12345
+"""
+
+
+def test_run_config_is_read_as_the_plan(tmp_path):
+    from llmopt.parallel.plan import ParallelPlan
+
+    path = tmp_path / "run.toml"
+    path.write_text(RUN_TOML)
+    cfg = TrainConfig.from_file(path)
+    plan = cfg.parallel_plan(8)
+    want = ParallelPlan.from_file(path)
+    assert plan == want  # the trainer runs exactly the emitted mapping
+    assert (cfg.seq_len, cfg.global_batch) == (4096, 1024)
+    # Size overrides on the command line re-derive num_microbatches (8 / (dp 2 x 1) = 4).
+    small = _parse(["--config", str(path), "--global-batch", "8", "--seq-len", "64"])
+    assert small.parallel_plan(8) == want.replace(num_microbatches=4)
+    small = _parse(["--config", str(path), "--micro-batch", "2", "--global-batch", "8"])
+    assert small.parallel_plan(8).num_microbatches == 2
+    # An explicit num_microbatches that contradicts the sizes is refused, naming both.
+    bad = _parse(["--config", str(path), "--global-batch", "8", "--num-microbatches", "3"])
+    with pytest.raises(TrainConfigError, match=r"num_microbatches=3 does not match .* = 4"):
+        bad.parallel_plan(8)
+    with pytest.raises(TrainConfigError, match=r"tp\*pp\*dp = 2\*2\*2 = 8 does not equal"):
+        cfg.parallel_plan(4)
+
+
+def test_parallel_plan_resolves_dp_and_checks_the_world():
+    cfg = TrainConfig(tp=2, global_batch=8, micro_batch=2)
+    plan = cfg.parallel_plan(8)
+    assert (plan.tp, plan.dp, plan.num_microbatches, plan.precision) == (2, 4, 1, "fp32")
+    with pytest.raises(TrainConfigError, match="tp\\*pp\\*cp=2 .* does not divide the world of 3"):
+        cfg.parallel_plan(3)
+    with pytest.raises(TrainConfigError, match="global_batch/dp=2 is not divisible"):
+        TrainConfig(global_batch=4, micro_batch=4).parallel_plan(2)
 
 
 def _tiny(tmp_path, **changes) -> TrainConfig:
@@ -120,6 +209,7 @@ def _tiny(tmp_path, **changes) -> TrainConfig:
 
 
 def test_fp8_flag_trains_with_float8_linears(tmp_path, monkeypatch):
+    from llmopt.parallel.engine import EngineError
     from llmopt.precision import fp8
     from llmopt.train.trainer import train
 
@@ -138,5 +228,17 @@ def test_fp8_flag_trains_with_float8_linears(tmp_path, monkeypatch):
     with pytest.raises(TrainConfigError, match="precision=fp8 with pp>1 is not supported"):
         _tiny(tmp_path, precision="fp8", pp=2)
     monkeypatch.setitem(sys.modules, "llmopt.precision.fp8", None)
-    with pytest.raises(TrainConfigError, match="precision=fp8 needs llmopt.precision.fp8"):
+    with pytest.raises(EngineError, match="precision=fp8 needs llmopt.precision.fp8"):
         train(_tiny(tmp_path, precision="fp8"))
+
+
+def test_logged_mfu_is_the_planner_definition(tmp_path):
+    from llmopt.plan.flops import model_flops_per_token
+    from llmopt.train.trainer import model_config, train
+
+    cfg = _tiny(tmp_path, steps=1, peak_tflops=2.0)
+    (record,) = train(cfg).steps
+    flops = model_flops_per_token(model_config(cfg), cfg.seq_len) * cfg.global_batch * cfg.seq_len
+    assert record["mfu"] == pytest.approx(flops / record["step_time_s"] / 2e12, rel=1e-12)
+    header = json.loads((tmp_path / "train_log.jsonl").read_text().splitlines()[0])
+    assert header["plan"]["num_microbatches"] == 2  # global_batch 2 / (dp 1 x micro_batch 1)

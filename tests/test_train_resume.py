@@ -47,19 +47,19 @@ def _train_worker(rank: int, world: int, cfg: dict, fault: str | None) -> list[f
 
 
 def test_resume_is_exact_and_a_crash_during_save_keeps_the_previous_checkpoint(tmp_path):
-    full = dict(TINY, out_dir=str(tmp_path / "a"), zero=1, save_every=3)
-    reference = run_distributed(_train_worker, 2, full, None)[0]
+    full = dict(TINY, out_dir=str(tmp_path / "a"), zero_stage=1, save_every=3)
+    reference = run_distributed(_train_worker, 2, full, None, timeout_s=300)[0]
     assert len(reference) == 6 and reference[-1] < reference[0]
 
     # Rank 1 is killed while writing the step-4 checkpoint.
-    crashed = dict(TINY, out_dir=str(tmp_path / "b"), zero=1, save_every=2)
+    crashed = dict(TINY, out_dir=str(tmp_path / "b"), zero_stage=1, save_every=2)
     with pytest.raises(AssertionError, match="rank 1 died"):
-        run_distributed(_train_worker, 2, crashed, "kill-in-save:1:4", timeout_s=120)
+        run_distributed(_train_worker, 2, crashed, "kill-in-save:1:4", timeout_s=300)
     ckpts = tmp_path / "b" / "checkpoints"
     assert (ckpts / "latest").read_text() == "step_000002"
     assert (ckpts / "step_000004.partial").is_dir()
 
-    resumed = run_distributed(_train_worker, 2, dict(crashed, resume=True), None)[0]
+    resumed = run_distributed(_train_worker, 2, dict(crashed, resume=True), None, timeout_s=300)[0]
     assert resumed == reference[2:]  # bit-identical trajectory from step 3 on
     assert (ckpts / "latest").read_text() == "step_000006"
     manifest = json.loads((ckpts / "step_000006" / "manifest.json").read_text())

@@ -36,7 +36,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from llmopt.artifacts import atomic_write, atomic_write_text
-from llmopt.parallel.data_parallel import DataParallel
+from llmopt.parallel.engine import Engine
 from llmopt.parallel.grid import RankGrid
 from llmopt.parallel.optim import AdamW
 
@@ -59,23 +59,10 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return path
 
 
-def _layout(engine: DataParallel, grid: RankGrid) -> dict[str, Any]:
-    d = grid.dims
-    return {
-        "tp": d.tp,
-        "pp": d.pp,
-        "dp": d.dp,
-        "cp": d.cp,
-        "zero": engine.zero,
-        "param_dtype": str(engine.param_dtype),
-        "units": [[u.name, u.padded] for u in engine.units],
-    }
-
-
 def save_checkpoint(
     root: str | Path,
     step: int,
-    engine: DataParallel,
+    engine: Engine,
     optimizer: AdamW,
     grid: RankGrid,
     extra: dict[str, Any],
@@ -93,8 +80,8 @@ def save_checkpoint(
     grid.world.barrier()
 
     tensors: dict[str, torch.Tensor] = {}
-    for unit in engine.units:
-        tensors[f"master/{unit.name}"] = unit.master.detach().cpu().contiguous()
+    for name, master in engine.state_dict().items():
+        tensors[f"master/{name}"] = master.cpu().contiguous()
     state = optimizer.state_dict()
     for idx, per_param in state["state"].items():
         for key, value in per_param.items():
@@ -117,7 +104,7 @@ def save_checkpoint(
     if grid.rank == 0:
         manifest = {
             "step": step,
-            "layout": _layout(engine, grid),
+            "layout": engine.layout(),
             "world_size": grid.dims.world_size,
             "files": [f"rank{r:05d}.safetensors" for r in range(grid.dims.world_size)],
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -135,10 +122,10 @@ def save_checkpoint(
     return final
 
 
-def _save_full(directory: Path, engine: DataParallel, optimizer: AdamW, grid: RankGrid) -> None:
+def _save_full(directory: Path, engine: Engine, optimizer: AdamW, grid: RankGrid) -> None:
     """Layout-independent state (collective; rank 0 writes)."""
-    masters = engine.full_state_dict()
-    states = [optimizer.state.get(u.master) for u in engine.units]
+    masters = engine.full_params()
+    states = [optimizer.state.get(m) for m in engine.master_params()]
     moments: dict[str, torch.Tensor] = {}
     step = 0
     if all(st is not None for st in states):
@@ -161,9 +148,7 @@ def _save_full(directory: Path, engine: DataParallel, optimizer: AdamW, grid: Ra
         )
 
 
-def _load_full(
-    path: Path, engine: DataParallel, optimizer: AdamW, grid: RankGrid, why: str
-) -> None:
+def _load_full(path: Path, engine: Engine, optimizer: AdamW, grid: RankGrid, why: str) -> None:
     full = path / "full"
     if grid.dims.pp != 1 or not (full / "model.safetensors").is_file():
         raise ValueError(
@@ -171,10 +156,7 @@ def _load_full(
             f"state for this one (full/ is written for pp=1); start from its consolidated "
             f"weights with --init-from {path / 'hf'} (the optimizer state restarts)"
         )
-    locals_ = engine.local_from_full(load_file(str(full / "model.safetensors")))
-    with torch.no_grad():
-        for unit, local in zip(engine.units, locals_):
-            unit.master.copy_(local)
+    engine.load_state_dict(engine.local_from_full(load_file(str(full / "model.safetensors"))))
     from safetensors import safe_open
 
     with safe_open(str(full / "optimizer.safetensors"), framework="pt") as handle:
@@ -189,20 +171,19 @@ def _load_full(
             )
             for key in ("exp_avg", "exp_avg_sq")
         }
-        for i, unit in enumerate(engine.units):
-            optimizer.state[unit.master] = {
+        for name, master in zip(engine.state_dict(), engine.master_params()):
+            optimizer.state[master] = {
                 "step": step,
-                "exp_avg": per_key["exp_avg"][i],
-                "exp_avg_sq": per_key["exp_avg_sq"][i],
+                "exp_avg": per_key["exp_avg"][name],
+                "exp_avg_sq": per_key["exp_avg_sq"][name],
             }
     for group, saved in zip(optimizer.param_groups, json.loads(meta["groups"])):
         saved["betas"] = tuple(saved["betas"])
         group.update(saved)
-    engine.update_params()
 
 
 def load_checkpoint(
-    path: str | Path, engine: DataParallel, optimizer: AdamW, grid: RankGrid
+    path: str | Path, engine: Engine, optimizer: AdamW, grid: RankGrid
 ) -> dict[str, Any]:
     """Restore this rank's state; returns the manifest.
 
@@ -210,7 +191,7 @@ def load_checkpoint(
     (pp=1) is cut from the checkpoint's full state."""
     path = Path(path)
     manifest = json.loads((path / "manifest.json").read_text())
-    saved, here = manifest["layout"], _layout(engine, grid)
+    saved, here = manifest["layout"], engine.layout()
     if saved != here:
         diff = {k: (saved.get(k), here[k]) for k in here if saved.get(k) != here[k]}
         shown = ", ".join(
@@ -229,9 +210,9 @@ def load_checkpoint(
     if not file.is_file():
         raise FileNotFoundError(f"checkpoint shard missing: {file}")
     tensors = load_file(str(file))
-    with torch.no_grad():
-        for unit in engine.units:
-            unit.master.copy_(tensors[f"master/{unit.name}"])
+    engine.load_state_dict(
+        {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("master/")}
+    )
     from safetensors import safe_open
 
     with safe_open(str(file), framework="pt") as handle:
@@ -245,5 +226,4 @@ def load_checkpoint(
     torch.set_rng_state(tensors["rng/cpu"])
     if "rng/cuda" in tensors and torch.cuda.is_available():
         torch.cuda.set_rng_state(tensors["rng/cuda"])
-    engine.update_params()
     return manifest

@@ -15,7 +15,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from llmopt.artifacts import atomic_write_text
 from llmopt.train.config import TrainConfig, add_config_arguments, config_from_args
+from llmopt.train.launch import launch_env, torchrun_command
 
 
 def _worker_parser() -> argparse.ArgumentParser:
@@ -101,26 +103,21 @@ def handle(args: argparse.Namespace) -> int:
     single = args.nproc_per_node == 1 and str(args.nnodes) == "1"
     if single:
         return run_worker(args)
+    if str(args.nnodes).isdigit():  # a fixed world: the layout and batch must fit it, now
+        cfg.parallel_plan(args.nproc_per_node * int(args.nnodes))
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config_file = out / "run_config.json"
-    tmp = config_file.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(cfg.to_dict(), indent=1))
-    tmp.replace(config_file)
-    cmd = [sys.executable, "-m", "torch.distributed.run"]
-    cmd += ["--nproc-per-node", str(args.nproc_per_node), "--nnodes", str(args.nnodes)]
-    for flag, value in (
-        ("--node-rank", args.node_rank),
-        ("--master-addr", args.master_addr),
-        ("--master-port", args.master_port),
-    ):
-        if value is not None:
-            cmd += [flag, str(value)]
-    if str(args.nnodes) == "1" and args.master_port is None:
-        cmd += ["--standalone"]
-    cmd += ["-m", "llmopt.train", "--config", str(config_file)]
+    atomic_write_text(config_file, json.dumps(cfg.to_dict(), indent=1))
+    target = ["-m", "llmopt.train", "--config", str(config_file)]
     if args.json:
-        cmd.append("--json")
-    env = dict(__import__("os").environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return subprocess.call(cmd, env=env)
+        target.append("--json")
+    cmd = torchrun_command(
+        target,
+        args.nproc_per_node,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+    )
+    return subprocess.call(cmd, env=launch_env())

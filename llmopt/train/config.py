@@ -2,7 +2,15 @@
 
 Precedence: dataclass defaults < config file < command-line flags. Every field is a flag
 (`--global-batch 16`, `--sequence-parallel/--no-sequence-parallel`), generated from the
-dataclass so the file, the flags and the docs cannot drift apart.
+dataclass so the file, the flags and the docs cannot drift apart. The parallel fields carry
+`ParallelPlan`'s names (zero_stage, num_microbatches, schedule gpipe|1f1b|interleaved, ...), so
+the run config `llmopt plan --emit` writes ([model], [data], [parallel], [planner]) is read as
+is: tables are flattened, `[planner]` (informational) is skipped.
+
+Re-derived sizes: a run config's [parallel] fixes num_microbatches for its own batch sizes.
+When seq_len, global_batch or micro_batch is overridden on the command line (and
+num_microbatches is not), num_microbatches is derived again from the new sizes:
+global_batch / (dp * micro_batch).
 """
 
 from __future__ import annotations
@@ -10,21 +18,24 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmopt.parallel.recompute import RECOMPUTE_MODES
+from llmopt.parallel.plan import FP8_RECIPES, PRECISIONS, RECOMPUTES, SCHEDULES, ParallelPlan
 
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-PRECISIONS = ("fp32", "bf16", "fp8")
-FP8_RECIPES = ("current", "delayed")
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+# Old spellings -> ParallelPlan's names (refused with a message naming the new one).
+RENAMED = {"zero": "zero_stage", "microbatches": "num_microbatches"}
+RENAMED_VALUES = {("schedule", "interleaved-1f1b"): "interleaved"}
+SKIPPED_TABLES = ("planner",)  # informational in a run config; the trainer ignores it
+RESIZING = ("seq_len", "global_batch", "micro_batch")  # overrides that re-derive num_microbatches
 
 
 class TrainConfigError(ValueError):
@@ -62,13 +73,15 @@ class TrainConfig:
     # parallelism
     tp: int = 1
     pp: int = 1
-    dp: int = -1
+    dp: int = -1  # -1: the rest of the world
+    cp: int = 1
+    ep: int = 1
     sequence_parallel: bool = False
-    zero: int = 0
+    zero_stage: int = 0
     recompute: str = "none"
     schedule: str = "1f1b"
     virtual_stages: int = 1
-    microbatches: int | None = None
+    num_microbatches: int | None = None  # None: global_batch / (dp * micro_batch)
     # precision
     precision: str = "fp32"
     fp8_recipe: str = "current"
@@ -84,6 +97,9 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
+        for (name, old), new in RENAMED_VALUES.items():
+            if getattr(self, name) == old:
+                raise TrainConfigError(f"{name}={old!r} is now called {name}={new!r}")
         positive = ("seq_len", "global_batch", "micro_batch", "tp", "pp", "virtual_stages")
         for name in positive:
             value = getattr(self, name)
@@ -93,11 +109,24 @@ class TrainConfig:
             raise TrainConfigError(f"steps={self.steps} must be >= 0")
         if self.dp != -1 and self.dp < 1:
             raise TrainConfigError(f"dp={self.dp} must be positive (or -1: the rest of the world)")
-        if self.zero not in (0, 1, 2, 3):
-            raise TrainConfigError(f"zero={self.zero!r} is not a ZeRO stage; choose 0, 1, 2 or 3")
-        if self.recompute not in RECOMPUTE_MODES:
+        for name in ("cp", "ep"):
+            if getattr(self, name) != 1:
+                raise TrainConfigError(
+                    f"{name}={getattr(self, name)!r}: the trainer runs {name}=1 only"
+                )
+        if self.num_microbatches is not None and (
+            not isinstance(self.num_microbatches, int) or self.num_microbatches < 1
+        ):
             raise TrainConfigError(
-                f"recompute={self.recompute!r} is not valid; choose one of {RECOMPUTE_MODES}"
+                f"num_microbatches={self.num_microbatches!r} must be a positive integer"
+            )
+        if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3):
+            raise TrainConfigError(
+                f"zero_stage={self.zero_stage!r} is not a ZeRO stage; choose 0, 1, 2 or 3"
+            )
+        if self.recompute not in RECOMPUTES:
+            raise TrainConfigError(
+                f"recompute={self.recompute!r} is not valid; choose one of {RECOMPUTES}"
             )
         if self.precision not in PRECISIONS:
             raise TrainConfigError(
@@ -119,6 +148,11 @@ class TrainConfig:
             raise TrainConfigError(
                 f"schedule={self.schedule!r} is not valid; choose one of {SCHEDULES}"
             )
+        for name in ("lr", "min_lr", "clip", "weight_decay", "eps", "beta1", "beta2"):
+            value = getattr(self, name)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not number or not math.isfinite(value):
+                raise TrainConfigError(f"{name}={value!r} must be a finite number")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise TrainConfigError(f"need 0 <= min_lr ({self.min_lr}) <= lr ({self.lr}), lr > 0")
         if self.warmup_steps < 0:
@@ -141,6 +175,52 @@ class TrainConfig:
             )
         return n
 
+    def resolve_dp(self, world_size: int) -> int:
+        """The DP degree on `world_size` ranks (dp=-1: what tp*pp leave)."""
+        other = self.tp * self.pp * self.cp
+        if self.dp == -1:
+            if world_size % other:
+                raise TrainConfigError(
+                    f"tp*pp*cp={other} (tp={self.tp}, pp={self.pp}) does not divide the "
+                    f"world of {world_size} ranks"
+                )
+            return world_size // other
+        if other * self.dp != world_size:
+            raise TrainConfigError(
+                f"tp*pp*dp = {self.tp}*{self.pp}*{self.dp} = {other * self.dp} does not equal "
+                f"the world of {world_size} ranks"
+            )
+        return self.dp
+
+    def parallel_plan(self, world_size: int) -> ParallelPlan:
+        """The ParallelPlan this config runs on `world_size` ranks (dp resolved, and
+        num_microbatches derived from or checked against global_batch / (dp * micro_batch))."""
+        dp = self.resolve_dp(world_size)
+        derived = self.micro_steps(dp)
+        if self.num_microbatches is not None and self.num_microbatches != derived:
+            raise TrainConfigError(
+                f"num_microbatches={self.num_microbatches} does not match global_batch "
+                f"{self.global_batch} / (dp {dp} x micro_batch {self.micro_batch}) = {derived}; "
+                "drop num_microbatches to derive it, or change the batch sizes"
+            )
+        return ParallelPlan(
+            tp=self.tp,
+            pp=self.pp,
+            dp=dp,
+            cp=self.cp,
+            ep=self.ep,
+            sequence_parallel=self.sequence_parallel,
+            zero_stage=self.zero_stage,
+            micro_batch=self.micro_batch,
+            num_microbatches=derived,
+            schedule=self.schedule,
+            virtual_stages=self.virtual_stages,
+            recompute=self.recompute,
+            precision=self.precision,
+            fp8_recipe=self.fp8_recipe,
+            reduce_dtype=self.reduce_dtype,
+        )
+
     # ---- serialisation ----
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -150,12 +230,16 @@ class TrainConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         flat: dict[str, Any] = {}
         for key, value in data.items():
-            # TOML tables ([model], [parallel]...) are only grouping: flatten them.
+            # TOML tables ([model], [data], [parallel]...) are only grouping: flatten them.
             if isinstance(value, dict):
-                flat.update(value)
+                if key not in SKIPPED_TABLES:
+                    flat.update(value)
             else:
                 flat[key] = value
         flat = {k.replace("-", "_"): v for k, v in flat.items()}
+        for old, new in RENAMED.items():
+            if old in flat:
+                raise TrainConfigError(f"training config key {old!r} is now called {new!r}")
         unknown = set(flat) - known
         if unknown:
             raise TrainConfigError(
@@ -186,6 +270,13 @@ def _flag_type(hint: Any):
     return base
 
 
+class _Renamed(argparse.Action):
+    """An old flag: refuse it, naming the new one."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        parser.error(f"{option_string} is now {self.metavar}")
+
+
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """`--config FILE` plus one flag per TrainConfig field (default: not given)."""
     parser.add_argument("--config", help="TOML (or JSON) training config; flags override it")
@@ -201,14 +292,25 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
             )
         else:
             parser.add_argument(flag, type=base, default=None, help=help_text)
+    for old, new in RENAMED.items():
+        parser.add_argument(
+            "--" + old,
+            action=_Renamed,
+            metavar="--" + new.replace("_", "-"),
+            dest="renamed_" + old,
+            help=argparse.SUPPRESS,
+        )
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """Defaults < --config file < flags."""
+    """Defaults < --config file < flags; a size flag re-derives num_microbatches (module doc)."""
     base = TrainConfig.from_file(args.config) if getattr(args, "config", None) else TrainConfig()
     changes = {
         f.name: getattr(args, f.name)
         for f in dataclasses.fields(TrainConfig)
         if getattr(args, f.name, None) is not None
     }
+    resized = any(name in changes for name in RESIZING)
+    if resized and "num_microbatches" not in changes:
+        changes["num_microbatches"] = None
     return base.replace(**changes)

@@ -1,11 +1,15 @@
-"""The training loop: grid -> model -> TP/SP -> recompute -> DP/ZeRO -> AdamW, with logging,
-checkpoints and clean failure. With pp > 1 the same pieces are composed by
-`llmopt.parallel.pipeline.build_pipeline_model` and a step runs the pipeline schedule.
+"""The training loop: config -> ParallelPlan -> grid -> model -> `parallelize` -> AdamW, with
+logging, checkpoints and clean failure. The Engine (`llmopt.parallel.engine`) is all it talks
+to: one code path for every layout, pp=1 included.
 
 `train(config)` runs on every rank of a torchrun job (or alone). Rank 0 shows a rich progress
 bar and writes the JSON-lines log; every step record carries loss (mean over all tokens of the
-global batch), gradient norm, learning rate, tokens/s, MFU against a stated peak, memory and
-the counted communication of that step per group and op.
+global batch), gradient norm, learning rate, tokens/s, MFU, memory and the counted
+communication of that step per group and op.
+
+MFU is `llmopt.plan.flops.mfu` of `model_flops_per_token` (the planner's convention: model
+FLOPs with full s² attention and the output layer, no recompute), against a stated or
+measured per-device peak. Logs before this change used 6N + 12·L·h·s (N counted embeddings).
 """
 
 from __future__ import annotations
@@ -28,11 +32,10 @@ from llmopt.models.config import ModelConfig
 from llmopt.models.llama import Transformer, build_model
 from llmopt.models.presets import get_preset
 from llmopt.parallel.comm import CommCounter
-from llmopt.parallel.data_parallel import DataParallel
+from llmopt.parallel.engine import Engine, parallelize
 from llmopt.parallel.grid import ParallelDims, RankGrid, init_distributed
 from llmopt.parallel.optim import AdamW
-from llmopt.parallel.recompute import apply_activation_checkpointing
-from llmopt.parallel.tensor_parallel import apply_tensor_parallel, lm_loss
+from llmopt.plan.flops import mfu, model_flops_per_token
 from llmopt.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from llmopt.train.config import TrainConfig, TrainConfigError
 from llmopt.train.data import TokenData
@@ -115,11 +118,6 @@ def _measured_peak_tflops(device: torch.device, dtype: torch.dtype) -> float:
     return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e12
 
 
-def flops_per_token(config: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x parameters (matmuls, fwd+bwd) + 12 L h T attention."""
-    return 6 * config.num_parameters() + 12 * config.num_layers * config.q_size * seq_len
-
-
 def _memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
@@ -132,7 +130,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     """Run training as configured on this rank; returns what rank 0 logged."""
     device, _backend = init_distributed(cfg.timeout_s)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    dims = ParallelDims(world, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp)
+    plan = cfg.parallel_plan(world)
+    dims = ParallelDims(world, tp=plan.tp, pp=plan.pp, dp=plan.dp)
     grid = RankGrid.create(dims, timeout_s=cfg.timeout_s)
     try:
         return _train(cfg, grid, device)
@@ -148,7 +147,7 @@ def train(cfg: TrainConfig) -> TrainResult:
 
 def _train(cfg: TrainConfig, grid: RankGrid, device: torch.device) -> TrainResult:
     dims = grid.dims
-    n_micro = cfg.micro_steps(dims.dp)
+    plan = cfg.parallel_plan(dims.world_size)
     torch.manual_seed(cfg.seed)
     model = build_initial_model(cfg, device)
     mcfg = model.config
@@ -156,40 +155,7 @@ def _train(cfg: TrainConfig, grid: RankGrid, device: torch.device) -> TrainResul
     data = TokenData.from_config(
         cfg.corpus, cfg.tokenizer, cfg.max_chars, cfg.seq_len, cfg.seed, mcfg.vocab_size
     )
-    if cfg.precision == "fp8":
-        try:
-            from llmopt.precision.fp8 import convert_to_fp8
-        except ImportError as exc:
-            raise TrainConfigError(
-                f"precision=fp8 needs llmopt.precision.fp8.convert_to_fp8, unavailable: {exc}"
-            ) from exc
-        # With pp=1 the world is the tp x dp group: TP shards and DP replicas share one scale.
-        convert_to_fp8(model, cfg.fp8_recipe, amax_group=grid.world)
-    param_dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
-    reduce_dtype = torch.bfloat16 if cfg.reduce_dtype == "bf16" else torch.float32
-    pipe = None
-    if dims.pp > 1:
-        # 3D: TP/SP -> recompute -> stage split -> DP/ZeRO, run by the pipeline executor.
-        from llmopt.parallel.pipeline.parallelize import PipelineConfig, build_pipeline_model
-
-        pcfg = PipelineConfig(cfg.schedule, cfg.microbatches or n_micro, cfg.virtual_stages)
-        pipe = build_pipeline_model(
-            model,
-            grid,
-            pcfg,
-            zero=cfg.zero,
-            sequence_parallel=cfg.sequence_parallel,
-            recompute=cfg.recompute,
-            param_dtype=param_dtype,
-            reduce_dtype=reduce_dtype,
-        )
-        engine = pipe.dp
-    else:
-        apply_tensor_parallel(model, grid.tp, sequence_parallel=cfg.sequence_parallel)
-        apply_activation_checkpointing(model, cfg.recompute)
-        engine = DataParallel(
-            model, grid, zero=cfg.zero, param_dtype=param_dtype, reduce_dtype=reduce_dtype
-        )
+    engine = parallelize(model, grid, plan)
     optimizer = AdamW(
         engine.master_params(),
         lr=cfg.lr,
@@ -212,7 +178,7 @@ def _train(cfg: TrainConfig, grid: RankGrid, device: torch.device) -> TrainResul
             result.checkpoint = str(found)
     result.start_step = start
 
-    peak = cfg.peak_tflops or _measured_peak_tflops(device, param_dtype)
+    peak = cfg.peak_tflops or _measured_peak_tflops(device, engine.param_dtype)
     log = None
     if rank0:
         out.mkdir(parents=True, exist_ok=True)
@@ -224,7 +190,9 @@ def _train(cfg: TrainConfig, grid: RankGrid, device: torch.device) -> TrainResul
             "model": mcfg.to_dict(),
             "parameters": mcfg.num_parameters(),
             "layout": {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "world": dims.world_size},
-            "micro_steps": n_micro,
+            "plan": plan.to_dict(),
+            "micro_steps": plan.num_microbatches,
+            "mfu_convention": "llmopt.plan.flops.model_flops_per_token (model FLOPs)",
             "start_step": start,
             "peak_tflops_per_device": peak,
             "peak_source": "stated" if cfg.peak_tflops else "measured dense matmul",
@@ -235,7 +203,7 @@ def _train(cfg: TrainConfig, grid: RankGrid, device: torch.device) -> TrainResul
 
     progress = _progress(cfg, rank0, start)
     tokens_per_step = cfg.global_batch * cfg.seq_len
-    flops_step = flops_per_token(mcfg, cfg.seq_len) * tokens_per_step
+    flops_step = model_flops_per_token(mcfg, cfg.seq_len) * tokens_per_step
     try:
         for step in range(start, cfg.steps):
             lr = lr_at(step, cfg)
@@ -245,14 +213,9 @@ def _train(cfg: TrainConfig, grid: RankGrid, device: torch.device) -> TrainResul
             t0 = time.perf_counter()
             inputs, targets = data.batch(step, cfg.global_batch, grid.dp.rank, dims.dp)
             inputs, targets = inputs.to(device), targets.to(device)
-            if pipe is not None:
-                _fault("step", step, grid.rank)
-                stepped = pipe.train_step(inputs, targets, optimizer, cfg.clip)
-                loss_value, grad_norm = stepped.loss, stepped.grad_norm
-            else:
-                loss_value, grad_norm = _data_parallel_step(
-                    cfg, model, engine, optimizer, inputs, targets, n_micro, grid, step
-                )
+            _fault("step", step, grid.rank)
+            stepped = engine.step(inputs, targets, optimizer, cfg.clip)
+            loss_value, grad_norm = stepped.loss, stepped.grad_norm
             if device.type == "cuda":
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
@@ -265,7 +228,7 @@ def _train(cfg: TrainConfig, grid: RankGrid, device: torch.device) -> TrainResul
                 "lr": lr,
                 "step_time_s": dt,
                 "tokens_per_s": tokens_per_step / dt,
-                "mfu": flops_step / dt / (peak * 1e12 * dims.world_size),
+                "mfu": mfu(flops_step, dt, dims.world_size, peak * 1e12),
                 "memory_bytes": _memory_bytes(device),
                 "comm": comm,
             }
@@ -278,9 +241,7 @@ def _train(cfg: TrainConfig, grid: RankGrid, device: torch.device) -> TrainResul
             if progress is not None:
                 progress.update(step + 1, record)
             if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
-                result.checkpoint = str(
-                    _save(cfg, ckpt_root, step + 1, engine, optimizer, grid, pipe)
-                )
+                result.checkpoint = str(_save(cfg, ckpt_root, step + 1, engine, optimizer, grid))
     finally:
         if progress is not None:
             progress.close()
@@ -315,25 +276,11 @@ def plot_losses(log_file: Path, png: Path) -> None:
     plt.close(fig)
 
 
-def _data_parallel_step(cfg, model, engine, optimizer, inputs, targets, n_micro, grid, step):
-    """Micro-batches with gradient accumulation, then the engine's step; (loss, grad norm)."""
-    loss_sum = torch.zeros((), dtype=torch.float64, device=inputs.device)
-    for i, (tok, tgt) in enumerate(zip(inputs.chunk(n_micro), targets.chunk(n_micro))):
-        last = i == n_micro - 1
-        with engine.no_sync() if not last else _Nothing():
-            loss = lm_loss(model, tok, tgt) / n_micro
-            loss.backward()
-        loss_sum += loss.detach().double()
-    _fault("step", step, grid.rank)
-    grad_norm = engine.step(optimizer, cfg.clip)
-    with grid.counter.paused():
-        grid.dp.all_reduce(loss_sum)
-    return loss_sum.item() / grid.dp.size, grad_norm
-
-
-def _save(cfg, root, step, engine, optimizer, grid, pipe=None) -> Path:
+def _save(
+    cfg: TrainConfig, root: Path, step: int, engine: Engine, optimizer: AdamW, grid: RankGrid
+) -> Path:
     def consolidated(directory: Path) -> None:
-        state = pipe.full_state_dict() if pipe is not None else engine.full_state_dict()
+        state = engine.full_state_dict()
         if grid.rank == 0:
             from llmopt.models.loading import save_pretrained
 
@@ -353,14 +300,6 @@ def _save(cfg, root, step, engine, optimizer, grid, pipe=None) -> Path:
             consolidated=consolidated,
             fault=lambda point: _fault(point, step, grid.rank),
         )
-
-
-class _Nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 class _progress:

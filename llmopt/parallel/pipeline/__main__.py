@@ -1,6 +1,6 @@
 """Print (and draw) a pipeline schedule: `python -m llmopt.parallel.pipeline --help`.
 
-    python -m llmopt.parallel.pipeline --schedule interleaved-1f1b --pp 4 -m 8 -v 2 \
+    python -m llmopt.parallel.pipeline --schedule interleaved --pp 4 -m 8 -v 2 \
         --png runs/schedule.png
 
 Shows each rank's program, the simulated timeline with uniform stage times, the idle (bubble)
@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULES)}")
     parser.add_argument("--pp", type=int, default=4, help="pipeline ranks")
-    parser.add_argument("-m", "--microbatches", type=int, default=8)
+    parser.add_argument("-m", "--num-microbatches", type=int, default=8)
     parser.add_argument("-v", "--virtual-stages", type=int, default=1, help="chunks per rank")
     parser.add_argument("--t-fwd", type=float, default=1.0, help="forward time of a stage")
     parser.add_argument("--t-bwd", type=float, default=2.0, help="backward time of a stage")
@@ -35,14 +35,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
     try:
-        schedule = build_schedule(args.schedule, args.pp, args.microbatches, args.virtual_stages)
+        schedule = build_schedule(
+            args.schedule, args.pp, args.num_microbatches, args.virtual_stages
+        )
         result = simulate(schedule, args.t_fwd, args.t_bwd, args.t_comm)
     except ScheduleError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    theory = theoretical_bubble(args.pp, args.microbatches, args.virtual_stages)
+    theory = theoretical_bubble(args.pp, args.num_microbatches, args.virtual_stages)
     if args.png:
-        title = f"{args.schedule} pp={args.pp} m={args.microbatches} v={args.virtual_stages}"
+        title = f"{args.schedule} pp={args.pp} m={args.num_microbatches} v={args.virtual_stages}"
         render_png(result.events, args.png, pp=args.pp, title=title)
     if args.json:
         print(
@@ -50,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
                 {
                     "schedule": args.schedule,
                     "pp": args.pp,
-                    "microbatches": args.microbatches,
+                    "num_microbatches": args.num_microbatches,
                     "virtual_stages": args.virtual_stages,
                     "makespan": result.makespan,
                     "bubble_per_rank": list(result.bubble),

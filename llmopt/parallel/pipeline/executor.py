@@ -111,14 +111,14 @@ class PipelineExecutor:
         `tokens` is needed on the first stage's rank, `labels` on the last stage's; other
         ranks may pass None (they only need the shape, given by whichever is present).
         """
-        m = self.schedule.microbatches
+        m = self.schedule.num_microbatches
         ref = tokens if tokens is not None else labels
         if ref is None:
             raise ValueError("step needs tokens or labels to know the batch shape")
         batch, seq_len = ref.shape
         if batch % m:
             raise ValueError(
-                f"batch size {batch} is not divisible by microbatches={m}; "
+                f"batch size {batch} is not divisible by num_microbatches={m}; "
                 f"use a batch size that is a multiple of {m}"
             )
         mb_size = batch // m
@@ -228,11 +228,7 @@ class PipelineExecutor:
         return sends
 
     def _sync_tied_grads(self) -> None:
-        """Embedding (first stage) and head (last stage) share one weight: sum their grads.
-
-        Both ranks send their part and add the other's, so each holds g_embed + g_head
-        (float addition is commutative: the two copies stay bit-identical).
-        """
+        """Embedding (first stage) and head (last stage) share one weight: sum their grads."""
         last_rank = self.schedule.rank_of(self.schedule.num_stages - 1)
         if self.rank == 0:
             weight, peer = self.stages[0].embed_tokens.weight, last_rank
@@ -240,7 +236,17 @@ class PipelineExecutor:
             weight, peer = self.stages[self.schedule.num_stages - 1].lm_head.weight, 0
         else:
             return
-        mine = weight.grad if weight.grad is not None else torch.zeros_like(weight)
-        other = torch.empty_like(mine)
-        self.group.batch_p2p([("send", mine.contiguous(), peer), ("recv", other, peer)], wait=True)
-        weight.grad = mine + other
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        exchange_tied_grad(self.group, weight.grad, peer)
+
+
+def exchange_tied_grad(group: Group, grad: torch.Tensor, peer: int) -> None:
+    """Tied embedding/head: add the peer stage's gradient of the shared weight to `grad`, in
+    place (the peer does the same with ours).
+
+    Both ranks send their part and add the other's, so each holds g_embed + g_head (float
+    addition is commutative: the two copies stay bit-identical)."""
+    other = torch.empty_like(grad)
+    group.batch_p2p([("send", grad.detach().clone(), peer), ("recv", other, peer)], wait=True)
+    grad.add_(other)

@@ -96,8 +96,10 @@ class _Held:
 class SavedTensorMeter:
     """Peak bytes of tensors saved for backward (activation memory), counted per storage.
 
-    Parameters are excluded (pass them as `exclude`): they exist whether or not a micro-batch
-    is in flight. A storage shared by several saved views counts once.
+    The one activation meter (pipeline crosscheck, benchmarks/recompute.py). Parameters are
+    excluded (pass them as `exclude`): they exist whether or not a micro-batch is in flight.
+    A storage shared by several saved views counts once. `keep(t)` adds a tensor kept for
+    backward outside autograd's saved tensors (a checkpointed region's inputs) until exit.
     """
 
     def __init__(
@@ -111,6 +113,7 @@ class SavedTensorMeter:
         # With `only_inside`, count only what those modules' forwards save (e.g. the blocks,
         # to compare with a per-layer activation model that leaves out embedding and logits).
         self._depth = 0 if only_inside else 1
+        self._kept: list[_Held] = []
         self._handles = []
         for module in only_inside:
             self._handles.append(module.register_forward_pre_hook(self._enter_module))
@@ -128,6 +131,12 @@ class SavedTensorMeter:
             return tensor
         return _Held(self, tensor, key)
 
+    def keep(self, tensor: torch.Tensor) -> None:
+        """Count `tensor` (deduplicated with the saved ones) until the meter exits."""
+        key = tensor.untyped_storage().data_ptr()
+        if key not in self.exclude and tensor.numel() > 0:
+            self._kept.append(_Held(self, tensor, key))
+
     @staticmethod
     def _unpack(packed):
         return packed.tensor if isinstance(packed, _Held) else packed
@@ -140,55 +149,4 @@ class SavedTensorMeter:
         self._hooks.__exit__(*exc)
         for handle in self._handles:
             handle.remove()
-
-
-def spawn_gloo(fn, world: int, *args, timeout_s: float = 600.0) -> list:
-    """fn(rank, world, *args) on `world` local gloo processes (benchmarks); results by rank.
-
-    `fn` must be a module-level (importable) function. The group is initialised from a file
-    store in a temporary directory, so no port can collide with another job.
-    """
-    import multiprocessing as mp
-    import tempfile
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init = f"file://{tmp}/init"
-        procs = [
-            ctx.Process(target=_spawned, args=(fn, r, world, init, args, queue))
-            for r in range(world)
-        ]
-        for p in procs:
-            p.start()
-        results: dict[int, object] = {}
-        try:
-            for _ in range(world):
-                rank, ok, payload = queue.get(timeout=timeout_s)
-                if not ok:
-                    raise RuntimeError(f"rank {rank} failed:\n{payload}")
-                results[rank] = payload
-        finally:
-            for p in procs:
-                p.join(timeout=10)
-                if p.is_alive():
-                    p.kill()
-    return [results[r] for r in range(world)]
-
-
-def _spawned(fn, rank, world, init, args, queue) -> None:
-    import os
-    import traceback
-
-    import torch.distributed as dist
-
-    os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-        queue.put((rank, True, fn(rank, world, *args)))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        queue.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        self._kept.clear()

@@ -20,8 +20,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-ScheduleName = Literal["gpipe", "1f1b", "interleaved-1f1b"]
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+ScheduleName = Literal["gpipe", "1f1b", "interleaved"]
 
 COMPUTE_OPS = ("F", "B")
 COMM_OPS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
@@ -73,36 +73,38 @@ class ScheduleConfig:
 
     name: str
     pp: int
-    microbatches: int
+    num_microbatches: int
     virtual_stages: int = 1
 
     def __post_init__(self) -> None:
+        if self.name == "interleaved-1f1b":
+            raise ScheduleError("schedule 'interleaved-1f1b' is now called 'interleaved'")
         if self.name not in SCHEDULES:
             raise ScheduleError(
                 f"unknown schedule {self.name!r}; choose from {', '.join(SCHEDULES)}"
             )
-        for field_name in ("pp", "microbatches", "virtual_stages"):
+        for field_name in ("pp", "num_microbatches", "virtual_stages"):
             value = getattr(self, field_name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ScheduleError(f"{field_name}={value!r} must be a positive integer")
-        pp, m, v = self.pp, self.microbatches, self.virtual_stages
-        if self.name == "interleaved-1f1b":
+        pp, m, v = self.pp, self.num_microbatches, self.virtual_stages
+        if self.name == "interleaved":
             if pp < 2:
                 raise ScheduleError(
-                    "interleaved-1f1b needs pp >= 2 (got pp=1); use gpipe or 1f1b on one stage"
+                    "interleaved needs pp >= 2 (got pp=1); use gpipe or 1f1b on one stage"
                 )
             if v < 2:
                 raise ScheduleError(
-                    f"interleaved-1f1b needs virtual_stages >= 2 (got {v}); use 1f1b for v=1"
+                    f"interleaved needs virtual_stages >= 2 (got {v}); use 1f1b for v=1"
                 )
             if m < pp:
                 raise ScheduleError(
-                    f"interleaved-1f1b needs microbatches >= pp: got microbatches={m} < pp={pp}"
+                    f"interleaved needs num_microbatches >= pp: got num_microbatches={m} < pp={pp}"
                 )
         elif v != 1:
             raise ScheduleError(
                 f"schedule {self.name!r} runs one chunk per rank (got virtual_stages={v}); "
-                "use interleaved-1f1b for virtual_stages > 1"
+                "use interleaved for virtual_stages > 1"
             )
 
     @property
@@ -122,8 +124,8 @@ class PipelineSchedule:
         return self.config.pp
 
     @property
-    def microbatches(self) -> int:
-        return self.config.microbatches
+    def num_microbatches(self) -> int:
+        return self.config.num_microbatches
 
     @property
     def virtual_stages(self) -> int:
@@ -253,11 +255,11 @@ def _insert_communication(
 
 
 def build_schedule(
-    name: str, pp: int, microbatches: int, virtual_stages: int = 1
+    name: str, pp: int, num_microbatches: int, virtual_stages: int = 1
 ) -> PipelineSchedule:
     """Each rank's ordered action list for `name` with pp ranks, m micro-batches, v chunks."""
-    config = ScheduleConfig(name, pp, microbatches, virtual_stages)
-    m, v = microbatches, virtual_stages
+    config = ScheduleConfig(name, pp, num_microbatches, virtual_stages)
+    m, v = num_microbatches, virtual_stages
     if name == "gpipe":
         orders = [_gpipe_order(pp, m, r) for r in range(pp)]
     elif name == "1f1b":

@@ -47,13 +47,13 @@ class SimulationResult:
         return sum(self.bubble) / len(self.bubble)
 
 
-def theoretical_bubble(pp: int, microbatches: int, virtual_stages: int = 1) -> float:
+def theoretical_bubble(pp: int, num_microbatches: int, virtual_stages: int = 1) -> float:
     """Idle fraction of the step with uniform stages and no comm cost.
 
     (p-1)/(m+p-1) for GPipe and 1F1B; with v chunks per rank the fill/drain shrinks by v:
     ((p-1)/v) / (m + (p-1)/v) = (p-1)/(v*m + p-1) (Narayanan et al. 2021, Megatron-LM).
     """
-    p, m, v = pp, microbatches, virtual_stages
+    p, m, v = pp, num_microbatches, virtual_stages
     return (p - 1) / (v * m + p - 1)
 
 
@@ -64,7 +64,7 @@ def simulate(
     t_comm: float = 0.0,
 ) -> SimulationResult:
     """Run the schedule on an ideal machine, checking every dependency on the way."""
-    pp, m, v = schedule.pp, schedule.microbatches, schedule.virtual_stages
+    pp, m, v = schedule.pp, schedule.num_microbatches, schedule.virtual_stages
     num_stages = schedule.num_stages
     dur = {"F": t_fwd / v, "B": t_bwd / v}
     channels: dict[tuple[int, int], deque[tuple[tuple[str, int, int], float]]] = {}
