@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from llmopt.models.llama import Transformer
+from llmopt.models.spec import spec_for
 from llmopt.parallel.data_parallel import DataParallel, clip_to
 from llmopt.parallel.grid import RankGrid
 from llmopt.parallel.pipeline.executor import (
@@ -56,15 +57,16 @@ class EngineError(ValueError):
 class _RankModule(nn.Module):
     """This rank's stages seen as one module (what DataParallel buckets and shards).
 
-    `named_parameters` yields the single-model names (`layers.6.mlp...`, `embed_tokens.weight`)
-    in stage order rather than `stages.0.layers...`, so gradients, masters and checkpoints of
-    every layout are keyed like the plain model's `state_dict`. `blocks` get one unit each."""
+    `named_parameters` yields the single-model names (as the plain model's `state_dict` lists
+    them) in stage order rather than stage-prefixed ones, so gradients, masters and checkpoints
+    of every layout are keyed alike. `blocks` get one unit each."""
 
     def __init__(self, stages: Sequence[PipelineStage]) -> None:
         super().__init__()
         self.config = stages[0].config
         self.stages = nn.ModuleList(stages)
-        self.blocks = [b for s in stages for b in s.layers.values()]
+        spec = spec_for(stages[0])
+        self.blocks = [b for s in stages for _, b in spec.named_blocks(s)]
 
     def named_parameters(self, *args, **kwargs) -> Iterator[tuple[str, nn.Parameter]]:
         yield from stage_parameters(list(self.stages)).items()
@@ -118,11 +120,12 @@ class Engine:
         self.device = self.dp.units[0].master.device
         self.last_rank = self.schedule.rank_of(self.schedule.num_stages - 1)
         tied_stages = (0, self.schedule.num_stages - 1) if tied else ()
+        spec = spec_for(model)
         self._tied = [
             p
             for s in self.stages
             if s.stage in tied_stages
-            for p in ([s.embed_tokens.weight] if s.is_first else [s.lm_head.weight])
+            for p in [spec.top_module(s, "embedding" if s.is_first else "head").weight]
         ]
         sp = bool(getattr(model, "sequence_parallel", False))
         tp, hidden = grid.tp.size, cfg.hidden_size
@@ -284,7 +287,8 @@ class Engine:
         config = self.model.config
         if pp == 1:
             if config.tie_embeddings:
-                local.setdefault("lm_head.weight", local["embed_tokens.weight"])
+                spec = spec_for(self.model)
+                local.setdefault(f"{spec.head}.weight", local[f"{spec.embedding}.weight"])
             return local
         with self.grid.counter.paused():  # sends go from the parameters' device (NCCL)
             if self.grid.pp.rank != 0:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from llmopt.models.spec import spec_for
 from llmopt.parallel.comm import Group
 from llmopt.parallel.pipeline.schedule import Action, PipelineSchedule, ScheduleError
 from llmopt.parallel.pipeline.simulate import Event
@@ -231,11 +232,12 @@ class PipelineExecutor:
         """Embedding (first stage) and head (last stage) share one weight: sum their grads."""
         last_rank = self.schedule.rank_of(self.schedule.num_stages - 1)
         if self.rank == 0:
-            weight, peer = self.stages[0].embed_tokens.weight, last_rank
+            stage, role, peer = self.stages[0], "embedding", last_rank
         elif self.rank == last_rank:
-            weight, peer = self.stages[self.schedule.num_stages - 1].lm_head.weight, 0
+            stage, role, peer = self.stages[self.schedule.num_stages - 1], "head", 0
         else:
             return
+        weight = spec_for(stage).top_module(stage, role).weight
         if weight.grad is None:
             weight.grad = torch.zeros_like(weight)
         exchange_tied_grad(self.group, weight.grad, peer)
