@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+from pathlib import Path
 
-from llmopt.infer.generate import generate
-from llmopt.infer.sampling import SamplingConfig, logits_to_probs
+# fast-path kernel builds stay inside the repo (ignored runs/), as in test_fast_decode.py
+os.environ.setdefault(
+    "LLMOPT_KERNEL_CACHE", str(Path(__file__).resolve().parent.parent / "runs" / "kernel_cache")
+)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from llmopt.infer.generate import generate  # noqa: E402
+from llmopt.infer.sampling import SamplingConfig, logits_to_probs  # noqa: E402
 
 GREEDY = SamplingConfig()
 
