@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+from pathlib import Path
 
-from llmopt.infer.generate import generate
-from llmopt.infer.sampling import SamplingConfig, logits_to_probs
+# fast-path kernel builds stay inside the repo (ignored runs/), as in test_fast_decode.py
+os.environ.setdefault(
+    "LLMOPT_KERNEL_CACHE", str(Path(__file__).resolve().parent.parent / "runs" / "kernel_cache")
+)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from llmopt.infer.generate import generate  # noqa: E402
+from llmopt.infer.sampling import SamplingConfig, logits_to_probs  # noqa: E402
 
 GREEDY = SamplingConfig()
 
@@ -75,3 +83,54 @@ def test_bad_prompts_are_rejected_early(tiny_model):
         generate(tiny_model, [1, 128], max_new_tokens=4)
     with pytest.raises(ValueError, match="max_new_tokens=-1 must be >= 0"):
         generate(tiny_model, [1], max_new_tokens=-1)
+
+
+# ---------------------------------------------------------------- `llmopt generate --json`
+@pytest.fixture(scope="module")
+def small_dir(tmp_path_factory):
+    """A random 2-layer model with SmolLM2's real tokenizer, saved as a HF directory."""
+    from llmopt.models import ModelConfig, build_model
+    from llmopt.models.loading import load_tokenizer, save_pretrained
+
+    cfg = ModelConfig(name="small", vocab_size=49152, hidden_size=64, intermediate_size=128,
+                      num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=64,
+                      bos_token_id=1, eos_token_id=2)  # fmt: skip
+    out = tmp_path_factory.mktemp("small")
+    save_pretrained(build_model(cfg, seed=0), out, tokenizer=load_tokenizer("smollm2-135m"))
+    return out
+
+
+def _cli_json(capsys, *args: str) -> dict:
+    import json
+
+    from llmopt.cli import main
+
+    assert main(["generate", *args, "--json", "--ignore-eos"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_cli_json_reports_decode_and_prefill_rates_fast_by_default(small_dir, capsys):
+    base = ("--model", str(small_dir), "--prompt", "Hello there friend", "--max-new-tokens", "9")
+    fast = _cli_json(capsys, *base)
+    eager = _cli_json(capsys, *base, "--eager")
+    assert fast["decode_path"] == "fast" and fast["fallback_reason"] is None
+    assert eager["decode_path"] == "eager" and eager["fallback_reason"] == "eager requested"
+    assert fast["token_ids"] == eager["token_ids"] and len(fast["token_ids"]) == 9
+    for result in (fast, eager):
+        assert result["decode_tokens_per_s"] > 0 and result["prefill_tokens_per_s"] > 0
+        # decode rate excludes the prefill: 8 decode steps (the 1st token comes from prefill)
+        assert result["decode_tokens_per_s"] == pytest.approx(8 / result["decode_s"], rel=0.01)
+        assert result["prefill_tokens_per_s"] == pytest.approx(
+            result["prompt_tokens"] / result["prefill_s"], rel=0.01
+        )
+    head8 = _cli_json(capsys, *base, "--int8-head")
+    assert head8["decode_path"] == "fast" and len(head8["token_ids"]) == 9
+
+
+def test_cli_int8_head_with_eager_is_one_line_error(small_dir, capsys):
+    from llmopt.cli import main
+
+    args = ["generate", "--model", str(small_dir), "--prompt", "hi", "--eager", "--int8-head"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--int8-head applies to the fast decode path" in err

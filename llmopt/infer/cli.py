@@ -38,6 +38,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--no-stream", action="store_true", help="print the text at the end, not token by token"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object (no stream)")
+    parser.add_argument(
+        "--eager",
+        action="store_true",
+        help="decode with the eager model instead of the fast C++ decode step (the default "
+        "where its kernels build)",
+    )
+    parser.add_argument(
+        "--int8-head",
+        action="store_true",
+        help="fast path: read the output head as per-row INT8 (4x fewer bytes, not exact)",
+    )
     try:
         from llmopt.infer.speculative import add_speculative_arguments
     except ImportError:  # speculative decoding is optional for plain generation
@@ -83,6 +94,22 @@ class TextStream:
         self.printed = text
 
 
+def decode_rates(timing: dict[str, Any]) -> dict[str, Any]:
+    """JSON fields from `generate(stats=...)`: path, prefill and decode (prefill excluded) rates."""
+    prefill_s, decode_s = timing["prefill_s"], timing["decode_s"]
+    decoded = timing["decode_tokens"]
+    return {
+        "decode_path": timing["path"],
+        "fallback_reason": timing["fallback_reason"],
+        "prefill_s": round(prefill_s, 4),
+        "prefill_tokens_per_s": round(timing["prefill_tokens"] / prefill_s, 2)
+        if prefill_s > 0
+        else None,
+        "decode_s": round(decode_s, 4),
+        "decode_tokens_per_s": round(decoded / decode_s, 2) if decoded and decode_s > 0 else None,
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -113,6 +140,9 @@ def run(args: argparse.Namespace) -> int:
     stream = None if args.json or args.no_stream or speculative else TextStream(tokenizer)
     t0 = time.perf_counter()
     stats: dict[str, Any] = {}
+    timing: dict[str, Any] = {}
+    if args.eager and args.int8_head:
+        raise ValueError("--int8-head applies to the fast decode path; drop --eager")
     if speculative:
         from llmopt.infer.speculative import run_speculative_from_args
 
@@ -126,6 +156,9 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             eos_token_id=eos,
             on_token=stream,
+            fast=False if args.eager else None,
+            int8_head=args.int8_head,
+            stats=timing,
         )
     seconds = time.perf_counter() - t0
     text = tokenizer.decode(ids, skip_special_tokens=True)
@@ -143,6 +176,8 @@ def run(args: argparse.Namespace) -> int:
             "generate_s": round(seconds, 3),
             "tokens_per_s": round(len(ids) / seconds, 2) if seconds > 0 else None,
         }
+        if timing:
+            result.update(decode_rates(timing))
         if stats:
             result["speculative"] = stats
         print(json.dumps(result, indent=2))
@@ -151,6 +186,10 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
     sys.stdout.write("\n")
     rate = f"{len(ids) / seconds:.1f} tok/s" if seconds > 0 else "n/a"
+    if timing and timing["decode_tokens"] and timing["decode_s"] > 0:
+        rate += (
+            f" (decode {timing['decode_tokens'] / timing['decode_s']:.1f} tok/s {timing['path']})"
+        )
     print(
         f"[{len(prompt_ids)} prompt + {len(ids)} new tokens, {rate}, stop: {stopped}, "
         f"load {load_s:.1f}s]",

@@ -1,0 +1,79 @@
+"""Build (once, into a cache directory) and load the C++ decode kernels.
+
+The extension is compiled with `torch.utils.cpp_extension` for this machine's CPU
+(`-march=native`: AVX-512/VNNI where present, portable scalar loops otherwise) the first time
+it is needed; later processes load the cached build in milliseconds. Without a compiler, or if
+the build fails, `load_kernels()` returns None and the reason is kept in `build_error()`, so
+callers fall back to the eager path instead of failing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+from pathlib import Path
+from types import ModuleType
+
+SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "decode.cpp"
+_STATE: dict[str, object] = {}
+
+
+def cache_dir() -> Path:
+    """$LLMOPT_KERNEL_CACHE, else ~/.cache/llmopt/kernels."""
+    root = os.environ.get("LLMOPT_KERNEL_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "llmopt" / "kernels"
+
+
+def _build_name() -> str:
+    """Hash of the source, torch version and CPU, so a change rebuilds instead of reusing."""
+    import torch
+
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(f"{torch.__version__}|{platform.machine()}|{_cpu_flags()}".encode())
+    return f"llmopt_decode_{digest.hexdigest()[:12]}"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def load_kernels(verbose: bool = False) -> ModuleType | None:
+    """The compiled extension, or None (see `build_error()`) when it cannot be built."""
+    if "module" in _STATE:
+        return _STATE["module"]  # type: ignore[return-value]
+    if os.environ.get("LLMOPT_NO_KERNELS"):
+        _STATE["module"], _STATE["error"] = None, "disabled by LLMOPT_NO_KERNELS"
+        return None
+    module = None
+    try:
+        from torch.utils import cpp_extension
+
+        name = _build_name()
+        build = cache_dir() / name
+        build.mkdir(parents=True, exist_ok=True)
+        module = cpp_extension.load(
+            name=name,
+            sources=[str(SOURCE)],
+            build_directory=str(build),
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=verbose,
+        )
+        _STATE["error"] = None
+    except Exception as exc:  # no compiler, no headers, build error: fall back, remember why
+        first = str(exc).strip().splitlines()
+        _STATE["error"] = f"{type(exc).__name__}: {first[0] if first else ''}"
+    _STATE["module"] = module
+    return module
+
+
+def build_error() -> str | None:
+    """Why `load_kernels()` returned None (None when it loaded or was not tried)."""
+    return _STATE.get("error")  # type: ignore[return-value]
