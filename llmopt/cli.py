@@ -18,6 +18,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("llmopt.plan.cli", "choose and explain the parallel mapping of a model on a cluster"),
     "train": ("llmopt.train.cli", "distributed training (TP/SP/PP/DP/ZeRO) launched by torchrun"),
     "quantize": ("llmopt.compress.cli", "quantize weights (RTN, AWQ, GPTQ) to packed INT4/INT8"),
+    "serve": ("llmopt.serve.cli", "OpenAI-compatible server with continuous batching"),
+    "bench": ("llmopt.serve.bench_cli", "load-test an OpenAI-compatible server (bench serve)"),
 }
 
 
