@@ -287,3 +287,38 @@ def test_sigterm_drains_in_flight_requests_then_exits(model_dir):
     assert r.json()["choices"][0]["finish_reason"] == "length"
     with pytest.raises(httpx.TransportError):
         httpx.get(srv.url + "/health", timeout=2)
+
+
+def test_bench_serve_against_the_server_writes_json_and_png(server, tmp_path, capsys):
+    from llmopt.cli import main
+
+    out = tmp_path / "bench.json"
+    args = ["bench", "serve", "--url", server.url, "--concurrency", "1,3", "--requests", "6",
+            "--time-limit", "60", "--max-tokens", "5", "--out", str(out)]  # fmt: skip
+    assert main(args) == 0
+    report = json.loads(out.read_text())
+    assert report["model"] == "tiny"
+    assert [r["concurrency"] for r in report["levels"]] == [1, 3]
+    for row in report["levels"]:
+        assert row["requests"] == 6 and row["errors"] == 0
+        assert row["output_tokens"] == 30  # usage trailer: ignore_eos, 5 tokens each
+        assert row["ttft_p50_s"] > 0 and row["output_tokens_per_s"] > 0
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+    assert "conc  reqs" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("url", ["http://10.1.2.3:8000", "http://192.168.0.1", "ftp://127.0.0.1"])
+def test_bench_serve_refuses_non_loopback_urls(url, capsys):
+    from llmopt.cli import main
+
+    assert main(["bench", "serve", "--url", url, "--requests", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "only targets loopback hosts" in err or "must look like http://127.0.0.1:PORT" in err
+
+
+def test_bench_serve_accepts_loopback_names():
+    from llmopt.serve.bench import check_loopback
+
+    assert check_loopback("http://localhost:9/") == "http://localhost:9"
+    assert check_loopback("http://127.0.0.2:9") == "http://127.0.0.2:9"
+    assert check_loopback("http://[::1]:9") == "http://[::1]:9"
