@@ -232,3 +232,18 @@ def test_real_smollm2_batched_greedy_equals_generate():
     assert engine.generate(prompts, SamplingParams(max_tokens=8, ngram=3)) == ref
     assert engine.scheduler.num_preemptions > 0 and engine.blocks.prefix_hits > 0
     engine.blocks.check_all_free()
+
+
+def test_prefix_of_a_finished_request_is_reused_exactly(tiny_model):
+    system = _prompts([33], seed=7)[0]
+    a, b = system + [1, 2], system + [3]
+    ref = generate(tiny_model, b, max_new_tokens=6)
+    engine = Engine(tiny_model, EngineConfig(num_blocks=32, block_size=4, max_batched_tokens=64))
+    engine.generate([a], SamplingParams(max_tokens=1))  # finishes on its prefill step
+    engine.blocks.check_all_free()
+    req = engine.add_request("b", b, SamplingParams(max_tokens=6))
+    while engine.has_unfinished():
+        engine.step()
+    assert req.num_prefix_hit_tokens == 32  # 8 full blocks of the 33 shared tokens
+    assert req.output == ref
+    assert engine.num_fed == 35 + 2 + 5  # a: 35, b: 2 uncached prompt tokens + 5 decodes

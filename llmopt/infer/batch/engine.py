@@ -200,8 +200,8 @@ class Engine:
                 reason = "length"
             if reason:
                 break
+        self._register(r)  # before finishing too: a finished prompt still serves later hits
         if reason is None:
-            self._register(r)
             self.scheduler.trim(r)
         else:
             self._finish(r, reason)
