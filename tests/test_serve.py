@@ -322,3 +322,23 @@ def test_bench_serve_accepts_loopback_names():
     assert check_loopback("http://localhost:9/") == "http://localhost:9"
     assert check_loopback("http://127.0.0.2:9") == "http://127.0.0.2:9"
     assert check_loopback("http://[::1]:9") == "http://[::1]:9"
+
+
+def test_stream_safe_holds_back_partial_stops_and_utf8():
+    from llmopt.serve.protocol import stream_safe
+
+    assert stream_safe("hello wor", ("world",)) == "hello "
+    assert stream_safe("hello wor", ("xyz", "rld")) == "hello wo"
+    assert stream_safe("hello", ("world",)) == "hello"
+    assert stream_safe("caf\ufffd", ()) == "caf"
+
+
+def test_histogram_renders_cumulative_buckets():
+    from llmopt.serve.metrics import Histogram
+
+    h = Histogram((0.1, 1.0))
+    for v in (0.05, 0.1, 0.5, 3.0):
+        h.observe(v)
+    lines = h.render("x", "help")
+    assert 'x_bucket{le="0.1"} 2' in lines and 'x_bucket{le="1.0"} 3' in lines
+    assert 'x_bucket{le="+Inf"} 4' in lines and "x_count 4" in lines and "x_sum 3.650000" in lines

@@ -85,7 +85,8 @@ class PagedRunner:
         self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
 
-    def _slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
+    def slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
+        """Flat cache rows of positions [start, end) of a sequence with block table `table`."""
         pos = torch.arange(start, end)
         blocks = torch.tensor(table, dtype=torch.long)[pos // self.block_size]
         return blocks * self.block_size + pos % self.block_size
@@ -100,7 +101,7 @@ class PagedRunner:
         tokens = torch.tensor([t for c in chunks for t in c.tokens], device=dev)
         positions = torch.cat([torch.arange(c.start, c.start + len(c.tokens)) for c in chunks])
         slots = torch.cat(
-            [self._slots(c.block_table, c.start, c.start + len(c.tokens)) for c in chunks]
+            [self.slots(c.block_table, c.start, c.start + len(c.tokens)) for c in chunks]
         )
         slots = slots.to(dev)
         positions = positions.to(dev)
@@ -153,7 +154,7 @@ class _AttentionPlan:
             if len(c.tokens) > _SHORT_RUN:
                 end = c.start + len(c.tokens)
                 rows = torch.arange(offsets[i], offsets[i] + len(c.tokens), device=dev)
-                keys = runner._slots(c.block_table, 0, end).to(dev)
+                keys = runner.slots(c.block_table, 0, end).to(dev)
                 self.long.append((rows, keys, c.start, len(c.tokens)))
         self.short = None
         if short:
@@ -169,7 +170,7 @@ class _AttentionPlan:
                 t, end = len(c.tokens), c.start + len(c.tokens)
                 q_idx[b, :t] = torch.arange(offsets[i], offsets[i] + t)
                 valid[b, :t] = True
-                k_idx[b, :end] = runner._slots(c.block_table, 0, end)
+                k_idx[b, :end] = runner.slots(c.block_table, 0, end)
                 query_pos = torch.arange(c.start, end)
                 mask[b, :t] = key_pos[None, :] <= query_pos[:, None]
                 mask[b, t:, 0] = True  # padded query rows attend to one key: no NaN
