@@ -1,0 +1,1 @@
+"""OpenAI-compatible serving: ASGI app, engine thread, `llmopt serve` and `llmopt bench serve`."""
