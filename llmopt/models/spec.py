@@ -67,7 +67,7 @@ class ModelSpec:
     # inside one block
     attention: str = "self_attn"  # has num_heads / num_kv_heads that TP divides
     attention_core: str = "self_attn.core"  # softmax(QK^T)V alone: selective recompute wraps it
-    mlp: str = "mlp"
+    feed_forward: str = "mlp"  # the block's MLP module
     column_parallel: tuple[str, ...] = (
         "self_attn.q_proj",
         "self_attn.k_proj",

@@ -57,7 +57,7 @@ class _Layer:
         self.q, self.k, self.v = (spec.block_module(block, n) for n in qkv.parts)
         self.o = spec.block_module(block, out[0])
         self.norm1, self.norm2 = (spec.block_module(block, n) for n in spec.block_norms)
-        self.mlp = spec.block_module(block, spec.mlp)
+        self.feed_forward = spec.block_module(block, spec.feed_forward)
 
 
 class PagedRunner:
@@ -67,11 +67,11 @@ class PagedRunner:
     def __init__(self, model: nn.Module, num_blocks: int, block_size: int) -> None:
         spec = spec_for(model)
         self.model = model
-        self.layers = [_Layer(spec, b) for b in spec.blocks_of(model)]
+        self.decoder_layers = [_Layer(spec, b) for b in spec.blocks_of(model)]
         self.embedding = spec.top_module(model, "embedding")
         self.final_norm = spec.top_module(model, "final_norm")
         self.head = spec.top_module(model, "head")
-        attn = self.layers[0].attn
+        attn = self.decoder_layers[0].attn
         self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
         self.head_dim = attn.head_dim
         param = next(model.parameters())
@@ -81,7 +81,12 @@ class PagedRunner:
         self.cos, self.sin = model.rotary(0, self.max_len, self.dtype)
         self.block_size = block_size
         self.num_blocks = num_blocks
-        shape = (len(self.layers), num_blocks * block_size, self.num_kv_heads, self.head_dim)
+        shape = (
+            len(self.decoder_layers),
+            num_blocks * block_size,
+            self.num_kv_heads,
+            self.head_dim,
+        )
         self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
 
@@ -109,7 +114,7 @@ class PagedRunner:
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
         n, hd = tokens.shape[0], self.head_dim
         x = self.embedding(tokens)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.decoder_layers):
             h = layer.norm1(x)
             q = layer.q(h).view(n, -1, hd)
             k = layer.k(h).view(n, -1, hd)
@@ -120,7 +125,7 @@ class PagedRunner:
             self.v_cache[i].index_copy_(0, slots, v)
             attn = plan.attend(q, self.k_cache[i], self.v_cache[i])
             x = x + layer.o(attn)
-            x = x + layer.mlp(layer.norm2(x))
+            x = x + layer.feed_forward(layer.norm2(x))
         rows, offset, spans = [], 0, []
         for c in chunks:
             if c.logits_from is None:

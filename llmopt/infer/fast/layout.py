@@ -132,15 +132,17 @@ def decoder_weights(model: nn.Module, int8_head: bool = False) -> dict[str, Any]
     """Everything the C++ decoder needs, read through `spec_for(model)`."""
     spec = spec_for(model)
     cfg = model.config
-    if getattr(cfg, "mlp", "swiglu") != "swiglu":
-        raise UnsupportedModelError(f"fast decode implements SwiGLU MLPs, not mlp={cfg.mlp!r}")
+    if cfg.mlp_kind != "swiglu":
+        raise UnsupportedModelError(
+            f"fast decode implements SwiGLU MLPs, not mlp_kind={cfg.mlp_kind!r}"
+        )
     fused = {g.name: g.parts for g in spec.fused}
     if set(fused) != {"qkv", "gate_up"}:
         raise UnsupportedModelError(
             f"fast decode needs fused groups 'qkv' and 'gate_up', spec has {sorted(fused)}"
         )
     o_name = _role(spec, spec.attention, spec.row_parallel)
-    down_name = _role(spec, spec.mlp, spec.row_parallel)
+    down_name = _role(spec, spec.feed_forward, spec.row_parallel)
     blocks = spec.blocks_of(model)
     attn = spec.block_module(blocks[0], spec.attention)
     layers: dict[str, list] = {"qkv": [], "o": [], "gate_up": [], "down": [], "in": [], "post": []}
