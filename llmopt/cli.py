@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("llmopt.train.cli", "distributed training (TP/SP/PP/DP/ZeRO) launched by torchrun"),
     "quantize": ("llmopt.compress.cli", "quantize weights (RTN, AWQ, GPTQ) to packed INT4/INT8"),
     "profile": ("llmopt.profile.cli", "profile generation: trace, op table, launches, roofline"),
+    "report": ("llmopt.report.cli", "one self-contained HTML page of optimization results"),
 }
 
 
