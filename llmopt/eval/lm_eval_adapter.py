@@ -14,6 +14,7 @@ Requests run one at a time: exact, and small models on CPU gain little from padd
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Any
 
@@ -44,6 +45,20 @@ def _flag(value: Any) -> bool:
     return bool(value)
 
 
+def _device(requested: str | None) -> torch.device:
+    """The device to run on; like lm-eval's `hf`, a CUDA request falls back to CPU without CUDA
+    (lm-eval's CLI asks for cuda by default)."""
+    if requested is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(requested)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        logging.getLogger(__name__).warning(
+            "device %s requested but CUDA is unavailable; using cpu", requested
+        )
+        return torch.device("cpu")
+    return device
+
+
 class _Stop(Exception):  # noqa: N818 (control flow, not an error)
     """Raised from `generate`'s token callback once a stop string has appeared."""
 
@@ -56,7 +71,7 @@ class LlmoptLM(TemplateLM):
         self,
         pretrained: str,
         dtype: str = "float32",
-        device: str = "cpu",
+        device: str | None = None,
         max_length: int | str | None = None,
         max_gen_toks: int | str = 256,
         add_bos_token: bool | str = False,
@@ -65,6 +80,7 @@ class LlmoptLM(TemplateLM):
         **_ignored: Any,
     ) -> None:
         super().__init__()
+        device = _device(device)
         if str(dtype) not in DTYPES:
             raise ValueError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
         self.model = load_model(pretrained, dtype=DTYPES[str(dtype)], device=device)
@@ -79,7 +95,7 @@ class LlmoptLM(TemplateLM):
         self.add_bos_token = _flag(add_bos_token)
         self.seed = int(seed)
         self.batch_size = batch_size  # accepted for lm-eval's CLI; requests run one by one
-        self._device = torch.device(device)
+        self._device = device
 
     # ---- tokenisation (lm-eval's TemplateLM hooks) ----
     @property
