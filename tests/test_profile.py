@@ -111,8 +111,12 @@ def test_profile_cli_writes_trace_table_launches_and_roofline(tmp_path, capsys):
     assert decode["steps"] == new_tokens - 1
     total_self_ms = sum(r["self_cpu_us"] for r in decode["table"]) / 1e3
     assert total_self_ms == pytest.approx(decode["op_self_ms_per_step"])
-    # the op table accounts for the measured (wall-clock) decode step time to within 10%
-    assert total_self_ms == pytest.approx(decode["wall_ms_per_step"], rel=0.10)
+    # the op table plus the time between ops accounts for the wall-clock step time within 10%
+    wall_ms = decode["wall_ms_per_step"]
+    assert total_self_ms + decode["outside_ops_ms_per_step"] == pytest.approx(wall_ms, rel=0.10)
+    # self times are not double counted, and for a 135M model the ops hold a large share
+    assert 0.3 * wall_ms < total_self_ms <= 1.02 * wall_ms
+    assert decode["op_coverage"] == pytest.approx(total_self_ms / wall_ms)
     assert decode["kernel_launches_per_step"] > 0 and decode["ops_per_step"] > 0
     mm = next(r for r in decode["table"] if r["name"] == "aten::mm")
     assert mm["calls"] == 30 * 7 + 1  # 30 layers x 7 linears + the LM head

@@ -96,6 +96,15 @@ def _print(summary: dict, top: int) -> None:
             "-" if moved is None else f"{moved / 1e6:.3f}",
             "-" if not flops or not moved else f"{flops / moved:.2f}",
         )
+    table.add_row(
+        "(outside ops: Python, modules)",
+        "",
+        f"{d['outside_ops_ms_per_step']:.3f}",
+        "",
+        "",
+        "",
+        "",
+    )
     console = Console()
     console.print(table)
     p = summary["prefill"]
@@ -103,7 +112,8 @@ def _print(summary: dict, top: int) -> None:
     console.print(
         f"decode: {d['wall_ms_per_step']:.2f} ms/step profiled "
         f"({d['unprofiled_wall_ms_per_step']:.2f} unprofiled), ops self time "
-        f"{d['op_self_ms_per_step']:.2f} ms/step ({100 * d['op_coverage']:.1f}% of wall), "
+        f"{d['op_self_ms_per_step']:.2f} ms/step ({100 * d['op_coverage']:.1f}% of wall; "
+        f"{100 * d['profile_coverage']:.1f}% with the time outside ops), "
         f"{d['ops_per_step']:.0f} ops/step, {d['kernel_launches_per_step']:.0f} kernel launches/step "
         f"[{summary['launch_kind']}]\n"
         f"prefill: {p['wall_ms']:.2f} ms ({summary['prompt_tokens']} tokens), {p['ops']} ops, "

@@ -3,7 +3,8 @@
 Every ATen call is attributed to the llmopt phase range (`llmopt.profile.phases`) it ran
 under. Self times (time in an op minus its child ops) add up without double counting, so a
 phase's op-table total is the time its operators account for; the rest of the phase's wall time
-is Python and framework overhead between ops. Counts:
+is Python and framework overhead between ops (`outside_us`: the phase ranges' own self time).
+Counts:
 - ops: top-level ATen calls (those issued by the model code, not by other ops),
 - kernel launches: CUDA runtime launch calls on a GPU; on CPU, the leaf ATen calls that do data
   work (each runs one CPU kernel; views and allocations are excluded).
@@ -54,6 +55,7 @@ class PhaseStats:
     ops: int = 0
     kernel_launches: int = 0
     rows: dict[str, OpRow] = field(default_factory=dict)
+    outside_us: float = 0.0  # range time outside every recorded op: Python, module calls
 
     @property
     def self_cpu_us(self) -> float:
@@ -97,6 +99,7 @@ def phase_stats(events, launches_on_device: bool) -> dict[str, PhaseStats]:
             s = stats[event.name]
             s.phase = event.name
             s.ranges += 1
+            s.outside_us += event.self_cpu_time_total
             continue
         phase, parent = _phase_of(event)
         if phase is None:
@@ -105,8 +108,9 @@ def phase_stats(events, launches_on_device: bool) -> dict[str, PhaseStats]:
         s.phase = phase
         if event.name in CUDA_LAUNCHES:
             s.kernel_launches += 1
-            continue
-        if not event.name.startswith("aten::"):
+        if not event.name.startswith("aten::"):  # runtime calls (launches, copies, syncs)
+            row = s.rows.setdefault(event.name, OpRow(event.name, flops=None, bytes=None))
+            row.add(event.self_cpu_time_total, event.self_device_time_total, None, None)
             continue
         if parent is not None and parent.name in PHASES:
             s.ops += 1
