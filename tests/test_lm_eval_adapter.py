@@ -135,3 +135,27 @@ def test_bad_model_args(model_dir):
         LlmoptLM(pretrained=str(model_dir / "model"), max_length=999)
     with pytest.raises(ValueError, match="dtype='int8' is not one of float32, bfloat16, float16"):
         LlmoptLM(pretrained=str(model_dir / "model"), dtype="int8")
+
+
+def test_lm_eval_command_line_runs_the_llmopt_backend(model_dir, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "llmopt.eval.lm_eval_adapter", "run", "--model", "llmopt"]
+    cmd += ["--model_args", f"pretrained={model_dir / 'model'}", "max_length=32"]
+    cmd += [
+        "--tasks",
+        "llmopt_tiny_mc",
+        "--include_path",
+        str(model_dir),
+        "--output_path",
+        str(out),
+    ]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    [result] = out.rglob("results_*.json")
+    acc = json.loads(result.read_text())["results"]["llmopt_tiny_mc"]["acc,none"]
+    assert acc == pytest.approx(0.75)  # 3 of the 4 questions (the same as the hf backend's)

@@ -1,4 +1,4 @@
-"""Named ranges for llmopt's phases (prefill, decode step, train step) in every timeline.
+"""Named ranges for llmopt's phases (prefill, decode step) in every timeline.
 
 One marker feeds two tools: a torch.profiler `record_function` range (Chrome/Perfetto trace,
 and the op table's attribution of each operator to its phase) and, on CUDA, an NVTX range so
@@ -16,8 +16,7 @@ import torch
 
 PREFILL = "llmopt.prefill"
 DECODE_STEP = "llmopt.decode_step"
-TRAIN_STEP = "llmopt.train_step"
-PHASES = (PREFILL, DECODE_STEP, TRAIN_STEP)
+PHASES = (PREFILL, DECODE_STEP)
 
 
 def nvtx_available() -> bool:

@@ -3,7 +3,8 @@
 Generation itself is `llmopt.infer.generate.generate`, unmodified: phase ranges are opened and
 closed from its `on_token` callback (prefill ends when the first token is chosen, each decode
 step when the next one is), so what is profiled is exactly what users run. A warm-up run and an
-unprofiled timed run come first, so the summary also says how much the profiler slowed steps.
+unprofiled timed run (NVTX ranges only) come first, so the summary also says how much the
+profiler slowed steps.
 """
 
 from __future__ import annotations
@@ -87,7 +88,9 @@ def profile_generate(
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
     _timed_run(model, prompt_ids, 2)  # warm-up
-    plain = _timed_run(model, prompt_ids, new_tokens)
+    # timed without torch.profiler, but with the phase ranges: under `nsys profile` (which
+    # cannot share CUPTI with torch.profiler) this is the run whose NVTX ranges to read
+    plain = _timed_run(model, prompt_ids, new_tokens, PhaseMarker())
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     if cuda:
         torch.cuda.synchronize(device)
