@@ -10,6 +10,7 @@ import pytest
 
 from llmopt.cli import main
 from llmopt.report.collect import ReportSourceError, collect
+from llmopt.report.html import render
 from llmopt.report.markdown import parse
 from llmopt.report.tradeoff import classify, table_rows, tradeoff_rows
 
@@ -108,9 +109,12 @@ def test_bad_sources(tmp_path):
         collect(tmp_path / "nope")
     with pytest.raises(ReportSourceError, match="no results under"):
         collect(tmp_path)
-    (tmp_path / "bad.json").write_text("{")
-    with pytest.raises(ReportSourceError, match="bad.json is not valid JSON"):
-        collect(tmp_path)
+    (tmp_path / "bad.json").write_text("{")  # e.g. a run still writing it
+    (tmp_path / "a.md").write_text("## A\n\ntext\n")
+    results = collect(tmp_path)
+    assert [p for p, _ in results.unreadable] == [Path("bad.json")]
+    assert "not valid JSON" in results.unreadable[0][1]
+    assert "bad.json</code>: not valid JSON" in render(results)
 
 
 def _browser_check(page_path: Path, screenshot: Path) -> dict:

@@ -34,5 +34,6 @@ def run(args: argparse.Namespace) -> int:
         f"wrote {args.out}: {len(results.writeups)} write-ups, {n_images} plots, "
         f"{sum(len(v) for v in results.json_results.values())} result JSON files, "
         f"{len(tradeoff_rows(results))} trade-off rows"
+        + (f"; skipped {len(results.unreadable)} unreadable files" if results.unreadable else "")
     )
     return 0

@@ -48,6 +48,7 @@ class Results:
     images: list[Path] = field(default_factory=list)  # every plot found (relative)
     json_results: dict[str, list[tuple[Path, dict[str, Any]]]] = field(default_factory=dict)
     other_json: list[Path] = field(default_factory=list)
+    unreadable: list[tuple[Path, str]] = field(default_factory=list)  # (file, why): listed, skipped
 
 
 def _files(root: Path) -> list[Path]:
@@ -122,7 +123,9 @@ def collect(root: str | Path) -> Results:
             try:
                 data = json.loads(path.read_text(encoding="utf-8"))
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise ReportSourceError(f"{path} is not valid JSON: {exc}") from exc
+                # a run still writing its output must not sink the whole report
+                results.unreadable.append((rel, f"not valid JSON: {exc}"))
+                continue
             kind = json_kind(data)
             if kind is None:
                 results.other_json.append(rel)

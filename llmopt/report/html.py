@@ -141,6 +141,12 @@ def render(results: Results, title: str = "llmopt optimization report") -> str:
     if results.other_json:
         names = ", ".join(f"<code>{html.escape(str(p))}</code>" for p in results.other_json)
         parts.append(f"<h2>Other result files</h2><p>{names}</p>")
+    if results.unreadable:
+        items = "".join(
+            f"<li><code>{html.escape(str(p))}</code>: {html.escape(why)}</li>"
+            for p, why in results.unreadable
+        )
+        parts.append(f"<h2>Unreadable files (skipped)</h2><ul>{items}</ul>")
     body = "\n".join(parts)
     return (
         f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}'
