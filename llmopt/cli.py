@@ -21,6 +21,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prune": ("llmopt.compress.prune.cli", "prune weights (magnitude, Wanda, SparseGPT; 0.5, 2:4)"),
     "serve": ("llmopt.serve.cli", "OpenAI-compatible server with continuous batching"),
     "bench": ("llmopt.serve.bench_cli", "load-test an OpenAI-compatible server (bench serve)"),
+    "profile": ("llmopt.profile.cli", "profile generation: trace, op table, launches, roofline"),
+    "report": ("llmopt.report.cli", "one self-contained HTML page of optimization results"),
 }
 
 

@@ -1,10 +1,14 @@
-"""`llmopt eval ppl|kl`: perplexity and KL divergence on real text (thin layer over the API)."""
+"""`llmopt eval ppl|kl|gate`: perplexity, KL divergence and accuracy gates on real text.
+
+A thin layer over `llmopt.eval.perplexity`, `llmopt.eval.kl` and `llmopt.eval.gate`.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from contextlib import contextmanager
 
@@ -37,6 +41,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     kl.add_argument("--ref", required=True, help="reference model (same tokenizer)")
     kl.add_argument("--ref-dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     kl.set_defaults(func=run_kl)
+    gate = sub.add_parser(
+        "gate",
+        help="pass/fail --model against --ref on KL, perplexity increase and top-1",
+        description="Accuracy gates before deployment: exits 1 with a one-line reason naming each "
+        "failed gate and its value, 0 when all pass (statistics as in `kl`).",
+    )
+    _common(gate, default_ctx=512)
+    gate.add_argument("--ref", required=True, help="reference model (same tokenizer)")
+    gate.add_argument("--ref-dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    gate.add_argument("--max-kl", type=_number, default=None, help="max mean KL in nats")
+    gate.add_argument(
+        "--max-ppl-increase",
+        type=_percent,
+        default=None,
+        help="max perplexity increase over --ref in percent (5 or 5%%)",
+    )
+    gate.add_argument(
+        "--min-top1",
+        type=_fraction,
+        default=None,
+        help="min top-1 agreement, a fraction (0.9) or a percent (90%%)",
+    )
+    gate.set_defaults(func=run_gate)
 
 
 def _common(parser: argparse.ArgumentParser, default_ctx: int) -> None:
@@ -50,6 +77,25 @@ def _common(parser: argparse.ArgumentParser, default_ctx: int) -> None:
     parser.add_argument("--stride", type=int, default=None, help="window step (default ctx/2)")
     parser.add_argument("--max-tokens", type=int, default=None, help="evaluate the first N tokens")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} must be finite")
+    return value
+
+
+def _percent(text: str) -> float:
+    return _number(text.strip().removesuffix("%"))
+
+
+def _fraction(text: str) -> float:
+    text = text.strip()
+    return _percent(text) / 100.0 if text.endswith("%") else _number(text)
 
 
 def load_tokens(tokenizer, text_spec: str, max_tokens: int | None) -> list[int]:
@@ -132,8 +178,7 @@ def run_ppl(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_kl(args: argparse.Namespace) -> int:
-    from llmopt.eval.kl import kl_divergence
+def _setup_pair(args: argparse.Namespace):
     from llmopt.models.loading import load_model, load_tokenizer
 
     tokenizer, tokens, model, stride = _setup(args)
@@ -144,6 +189,34 @@ def run_kl(args: argparse.Namespace) -> int:
             f"{args.model} {tokenizer.vocab_size}; KL needs the same tokenizer"
         )
     ref = load_model(args.ref, dtype=torch_dtype(args.ref_dtype))
+    return tokens, model, ref, stride
+
+
+def run_gate(args: argparse.Namespace) -> int:
+    from llmopt.eval.gate import GateThresholds, run_gates
+
+    thresholds = GateThresholds(
+        max_kl=args.max_kl, max_ppl_increase_pct=args.max_ppl_increase, min_top1=args.min_top1
+    )
+    tokens, model, ref, stride = _setup_pair(args)
+    with _progress(not args.json and sys.stderr.isatty(), "accuracy gates") as progress:
+        report = run_gates(
+            model, ref, tokens, thresholds, ctx=args.ctx, stride=stride, progress=progress
+        )
+    if args.json:
+        summary = {"model": args.model, "ref": args.ref, "text": args.text, "ctx": args.ctx}
+        print(json.dumps({**summary, "stride": stride, **report.to_dict()}, indent=2))
+    if not report.passed:
+        print(f"llmopt eval gate: {report.reason()}", file=sys.stderr)
+    elif not args.json:
+        print(f"llmopt eval gate: {report.reason()}")
+    return 0 if report.passed else 1
+
+
+def run_kl(args: argparse.Namespace) -> int:
+    from llmopt.eval.kl import kl_divergence
+
+    tokens, model, ref, stride = _setup_pair(args)
     with _progress(not args.json and sys.stderr.isatty(), "KL divergence") as progress:
         result = kl_divergence(model, ref, tokens, ctx=args.ctx, stride=stride, progress=progress)
     summary = {

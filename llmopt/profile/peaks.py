@@ -1,0 +1,88 @@
+"""This machine's attainable peaks, measured (not typed in): matmul FLOP/s and copy bandwidth.
+
+A roofline is only as honest as its roofs. Datasheet numbers are unreachable on a shared CPU or a
+clock-throttled GPU, so both roofs are the best of a few timed runs of the two kernels that
+define them: a square matrix product (compute roof) and a large tensor copy (memory roof; a
+copy reads and writes every byte once).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MachinePeaks:
+    flops_per_s: float  # best achieved dense matmul FLOP/s in `dtype`
+    bytes_per_s: float  # best achieved copy bandwidth (read + write bytes / s)
+    device: str
+    dtype: str
+    matmul_n: int
+    copy_bytes: int
+
+    @property
+    def ridge(self) -> float:
+        """Arithmetic intensity (FLOP/byte) where the two roofs meet."""
+        return self.flops_per_s / self.bytes_per_s
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "ridge_flop_per_byte": self.ridge}
+
+
+def _best_seconds(fn, device: torch.device, repeats: int) -> float:
+    fn()  # warm-up: allocation, thread pool start, kernel selection
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _matmul_seconds(n: int, device: torch.device, dtype: torch.dtype, repeats: int) -> float:
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    return _best_seconds(lambda: torch.mm(a, b, out=out), device, repeats)
+
+
+def _copy_seconds(elems: int, device: torch.device, dtype: torch.dtype, repeats: int) -> float:
+    src = torch.ones(elems, device=device, dtype=dtype)
+    dst = torch.empty_like(src)
+    return _best_seconds(lambda: dst.copy_(src), device, repeats)
+
+
+def measure_peaks(
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    *,
+    matmul_n: int | None = None,
+    copy_mib: int | None = None,
+    repeats: int = 5,
+) -> MachinePeaks:
+    """Time an n x n matmul and a copy of `copy_mib` MiB; sizes default by device type."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    n = matmul_n or (8192 if cuda else 1024)
+    mib = copy_mib or (1024 if cuda else 64)
+    if n < 16 or mib < 1 or repeats < 1:
+        raise ValueError(f"matmul_n={n} must be >= 16, copy_mib={mib} >= 1, repeats={repeats} >= 1")
+    mm_s = _matmul_seconds(n, device, dtype, repeats)
+    elems = mib * 2**20 // torch.empty(0, dtype=dtype).element_size()
+    copy_s = _copy_seconds(elems, device, dtype, repeats)
+    moved = 2 * elems * torch.empty(0, dtype=dtype).element_size()
+    return MachinePeaks(
+        flops_per_s=2 * n**3 / mm_s,
+        bytes_per_s=moved / copy_s,
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        matmul_n=n,
+        copy_bytes=moved,
+    )

@@ -1,0 +1,39 @@
+"""`llmopt report DIR --out report.html`: one self-contained page of the results under DIR."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "report",
+        help="one self-contained HTML page of the optimization results in a directory",
+        description="Gather Markdown write-ups (tables, commands, machine), plots and llmopt "
+        "result JSON (profile, eval gate/kl, quantize) under DIR into one HTML page with a "
+        "trade-off table; plots are inlined as data URIs.",
+    )
+    parser.add_argument("dir", help="directory to gather (e.g. docs/benchmarks or a runs/ dir)")
+    parser.add_argument("--out", required=True, help="HTML file to write")
+    parser.add_argument("--title", default="llmopt optimization report", help="page title")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from llmopt.artifacts import atomic_write_text
+    from llmopt.report.collect import collect
+    from llmopt.report.html import render
+    from llmopt.report.tradeoff import tradeoff_rows
+
+    if not args.out.endswith((".html", ".htm")):
+        raise ValueError(f"--out {args.out} must end in .html or .htm")
+    results = collect(args.dir)
+    atomic_write_text(args.out, render(results, args.title))
+    n_images = len({p for w in results.writeups for p in w.images} | set(results.images))
+    print(
+        f"wrote {args.out}: {len(results.writeups)} write-ups, {n_images} plots, "
+        f"{sum(len(v) for v in results.json_results.values())} result JSON files, "
+        f"{len(tradeoff_rows(results))} trade-off rows"
+        + (f"; skipped {len(results.unreadable)} unreadable files" if results.unreadable else "")
+    )
+    return 0
