@@ -76,7 +76,7 @@ def test_compare_tp_across_nodes_is_slower_with_more_network_bytes(capsys):
 def test_why_not(capsys):
     assert main(["plan", "--why-not", "tp=16"]) == 0
     out = capsys.readouterr().out
-    assert "tp=16: best such plan" in out and "slower than the top plan" in out
+    assert "tp=16: best such plan" in out and "step time versus the top plan" in out
     assert main(["plan", "--why-not", "tp=8,pp=1,zero_stage=0"]) == 0
     out = capsys.readouterr().out
     assert "rejected" in out and "GiB per GPU, more than" in out

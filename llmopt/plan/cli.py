@@ -12,6 +12,7 @@ import argparse
 from typing import Any
 
 from llmopt.parallel.plan import FP8_RECIPES, RECOMPUTES, REDUCE_DTYPES, SCHEDULES
+from llmopt.plan.objectives import OBJECTIVES
 
 DEFAULT_MODEL = "llama-3-70b"
 DEFAULT_CLUSTER = "dgx-h100"
@@ -81,6 +82,19 @@ def _plan_flags(plan: argparse.ArgumentParser) -> None:
     plan.add_argument(
         "--where", default=None, metavar="SPEC",
         help="rank only plans with these settings, e.g. tp=2,pp=2,sequence_parallel=false",
+    )  # fmt: skip
+    plan.add_argument(
+        "--framework", choices=EMIT_FORMATS, default="llmopt",
+        help="rank only plans this framework can run (its rules: llmopt/plan/frameworks.py)",
+    )  # fmt: skip
+    plan.add_argument(
+        "--objective", choices=OBJECTIVES, default="time",
+        help="minimise step time, inter-node bytes per GPU, memory per GPU, or GPUs used",
+    )  # fmt: skip
+    plan.add_argument(
+        "--require", action="append", default=[], metavar="EXPR",
+        help="hard limit, repeatable: zero_stage<=2, tp<=8, mem<=70GiB, no-forward-allgather "
+        "(no ZeRO-3 weight all-gathers), tp-in-node",
     )  # fmt: skip
     plan.add_argument("--emit", default=None, metavar="FILE", help="write the plan as a config")
     plan.add_argument("--pick", type=int, default=1, help="rank of the plan --emit writes")

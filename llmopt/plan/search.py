@@ -18,10 +18,13 @@ import numpy as np
 
 from llmopt.models.config import ModelConfig
 from llmopt.parallel.plan import RECOMPUTES, ParallelPlan
+from llmopt.plan.frameworks import Numerics, framework_reasons
 from llmopt.plan.grid import GRID_KEYS, STATE_OF_REDUCE_DTYPE, Grid, grid_row, to_grid
 from llmopt.plan.hardware import GIB, Cluster
 from llmopt.plan.memory import memory_breakdown
-from llmopt.plan.rules import format_constraints, msg_at, structural_reasons
+from llmopt.plan.objectives import Requirement, objective_key, objective_order
+from llmopt.plan.rules import msg_at, structural_reasons
+from llmopt.plan.shortfall import no_candidates_message, nothing_fits_message
 from llmopt.plan.timing import comm_bytes_per_gpu, step_time
 from llmopt.plan.workload import Workload, model_flops_per_step, recompute_flops_per_step
 
@@ -83,6 +86,9 @@ class Evaluation:
     mfu: np.ndarray
     hfu: np.ndarray
     tokens_per_s: np.ndarray
+    framework: str = "llmopt"
+    objective: str = "time"
+    requires: tuple[Requirement, ...] = ()
 
     def __len__(self) -> int:
         return len(self.grid["tp"])
@@ -104,12 +110,21 @@ class Evaluation:
 
 
 def evaluate(
-    model: ModelConfig, work: Workload, cluster: Cluster, grid: Grid, with_comm: bool = True
+    model: ModelConfig,
+    work: Workload,
+    cluster: Cluster,
+    grid: Grid,
+    with_comm: bool = True,
+    framework: str = "llmopt",
+    objective: str = "time",
+    requires: tuple[Requirement, ...] = (),
 ) -> Evaluation:
-    """Memory, time, MFU of every plan in `grid` and why each invalid one is invalid."""
+    """Memory, time, MFU of every plan in `grid` and why each invalid one is invalid: the
+    structural rules, then `framework`'s (frameworks.py), memory, then the `requires`."""
     if work.precision == "fp8":
         cluster.gpu.peak_flops("fp8")  # raises when the GPU has no FP8
     reasons = structural_reasons(model, work, cluster, grid)
+    reasons += framework_reasons(framework, model, Numerics.of_work(work), grid)
     structural = np.ones(len(grid["tp"]), dtype=bool)
     for _, mask in reasons:
         structural &= ~mask
@@ -122,6 +137,10 @@ def evaluate(
         )
     )
     valid = structural & mem["fits"]
+    for req in requires:
+        violates = req.violates(grid, mem["total"], cluster.gpus_per_node)
+        reasons.append((f"--require {req.text} excludes it", violates))
+        valid &= ~violates
     time = step_time(model, work, cluster, grid)
     total = time["total"]
     n = cluster.num_gpus
@@ -130,6 +149,7 @@ def evaluate(
     rc_flops = np.array([recompute_flops_per_step(model, work, r) for r in RECOMPUTES])
     mfu = mflops / (total * n * peak)
     hfu = (mflops + rc_flops[grid["rc"]]) / (total * n * peak)
+    with_comm = with_comm or objective == "internode-bytes"
     comm = comm_bytes_per_gpu(model, work, cluster, grid) if with_comm else None
     return Evaluation(
         work,
@@ -143,6 +163,9 @@ def evaluate(
         mfu,
         hfu,
         work.tokens_per_step / total,
+        framework,
+        objective,
+        tuple(requires),
     )
 
 
@@ -248,12 +271,17 @@ TIE_BAND = 0.01
 
 
 def ranked(ev: Evaluation) -> np.ndarray:
-    """Indices of valid plans, fastest first (1 % bands; see TIE_BAND)."""
+    """Indices of valid plans, best first: fastest (1 % bands; see TIE_BAND), or by the
+    evaluation's objective (objectives.py) with step time breaking ties."""
     idx = np.flatnonzero(ev.valid)
     if len(idx) == 0:
         return idx
     g = ev.grid
     t = ev.time["total"][idx]
+    if ev.objective in ("memory", "internode-bytes"):
+        inter = ev.comm["inter_node"][idx] if ev.comm else t
+        key = objective_key(ev.objective, t, ev.memory["total"][idx], inter)
+        return idx[objective_order(key, t)]
     band = np.floor((t / t.min() - 1) / TIE_BAND)
     order = np.lexsort((t, g["tp"][idx], g["cp"][idx], g["rc"][idx], g["zero"][idx], band))
     return idx[order]
@@ -273,58 +301,29 @@ def search(
     cluster: Cluster,
     top_k: int = 10,
     constraints: dict[str, int] | None = None,
+    framework: str = "llmopt",
+    objective: str = "time",
+    requires: tuple[Requirement, ...] = (),
 ) -> SearchResult:
-    """Rank every valid plan; raise ValueError naming the shortfall when nothing fits."""
+    """Rank every valid plan that `framework` can run and meets `requires`, by `objective`;
+    raise ValueError naming the shortfall when nothing is valid."""
     grid = build_grid(model, work, cluster, constraints)
     if len(grid["tp"]) == 0:
-        raise ValueError(_no_candidates_message(model, work, cluster, constraints))
-    ev = evaluate(model, work, cluster, grid, with_comm=False)
+        raise ValueError(no_candidates_message(model, work, cluster, constraints))
+    opts = dict(framework=framework, objective=objective, requires=tuple(requires))
+    ev = evaluate(model, work, cluster, grid, with_comm=False, **opts)
     order = ranked(ev)
     if len(order) == 0:
-        raise ValueError(_nothing_fits_message(model, work, cluster, ev, constraints))
+        raise ValueError(nothing_fits_message(model, work, cluster, ev, constraints))
     top = order[:top_k]
     sub = {k: v[top] for k, v in grid.items()}
-    top_ev = evaluate(model, work, cluster, sub, with_comm=True)
+    top_ev = evaluate(model, work, cluster, sub, with_comm=True, **opts)
     plans = []
     for j in range(len(top)):
         p = plan_at(top_ev, j)
         p.rank = j + 1
         plans.append(p)
     return SearchResult(plans, len(grid["tp"]), int(ev.valid.sum()), ev)
-
-
-def _no_candidates_message(model, work, cluster, constraints) -> str:
-    what = f" with {format_constraints(constraints)}" if constraints else ""
-    for key in ("tp", "pp", "dp", "cp"):
-        if constraints and key in constraints and cluster.num_gpus % constraints[key]:
-            return f"{key}={constraints[key]} does not divide the {cluster.num_gpus} GPUs"
-    return (
-        f"no mapping of {cluster.num_gpus} GPUs{what} divides global batch "
-        f"{work.global_batch} and the model's layers; change the batch, the GPU count or the "
-        "constraints"
-    )
-
-
-def _nothing_fits_message(model, work, cluster, ev: Evaluation, constraints) -> str:
-    what = f" with {format_constraints(constraints)}" if constraints else ""
-    if not ev.structural.any():
-        counts: dict[str, int] = {}
-        for msg, mask in ev.reasons[:-1]:
-            if mask.any():
-                counts[msg_at(msg, ev.grid, int(np.flatnonzero(mask)[0]))] = int(mask.sum())
-        first = next(iter(counts))
-        return f"no valid mapping{what} for {model.name}: e.g. {first}"
-    idx = np.flatnonzero(ev.structural)
-    best = idx[np.argmin(ev.memory["total"][idx])]
-    need = ev.memory["total"][best] / GIB
-    have = ev.memory["usable"][best] / GIB
-    p = grid_row(ev.grid, int(best))
-    return (
-        f"{model.name} does not fit on {cluster.nodes}x{cluster.gpus_per_node} "
-        f"{cluster.gpu.name}{what}: the leanest plan ({p.short()}, zero_stage={p.zero_stage}, "
-        f"recompute={p.recompute}, micro_batch={p.micro_batch}) needs {need:.1f} GiB per GPU, "
-        f"{need - have:.1f} GiB more than the {have:.1f} GiB usable"
-    )
 
 
 def workload_for(work: Workload, plan: ParallelPlan) -> Workload:
@@ -368,8 +367,10 @@ def plan_of_rank(
     if rank <= len(result.plans):
         return result.plans[rank - 1]
     i = int(order[rank - 1])
-    sub = {k: v[[i]] for k, v in result.evaluation.grid.items()}
-    plan = plan_at(evaluate(model, work, cluster, sub, with_comm=True), 0)
+    ev = result.evaluation
+    sub = {k: v[[i]] for k, v in ev.grid.items()}
+    one = evaluate(model, work, cluster, sub, True, ev.framework, ev.objective, ev.requires)
+    plan = plan_at(one, 0)
     plan.rank = rank
     return plan
 
