@@ -16,7 +16,7 @@ from llmopt.plan.comm import collectives_for
 from llmopt.plan.frameworks import refusal
 from llmopt.plan.grid import to_grid
 from llmopt.plan.hardware import GIB, Cluster
-from llmopt.plan.rules import format_constraints, msg_at
+from llmopt.plan.rules import format_constraints, msg_at, search_space_reasons
 from llmopt.plan.search import (
     Plan,
     SearchResult,
@@ -241,10 +241,15 @@ def why_not(
         )
         return lines
     ev = evaluate(model, work, cluster, grid, False, full.framework, full.objective, full.requires)
-    if ev.valid.any():
+    outside = search_space_reasons(model, work, grid)
+    in_space = ev.valid.copy()
+    for _, mask in outside:
+        in_space &= ~mask
+    if in_space.any():
         return [
             f"{spec}: valid, but outside the plans searched (--where); drop --where to rank it."
         ]
+    ev.reasons.extend(outside)
     lines = [f"{spec}: rejected, no plan with these settings is valid (rules that reject every "
              "variant first):"]  # fmt: skip
     found: list[tuple[int, str]] = []
@@ -254,11 +259,12 @@ def why_not(
         j = int(np.flatnonzero(mask)[0])
         prefix = ""
         if "{mem_gib}" in msg:
-            k = np.flatnonzero(ev.structural)
-            if len(k) == 0:
-                continue
+            # the leanest variant that only memory rejects (else any that memory rejects)
+            k = np.flatnonzero(mask & ev.structural)
+            k = k if len(k) else np.flatnonzero(mask)
             j = int(k[np.argmin(ev.memory["total"][k])])
-            prefix = "even the leanest variant "
+            every = bool((mask | ~ev.structural).all())
+            prefix = "even the leanest variant " if every else "the leanest variant that misses "
         text = msg_at(msg, grid, j, mem_gib=f"{ev.memory['total'][j] / GIB:.1f}")
         found.append(
             (int(mask.sum()), f"  - {prefix}{text} ({int(mask.sum())} of {len(mask)} variants)")

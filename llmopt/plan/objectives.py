@@ -102,14 +102,13 @@ def parse_require(expr: str) -> Requirement:
     return Requirement(expr.strip(), _FIELD_KEY[name], op, value)
 
 
-def objective_key(objective: str, time: np.ndarray, mem: np.ndarray, internode: np.ndarray):
-    """The per-plan quantity an objective minimises (gpus: step time at the GPU count found)."""
+def objective_band(objective: str, time: np.ndarray, mem: np.ndarray, internode: np.ndarray):
+    """Per plan, the band of the objective it falls in (0 = within 1 % of the best; bytes
+    closer than 1 MB are equal). Step time orders plans within a band; "time" and "gpus" (the
+    GPU count is fixed before ranking) have one band."""
     check_objective(objective)
-    return {"memory": mem, "internode-bytes": internode}.get(objective, time)
-
-
-def objective_order(key: np.ndarray, time: np.ndarray) -> np.ndarray:
-    """Positions sorted by `key` in 1 % bands (bytes: exact below 1 MB), then step time."""
+    key = {"memory": mem, "internode-bytes": internode}.get(objective)
+    if key is None:
+        return np.zeros(len(time), dtype=np.int64)
     floor = max(float(key.min()) * OBJECTIVE_BAND, 1e6)
-    band = np.floor((key - key.min()) / floor)
-    return np.lexsort((time, band))
+    return np.floor((key - key.min()) / floor).astype(np.int64)

@@ -22,19 +22,17 @@ from llmopt.plan.frameworks import Numerics, framework_reasons
 from llmopt.plan.grid import GRID_KEYS, STATE_OF_REDUCE_DTYPE, Grid, grid_row, to_grid
 from llmopt.plan.hardware import GIB, Cluster
 from llmopt.plan.memory import memory_breakdown
-from llmopt.plan.objectives import Requirement, objective_key, objective_order
-from llmopt.plan.rules import msg_at, structural_reasons
+from llmopt.plan.objectives import Requirement, objective_band
+from llmopt.plan.rules import (
+    MAX_MICRO_BATCH,
+    MIN_CP_CHUNK,
+    VIRTUAL_STAGES,
+    msg_at,
+    structural_reasons,
+)
 from llmopt.plan.shortfall import no_candidates_message, nothing_fits_message
 from llmopt.plan.timing import comm_bytes_per_gpu, step_time
 from llmopt.plan.workload import Workload, model_flops_per_step, recompute_flops_per_step
-
-MAX_MICRO_BATCH = 32
-# Context parallelism is for long sequences. The model does not charge ring attention's per-step
-# costs (2·cp half-chunk flash calls, cp-1 exchange latencies), which grow as chunks shrink, so
-# the search only splits sequences into chunks of at least this many tokens (Llama 3 used CP
-# only for its long-context phase; NeMo's Llama-3-70B recipe uses CP=2 at 8192).
-MIN_CP_CHUNK = 4096
-VIRTUAL_STAGES = (2, 3, 4, 6, 8)
 
 
 @dataclass
@@ -271,19 +269,18 @@ TIE_BAND = 0.01
 
 
 def ranked(ev: Evaluation) -> np.ndarray:
-    """Indices of valid plans, best first: fastest (1 % bands; see TIE_BAND), or by the
-    evaluation's objective (objectives.py) with step time breaking ties."""
+    """Indices of valid plans, best first: by the evaluation's objective band (objectives.py),
+    then fastest (1 % bands; see TIE_BAND)."""
     idx = np.flatnonzero(ev.valid)
     if len(idx) == 0:
         return idx
     g = ev.grid
     t = ev.time["total"][idx]
-    if ev.objective in ("memory", "internode-bytes"):
-        inter = ev.comm["inter_node"][idx] if ev.comm else t
-        key = objective_key(ev.objective, t, ev.memory["total"][idx], inter)
-        return idx[objective_order(key, t)]
+    inter = ev.comm["inter_node"][idx] if ev.comm else t
+    first = objective_band(ev.objective, t, ev.memory["total"][idx], inter)
     band = np.floor((t / t.min() - 1) / TIE_BAND)
-    order = np.lexsort((t, g["tp"][idx], g["cp"][idx], g["rc"][idx], g["zero"][idx], band))
+    keys = (t, g["tp"][idx], g["cp"][idx], g["rc"][idx], g["zero"][idx], band, first)
+    order = np.lexsort(keys)
     return idx[order]
 
 
