@@ -16,6 +16,7 @@ from llmopt.plan.objectives import OBJECTIVES
 
 DEFAULT_MODEL = "llama-3-70b"
 DEFAULT_CLUSTER = "dgx-h100"
+DEFAULT_NODES = 8
 DEFAULT_COMPARE = ("tp=8,pp=8", "tp=16,pp=4", "dp=64,zero_stage=3")
 EMIT_FORMATS = ("llmopt", "megatron", "nemo", "torchtitan", "deepspeed")
 
@@ -46,7 +47,10 @@ def _common(p: argparse.ArgumentParser, sub: bool) -> None:
         default=d(DEFAULT_CLUSTER),
         help="dgx-a100-80gb, dgx-h100, dgx-h200, dgx-b200 or a TOML file",
     )
-    c.add_argument("--nodes", type=int, default=d(8))
+    c.add_argument(
+        "--nodes", type=int, default=d(None),
+        help=f"default: the cluster file's nodes, else {DEFAULT_NODES}",
+    )  # fmt: skip
     c.add_argument("--gpus-per-node", type=int, default=d(None))
     c.add_argument("--peak-tflops", type=float, default=d(None), help="dense bf16")
     c.add_argument("--fp8-tflops", type=float, default=d(None))

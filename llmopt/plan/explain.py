@@ -99,7 +99,7 @@ def explain(
         )
     d = p.dp * p.cp
     if d > 1:
-        link = "InfiniBand" if p.tp * p.cp * p.dp > g else "NVLink"
+        link = (cluster.inter_node if p.tp * p.cp * p.dp > g else cluster.intra_node).name
         out.append(
             f"Data parallelism over {d} ranks ({'dp' if p.cp == 1 else 'dp x cp'}) reduces "
             f"gradients over {link}; {t['dp_comm_exposed']:.2f} s of it is not hidden behind "
@@ -165,7 +165,7 @@ def explain(
     cb = plan.comm_bytes
     if cb:
         out.append(
-            f"Each GPU sends {cb['intra_node'] / 1e9:.1f} GB over NVLink and "
+            f"Each GPU sends {cb['intra_node'] / 1e9:.1f} GB over {cluster.intra_node.name} and "
             f"{cb['inter_node'] / 1e9:.1f} GB over the network per step."
         )
     out.append(
@@ -276,14 +276,14 @@ def why_not(
 def link_report(
     model: ModelConfig, work: Workload, cluster: Cluster, par: ParallelPlan
 ) -> list[dict]:
-    """Per group and op: link crossed, calls and wire GB per GPU per step (last stage)."""
+    """Per group, op and phase: link crossed, calls and wire GB per GPU per step (last stage)."""
     rows = collectives_for(model, work, cluster, par, stage="last")
     merged: dict[tuple[str, str, str], dict] = {}
     for r in rows:
-        key = (r["group"], r["op"], r["link"])
-        e = merged.setdefault(
-            key, {"group": r["group"], "op": r["op"], "link": r["link"], "calls": 0, "wire_gb": 0.0}
-        )
+        key = (r["group"], r["op"], r["phase"], r["link"])
+        e = merged.setdefault(key, {k: r[k] for k in ("group", "op", "phase", "link")})
+        e.setdefault("calls", 0)
+        e.setdefault("wire_gb", 0.0)
         e["calls"] += r["calls"]
         e["wire_gb"] += r["wire_bytes"] / 1e9
     return list(merged.values())

@@ -276,6 +276,12 @@ def customize(cluster: Cluster, **overrides: Any) -> Cluster:
             top[key] = value
         else:
             raise ValueError(f"unknown cluster field {key!r}")
+    changed = {k: v for k, v in gpu.items() if getattr(cluster.gpu, k) != v and k != "name"}
+    if changed and "name" not in gpu:  # a modified GPU is no longer the preset it started from
+        what = ", ".join(
+            f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in changed.items()
+        )
+        gpu["name"] = f"{cluster.gpu.name} modified ({what})"
     return dataclasses.replace(
         cluster,
         gpu=dataclasses.replace(cluster.gpu, **gpu),
