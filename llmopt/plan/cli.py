@@ -45,7 +45,8 @@ def _common(p: argparse.ArgumentParser, sub: bool) -> None:
     c.add_argument(
         "--cluster",
         default=d(DEFAULT_CLUSTER),
-        help="dgx-a100-80gb, dgx-h100, dgx-h200, dgx-b200 or a TOML file",
+        help="a preset (dgx-a100-40gb, dgx-a100-80gb, dgx-h100, h100-pcie, dgx-h800, dgx-h200, "
+        "dgx-b200, gb200-nvl72, mi300x) or a TOML file",
     )
     c.add_argument(
         "--nodes", type=int, default=d(None),
