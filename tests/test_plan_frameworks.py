@@ -142,3 +142,18 @@ def test_why_not_names_the_framework_rule():
     # the rule that rejects every variant comes first
     assert lines[1].startswith("  - DeepSpeed cannot express zero_stage=2 with pp=8")
     assert "(1008 of 1008 variants)" in lines[1]
+
+
+def test_cli_json_names_where_the_plan_runs(capsys):
+    import json
+
+    from llmopt.cli import main
+
+    assert main(["plan", "--framework", "megatron", "--json", "--top-k", "1"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["framework"] == "megatron" and "megatron" in data["runs_on"]
+    p = data["plans"][0]
+    assert not (p["pp"] > 1 and p["zero_stage"] >= 2)
+    assert set(data["runs_on"]) | set(data["not_on"]) == set(FRAMEWORKS)
+    for why in data["not_on"].values():
+        assert why.startswith(("Megatron-LM", "Megatron-Bridge", "torchtitan", "DeepSpeed"))

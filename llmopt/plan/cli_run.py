@@ -126,7 +126,8 @@ def run_plan(args: argparse.Namespace) -> int:
                 "valid": result.valid,
                 "search_seconds": seconds,
                 **choice,
-                "runs_on": sorted(f for f, why in runs_on.items() if not why),
+                "runs_on": [f for f, why in runs_on.items() if not why],
+                "not_on": {f: why for f, why in runs_on.items() if why},
                 "plans": [p.to_dict() for p in plans],
             }
         )
