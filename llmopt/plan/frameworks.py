@@ -89,9 +89,11 @@ MEGATRON_RULES: tuple[Rule, ...] = (
          "divisibility)",
          "choose pp and virtual_stages that divide the layers",
          lambda g, m, n: m.num_layers % (g["pp"] * g["v"]) != 0),
-    # megatron/core/distributed/fsdp (Megatron-FSDP, --use-megatron-fsdp) shards over the
-    # data-parallel group of a pp=1 model; with pipeline parallelism Megatron offers only its
-    # distributed optimizer (megatron/core/optimizer/distrib_optimizer.py) = ZeRO-1.
+    # ZeRO-2/3 are Megatron-FSDP (megatron/core/distributed/fsdp, --use-megatron-fsdp), which
+    # Megatron's standard path does not combine with pipeline parallelism
+    # (examples/multimodal_dev/scripts/run_qwen35_vl.sh, NVIDIA/Megatron-LM PR #6081: "FSDP and
+    # PP are mutually exclusive"); with pp>1 it offers only its distributed optimizer
+    # (megatron/core/optimizer/distrib_optimizer.py) = ZeRO-1.
     Rule(_MEGATRON,
          "zero_stage={zero} with pp={pp} (with pipeline parallelism it offers only the "
          "distributed optimizer, ZeRO-1)",
