@@ -4,7 +4,8 @@ Keys are those DeepSpeed's own config classes accept (`deepspeed.runtime.config.
 and its pydantic sections, deepspeed 0.19.8; the test validates the emitted JSON with them).
 Tensor parallelism is AutoTP (`tensor_parallel.autotp_size`); the pipeline degree is the
 training script's `PipelineModule(num_stages=pp)`, so the launcher line passes it on. What
-DeepSpeed cannot run as planned is refused:
+DeepSpeed cannot run as planned is refused (rules in `llmopt.plan.frameworks`, shared with the
+search):
 - ZeRO-2/3 with pipeline parallelism (its PipelineEngine asserts "ZeRO-2 and ZeRO-3 are
   incompatible with pipeline parallelism"); a pipeline schedule other than its 1F1B-style
   TrainSchedule; AutoTP together with the pipeline engine (no AutoTP path in runtime/pipe);

@@ -3,9 +3,10 @@ torchrun line, mock data and a null tokenizer so it runs as written; swap in you
 
 Option names and choices are those of Megatron-LM's own parser (megatron/training/arguments.py,
 NVIDIA/Megatron-LM@d98e8a64; the parity test lists the ones used). Megatron's rank order is
-tp, cp, ep, dp, pp, the planner's. What it cannot express is refused: a GPipe schedule
-(Megatron-Core runs 1F1B, interleaved with virtual stages), a layer count the pipeline does
-not divide (uneven splits need explicit first/last-stage layer counts).
+tp, cp, ep, dp, pp, the planner's. What it cannot express is refused with the rules of
+`llmopt.plan.frameworks` (the search applies the same ones): a GPipe schedule (Megatron-Core
+runs 1F1B, interleaved with virtual stages), a layer count the pipeline does not divide (uneven
+splits need explicit first/last-stage layer counts), ZeRO-2/3 (Megatron-FSDP) with pp>1.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@
 Section and field names are those of torchtitan's JobConfig dataclasses
 (torchtitan/config/job_config.py at pytorch/torchtitan@238fa995, the last release line whose
 runs are TOML files; later torchtitan moved to Python configs with the same field names).
-What its code cannot run as planned is refused:
+What its code cannot run as planned is refused (plan rules in `llmopt.plan.frameworks`,
+shared with the search):
 - ZeRO-1 (FSDP2 shards parameters too; only ZeRO-2 = reshard never, ZeRO-3 = reshard always);
 - ZeRO-0 (DDP) with any other parallelism ("DDP has not supported > 1D parallelism"), and so
   with context parallelism (FSDP is applied over the cp ranks whenever cp > 1);
