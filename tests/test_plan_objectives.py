@@ -53,6 +53,10 @@ def test_seed_question_on_the_command_line(capsys):
     out = capsys.readouterr().out
     assert "internode-bytes" in out and "GB over the network per step" in out
     assert "ZeRO-2 shards optimizer states and gradients" in out
+    assert (
+        "Answer (internode-bytes): tp=4,pp=8,dp=2 zero_stage=2 recompute=selective sends 8.6 GB"
+        in out
+    )
 
 
 @pytest.mark.parametrize(

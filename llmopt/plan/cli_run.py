@@ -78,6 +78,28 @@ def _runs_on(args: argparse.Namespace, model, work, cluster, plan: Plan) -> dict
     return out
 
 
+def _answer(objective: str, top: Plan, result: SearchResult, cluster: Cluster) -> str:
+    """One sentence answering the objective with the top plan's figure."""
+    p = top.parallel
+    name = f"{name} zero_stage={p.zero_stage} recompute={p.recompute}"
+    if objective == "internode-bytes":
+        ev = result.evaluation
+        best = float(ev.comm["inter_node"][ev.valid].min()) if ev.comm is not None else 0.0
+        return (
+            f"{name} sends {top.comm_bytes['inter_node'] / 1e9:.1f} GB per GPU per step over "
+            f"{cluster.inter_node.name} (fewest of the {result.valid:,} valid plans: "
+            f"{best / 1e9:.1f} GB)."
+        )
+    if objective == "memory":
+        return f"{name} needs {top.memory_bytes['total'] / 2**30:.1f} GiB per GPU."
+    if objective == "gpus":
+        return (
+            f"{cluster.num_gpus} GPUs ({cluster.nodes}x{cluster.gpus_per_node}) are the fewest "
+            f"that run it: {name}."
+        )
+    return f"{name} takes {top.step_time_s['total']:.2f} s per step."
+
+
 def run_plan(args: argparse.Namespace) -> int:
     from llmopt.plan.explain import explain, why_not
     from llmopt.plan.fewest import search_fewest_gpus
@@ -126,6 +148,7 @@ def run_plan(args: argparse.Namespace) -> int:
                 "valid": result.valid,
                 "search_seconds": seconds,
                 **choice,
+                "answer": _answer(args.objective, plans[0], result, cluster),
                 "runs_on": [f for f, why in runs_on.items() if not why],
                 "not_on": {f: why for f, why in runs_on.items() if why},
                 "plans": [p.to_dict() for p in plans],
@@ -151,6 +174,10 @@ def run_plan(args: argparse.Namespace) -> int:
         + f", searched in {seconds:.2f} s"
     )
     console.print(plans_table(plans, title))
+    answer = _answer(args.objective, plans[0], result, cluster)
+    console.print(
+        f"[bold]Answer ({args.objective}):[/bold] {answer}", soft_wrap=True, highlight=False
+    )
     console.print("[bold]Why the top plan:[/bold]")
     for line in plans[0].explanation:
         console.print(f"  - {line}", soft_wrap=True, highlight=False)
