@@ -81,7 +81,7 @@ def _runs_on(args: argparse.Namespace, model, work, cluster, plan: Plan) -> dict
 def _answer(objective: str, top: Plan, result: SearchResult, cluster: Cluster) -> str:
     """One sentence answering the objective with the top plan's figure."""
     p = top.parallel
-    name = f"{name} zero_stage={p.zero_stage} recompute={p.recompute}"
+    name = f"{p.short()} zero_stage={p.zero_stage} recompute={p.recompute}"
     if objective == "internode-bytes":
         ev = result.evaluation
         best = float(ev.comm["inter_node"][ev.valid].min()) if ev.comm is not None else 0.0
