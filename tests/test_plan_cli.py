@@ -76,7 +76,7 @@ def test_compare_tp_across_nodes_is_slower_with_more_network_bytes(capsys):
 def test_why_not(capsys):
     assert main(["plan", "--why-not", "tp=16"]) == 0
     out = capsys.readouterr().out
-    assert "tp=16: best such plan" in out and "slower than the top plan" in out
+    assert "tp=16: best such plan" in out and "step time versus the top plan" in out
     assert main(["plan", "--why-not", "tp=8,pp=1,zero_stage=0"]) == 0
     out = capsys.readouterr().out
     assert "rejected" in out and "GiB per GPU, more than" in out
@@ -175,3 +175,60 @@ def test_plan_never_imports_torch(argv, tmp_path):
                          timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "HEAVY []"
+
+
+@pytest.mark.parametrize("flag", ["--tp", "--pp", "--cp", "--micro-batch", "--dp"])
+def test_estimate_zero_degree_is_one_line_error(flag, capsys):
+    assert main(["plan", "estimate", flag, "0"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(f"{flag}=0 must be a positive integer") and len(err.splitlines()) == 1
+
+
+def test_cluster_file_nodes_and_modified_gpu_name(tmp_path, capsys):
+    path = tmp_path / "c.toml"
+    path.write_text('base = "dgx-h100"\nnodes = 2\n[gpu]\nhbm_gib = 96.0\n')
+    data = _json(capsys, ["plan", "--cluster", str(path), "--json", "--top-k", "1"])
+    assert data["cluster"]["nodes"] == 2  # not the CLI's default of 8
+    assert data["cluster"]["gpu"] == "H100-SXM5-80GB modified (hbm_gib=96)"
+    data = _json(capsys, ["plan", "--cluster", str(path), "--nodes", "4", "--json", "--top-k", "1"])
+    assert data["cluster"]["nodes"] == 4
+    data = _json(capsys, ["plan", "--json", "--top-k", "1"])
+    assert (data["cluster"]["nodes"], data["cluster"]["gpu"]) == (8, "H100-SXM5-80GB")
+
+
+def test_data_parallel_link_is_named_by_the_cluster(capsys):
+    argv = ["plan", "estimate", "--tp", "8", "--pp", "1", "--zero-stage", "1"]
+    argv += ["--recompute", "full", "--micro-batch", "1"]
+    data = _json(capsys, [*argv, "--json"])
+    expl = " ".join(data["plan"]["explanation"])
+    assert "reduces gradients over InfiniBand NDR 400Gb/s per GPU" in expl
+    assert "GB over NVLink4 (NVSwitch) and" in expl
+    one = ["plan", "estimate", "--model", "llama-3-8b", "--tp", "4", "--nodes", "1", "--json"]
+    one = _json(capsys, one)
+    assert "reduces gradients over NVLink4 (NVSwitch)" in " ".join(one["plan"]["explanation"])
+
+
+def test_json_collectives_keep_their_phase(capsys):
+    argv = ["plan", "estimate", "--tp", "8", "--pp", "8", "--sequence-parallel", "--json"]
+    rows = _json(capsys, argv)["collectives"]
+    tp = {(r["op"], r["phase"]) for r in rows if r["group"] == "tp"}
+    assert {("all-gather", "forward"), ("all-gather", "backward")} <= tp
+    assert len({(r["group"], r["op"], r["phase"], r["link"]) for r in rows}) == len(rows)
+
+
+def test_json_into_a_closed_pipe_exits_quietly():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmopt", "plan", "--json", "--top-k", "100"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=root,
+        env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    assert proc.stdout.read(1) == b"{"
+    proc.stdout.close()  # the reader goes away, as `| head -c 1` does
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0, err
+    assert "Traceback" not in err and "BrokenPipe" not in err

@@ -139,11 +139,11 @@ VARIANTS = [
     ),  # fmt: skip
     dict(
         tp=8,
-        pp=2,
-        dp=4,
+        pp=1,
+        dp=8,
         sequence_parallel=True,
         zero_stage=2,
-        num_microbatches=256,
+        num_microbatches=128,
         recompute="selective",
         precision="fp8",
         reduce_dtype="bf16",

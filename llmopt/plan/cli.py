@@ -12,9 +12,11 @@ import argparse
 from typing import Any
 
 from llmopt.parallel.plan import FP8_RECIPES, RECOMPUTES, REDUCE_DTYPES, SCHEDULES
+from llmopt.plan.objectives import OBJECTIVES
 
 DEFAULT_MODEL = "llama-3-70b"
 DEFAULT_CLUSTER = "dgx-h100"
+DEFAULT_NODES = 8
 DEFAULT_COMPARE = ("tp=8,pp=8", "tp=16,pp=4", "dp=64,zero_stage=3")
 EMIT_FORMATS = ("llmopt", "megatron", "nemo", "torchtitan", "deepspeed")
 
@@ -43,9 +45,13 @@ def _common(p: argparse.ArgumentParser, sub: bool) -> None:
     c.add_argument(
         "--cluster",
         default=d(DEFAULT_CLUSTER),
-        help="dgx-a100-80gb, dgx-h100, dgx-h200, dgx-b200 or a TOML file",
+        help="a preset (dgx-a100-40gb, dgx-a100-80gb, dgx-h100, h100-pcie, dgx-h800, dgx-h200, "
+        "dgx-b200, gb200-nvl72, mi300x) or a TOML file",
     )
-    c.add_argument("--nodes", type=int, default=d(8))
+    c.add_argument(
+        "--nodes", type=int, default=d(None),
+        help=f"default: the cluster file's nodes, else {DEFAULT_NODES}",
+    )  # fmt: skip
     c.add_argument("--gpus-per-node", type=int, default=d(None))
     c.add_argument("--peak-tflops", type=float, default=d(None), help="dense bf16")
     c.add_argument("--fp8-tflops", type=float, default=d(None))
@@ -81,6 +87,19 @@ def _plan_flags(plan: argparse.ArgumentParser) -> None:
     plan.add_argument(
         "--where", default=None, metavar="SPEC",
         help="rank only plans with these settings, e.g. tp=2,pp=2,sequence_parallel=false",
+    )  # fmt: skip
+    plan.add_argument(
+        "--framework", choices=EMIT_FORMATS, default="llmopt",
+        help="rank only plans this framework can run (its rules: llmopt/plan/frameworks.py)",
+    )  # fmt: skip
+    plan.add_argument(
+        "--objective", choices=OBJECTIVES, default="time",
+        help="minimise step time, inter-node bytes per GPU, memory per GPU, or GPUs used",
+    )  # fmt: skip
+    plan.add_argument(
+        "--require", action="append", default=[], metavar="EXPR",
+        help="hard limit, repeatable: zero_stage<=2, tp<=8, mem<=70GiB, no-forward-allgather "
+        "(no ZeRO-3 weight all-gathers), tp-in-node",
     )  # fmt: skip
     plan.add_argument("--emit", default=None, metavar="FILE", help="write the plan as a config")
     plan.add_argument("--pick", type=int, default=1, help="rank of the plan --emit writes")

@@ -60,10 +60,12 @@ def build_model(args: argparse.Namespace) -> ModelConfig:
 def build_cluster(args: argparse.Namespace) -> Cluster:
     if args.nodes is not None and args.nodes <= 0:
         raise ValueError(f"--nodes={args.nodes} must be a positive integer")
-    if args.cluster.endswith(".toml"):
+    if args.cluster.endswith(".toml"):  # its `nodes` stands unless --nodes is given
         cluster = load_cluster_toml(args.cluster, nodes=args.nodes)
     else:
-        cluster = get_cluster(args.cluster, args.nodes)
+        from llmopt.plan.cli import DEFAULT_NODES
+
+        cluster = get_cluster(args.cluster, DEFAULT_NODES if args.nodes is None else args.nodes)
     overrides = {
         "gpus_per_node": args.gpus_per_node,
         "gpu.peak_bf16_tflops": args.peak_tflops,
@@ -104,6 +106,10 @@ def inputs(args: argparse.Namespace) -> tuple[ModelConfig, Workload, Cluster]:
 def build_plan(args: argparse.Namespace, work: Workload, cluster: Cluster) -> ParallelPlan:
     """`plan estimate`'s fully specified plan; dp and num_microbatches default to what the
     GPU count and the global batch leave."""
+    for flag in ("tp", "pp", "cp", "micro_batch", "virtual_stages", "dp", "num_microbatches"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise ValueError(f"--{flag.replace('_', '-')}={value} must be a positive integer")
     inner = args.tp * args.pp * args.cp
     dp = args.dp
     if dp is None:

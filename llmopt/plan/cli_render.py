@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 from typing import Any
 
 from llmopt.artifacts import atomic_save_figure
@@ -38,10 +40,12 @@ def links_table(title: str, links: list[dict]):
     from rich.table import Table
 
     t = Table(title=title)
-    for col in ("group", "op", "link", "calls", "wire GB"):
+    for col in ("group", "op", "phase", "link", "calls", "wire GB"):
         t.add_column(col, justify="right" if col in ("calls", "wire GB") else "left")
     for r in links:
-        t.add_row(r["group"], r["op"], r["link"], f"{r['calls']:,}", f"{r['wire_gb']:.2f}")
+        t.add_row(
+            r["group"], r["op"], r["phase"], r["link"], f"{r['calls']:,}", f"{r['wire_gb']:.2f}"
+        )
     return t
 
 
@@ -80,4 +84,10 @@ def label(plan: Plan) -> str:
 
 
 def print_json(obj: Any) -> None:
-    print(json.dumps(obj, indent=1))
+    """Print JSON; a reader that stops early (`| head`) ends the output quietly."""
+    try:
+        sys.stdout.write(json.dumps(obj, indent=1) + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # point stdout at /dev/null so the interpreter's final flush does not fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -63,8 +63,47 @@ def _emit(
     return [str(p) for p in write(run_of(plan), args.emit, fmt)]
 
 
+def _runs_on(args: argparse.Namespace, model, work, cluster, plan: Plan) -> dict[str, str]:
+    """framework -> "" when it can run the plan, else the reason it cannot."""
+    from llmopt.plan.emit import FORMATS, EmitError, PlannedRun, check
+
+    run = PlannedRun(model, args.model, work, cluster, plan, model_overrides(args))
+    out = {}
+    for fmt in FORMATS:
+        try:
+            check(run, fmt)
+            out[fmt] = ""
+        except EmitError as exc:
+            out[fmt] = str(exc)
+    return out
+
+
+def _answer(objective: str, top: Plan, result: SearchResult, cluster: Cluster) -> str:
+    """One sentence answering the objective with the top plan's figure."""
+    p = top.parallel
+    name = f"{p.short()} zero_stage={p.zero_stage} recompute={p.recompute}"
+    if objective == "internode-bytes":
+        ev = result.evaluation
+        best = float(ev.comm["inter_node"][ev.valid].min()) if ev.comm is not None else 0.0
+        return (
+            f"{name} sends {top.comm_bytes['inter_node'] / 1e9:.1f} GB per GPU per step over "
+            f"{cluster.inter_node.name} (fewest of the {result.valid:,} valid plans: "
+            f"{best / 1e9:.1f} GB)."
+        )
+    if objective == "memory":
+        return f"{name} needs {top.memory_bytes['total'] / 2**30:.1f} GiB per GPU."
+    if objective == "gpus":
+        return (
+            f"{cluster.num_gpus} GPUs ({cluster.nodes}x{cluster.gpus_per_node}) are the fewest "
+            f"that run it: {name}."
+        )
+    return f"{name} takes {top.step_time_s['total']:.2f} s per step."
+
+
 def run_plan(args: argparse.Namespace) -> int:
     from llmopt.plan.explain import explain, why_not
+    from llmopt.plan.fewest import search_fewest_gpus
+    from llmopt.plan.objectives import parse_require
     from llmopt.plan.rules import parse_constraints
     from llmopt.plan.search import search
 
@@ -73,22 +112,34 @@ def run_plan(args: argparse.Namespace) -> int:
     model, work, cluster = inputs(args)
     constraints = parse_constraints(args.why_not) if args.why_not else None
     where = parse_constraints(args.where) if args.where else None
+    requires = tuple(parse_require(r) for r in args.require)
+    top_k = max(args.top_k, args.pick, 2)
     t0 = time.perf_counter()
-    result = search(model, work, cluster, top_k=max(args.top_k, args.pick, 2), constraints=where)
+    if args.objective == "gpus":
+        cluster, result = search_fewest_gpus(
+            model, work, cluster, top_k, where, args.framework, requires
+        )
+    else:
+        result = search(
+            model, work, cluster, top_k, where, args.framework, args.objective, requires
+        )
     seconds = time.perf_counter() - t0
     plans = result.plans[: args.top_k]
     runner = result.plans[1] if len(result.plans) > 1 else None
-    plans[0].explanation = explain(model, work, cluster, plans[0], runner)
+    plans[0].explanation = explain(model, work, cluster, plans[0], runner, framework=args.framework)
     for plan in plans[1:]:
-        plan.explanation = explain(model, work, cluster, plan, top=plans[0])
+        plan.explanation = explain(
+            model, work, cluster, plan, top=plans[0], framework=args.framework
+        )
+    runs_on = _runs_on(args, model, work, cluster, plans[0])
     written = _emit(args, model, work, cluster, result) if args.emit else []
     if args.plot:
         title = f"{model.name} on {cluster.num_gpus} x {cluster.gpu.name}: top plans"
         plot_breakdown(plans, [label(p) for p in plans], args.plot, title)
     why: list[str] = []
     if constraints is not None:
-        ev = result.evaluation
-        why = why_not(model, work, cluster, constraints, plans[0], ev.time["total"][ev.valid])
+        why = why_not(model, work, cluster, constraints, result)
+    choice = {"framework": args.framework, "objective": args.objective, "require": args.require}
     if args.json:
         out = header(model, work, cluster)
         out.update(
@@ -96,6 +147,10 @@ def run_plan(args: argparse.Namespace) -> int:
                 "evaluated": result.evaluated,
                 "valid": result.valid,
                 "search_seconds": seconds,
+                **choice,
+                "answer": _answer(args.objective, plans[0], result, cluster),
+                "runs_on": [f for f, why in runs_on.items() if not why],
+                "not_on": {f: why for f, why in runs_on.items() if why},
                 "plans": [p.to_dict() for p in plans],
             }
         )
@@ -113,12 +168,27 @@ def run_plan(args: argparse.Namespace) -> int:
         f"seq {work.seq_len}, batch {work.global_batch}, {work.precision} -- "
         f"{result.valid:,} of {result.evaluated:,} plans valid"
         + (f" with {args.where}" if where else "")
+        + (f", {args.framework} rules" if args.framework != "llmopt" else "")
+        + (f", objective {args.objective}" if args.objective != "time" else "")
+        + (f", require {' & '.join(args.require)}" if args.require else "")
         + f", searched in {seconds:.2f} s"
     )
     console.print(plans_table(plans, title))
+    answer = _answer(args.objective, plans[0], result, cluster)
+    console.print(
+        f"[bold]Answer ({args.objective}):[/bold] {answer}", soft_wrap=True, highlight=False
+    )
     console.print("[bold]Why the top plan:[/bold]")
     for line in plans[0].explanation:
         console.print(f"  - {line}", soft_wrap=True, highlight=False)
+    can = [f for f, why in runs_on.items() if not why]
+    cannot = [f"{f} ({why})" for f, why in runs_on.items() if why]
+    console.print(
+        f"[bold]Runs on:[/bold] {', '.join(can) or 'none of the exporters'}"
+        + (f"; not on: {'; '.join(cannot)}" if cannot else ""),
+        soft_wrap=True,
+        highlight=False,
+    )
     if why:
         console.print(f"[bold]Why not {args.why_not}:[/bold]")
         for line in why:

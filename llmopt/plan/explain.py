@@ -13,10 +13,19 @@ import numpy as np
 from llmopt.models.config import ModelConfig
 from llmopt.parallel.plan import RECOMPUTES, ParallelPlan
 from llmopt.plan.comm import collectives_for
+from llmopt.plan.frameworks import refusal
 from llmopt.plan.grid import to_grid
 from llmopt.plan.hardware import GIB, Cluster
-from llmopt.plan.rules import format_constraints, msg_at
-from llmopt.plan.search import Plan, build_grid, evaluate, plan_at, ranked
+from llmopt.plan.rules import format_constraints, msg_at, search_space_reasons
+from llmopt.plan.search import (
+    Plan,
+    SearchResult,
+    build_grid,
+    evaluate,
+    plan_at,
+    plan_of_rank,
+    ranked,
+)
 from llmopt.plan.workload import Workload
 
 MFU_FORMULA = (
@@ -41,6 +50,11 @@ def _variant(
     return plan_at(ev, 0)
 
 
+def _excluded(framework: str, model: ModelConfig, alt: Plan) -> str:
+    why = refusal(framework, model, alt.parallel)
+    return f"; excluded by --framework {framework}: {why}" if why else ""
+
+
 def explain(
     model: ModelConfig,
     work: Workload,
@@ -48,9 +62,11 @@ def explain(
     plan: Plan,
     runner_up: Plan | None = None,
     top: Plan | None = None,
+    framework: str = "llmopt",
 ) -> list[str]:
-    """Why this plan: placement of each group, memory, bubble, recompute and ZeRO trade-offs;
-    compared with the runner-up (for the top plan) or with the top plan (for the others)."""
+    """Why this plan: placement of each group, memory, bubble, recompute and ZeRO trade-offs
+    (naming the `framework` rule that excludes an alternative); compared with the runner-up
+    (for the top plan) or with the top plan (for the others)."""
     p = plan.parallel
     g = cluster.gpus_per_node
     out: list[str] = []
@@ -83,7 +99,7 @@ def explain(
         )
     d = p.dp * p.cp
     if d > 1:
-        link = "InfiniBand" if p.tp * p.cp * p.dp > g else "NVLink"
+        link = (cluster.inter_node if p.tp * p.cp * p.dp > g else cluster.intra_node).name
         out.append(
             f"Data parallelism over {d} ranks ({'dp' if p.cp == 1 else 'dp x cp'}) reduces "
             f"gradients over {link}; {t['dp_comm_exposed']:.2f} s of it is not hidden behind "
@@ -123,7 +139,7 @@ def explain(
         fit = "fits" if alt.fits else "does not fit"
         out.append(
             f"recompute={rc} would change step time by {dt:+.2f} s ({dt / t['total']:+.1%}) "
-            f"and memory by {dm / GIB:+.1f} GiB ({fit})."
+            f"and memory by {dm / GIB:+.1f} GiB ({fit}){_excluded(framework, model, alt)}."
         )
     if d > 1:
         for z in range(4):
@@ -144,12 +160,12 @@ def explain(
             }[z]
             out.append(
                 f"ZeRO-{z}{extra}: {dt:+.2f} s per step, {dm / GIB:+.1f} GiB per GPU"
-                f"{'' if alt.fits else ', does not fit'}."
+                f"{'' if alt.fits else ', does not fit'}{_excluded(framework, model, alt)}."
             )
     cb = plan.comm_bytes
     if cb:
         out.append(
-            f"Each GPU sends {cb['intra_node'] / 1e9:.1f} GB over NVLink and "
+            f"Each GPU sends {cb['intra_node'] / 1e9:.1f} GB over {cluster.intra_node.name} and "
             f"{cb['inter_node'] / 1e9:.1f} GB over the network per step."
         )
     out.append(
@@ -177,10 +193,10 @@ def why_not(
     work: Workload,
     cluster: Cluster,
     constraints: dict[str, int],
-    best: Plan,
-    all_times: np.ndarray,
+    result: SearchResult,
 ) -> list[str]:
-    """Why the best plan does not have these settings: its rank, or each rule that rejects it."""
+    """Why the top plan does not have these settings: the rank the ranking itself gives the
+    best such plan, or each rule (structural, framework, memory, --require) that rejects them."""
     grid = build_grid(model, work, cluster, constraints)
     spec = format_constraints(constraints)
     if len(grid["tp"]) == 0:
@@ -193,19 +209,21 @@ def why_not(
             f"dividing the global batch {work.global_batch} and micro-batch dividing the "
             "per-replica batch."
         ]
-    ev = evaluate(model, work, cluster, grid)
-    order = ranked(ev)
-    if len(order):
-        i = int(order[0])
-        plan = plan_at(ev, i)
+    full, best = result.evaluation, result.plans[0]
+    order = ranked(full)
+    match = np.ones(len(order), dtype=bool)
+    for key, value in constraints.items():
+        match &= full.grid[key][order] == value
+    if match.any():
+        rank = int(np.argmax(match)) + 1
+        plan = plan_of_rank(model, work, cluster, result, rank)
         total = plan.step_time_s["total"]
-        rank = int(np.sum(all_times < total - 1e-12)) + 1
         slower = total / best.step_time_s["total"] - 1
         lines = [
             f"{spec}: best such plan ({plan.parallel.short()}, "
             f"zero_stage={plan.parallel.zero_stage}, "
             f"recompute={plan.parallel.recompute}, mb={plan.parallel.micro_batch}) is valid and "
-            f"ranks #{rank}, {slower:+.1%} slower than the top plan."
+            f"ranks #{rank} by {full.objective}, {slower:+.1%} step time versus the top plan."
         ]
         diffs = {
             k: plan.step_time_s[k] - best.step_time_s[k] for k in plan.step_time_s if k != "total"
@@ -222,34 +240,50 @@ def why_not(
             f"{best.comm_bytes.get('inter_node', 0.0) / 1e9:.1f} GB for the top plan."
         )
         return lines
-    lines = [f"{spec}: rejected, no plan with these settings is valid:"]
+    ev = evaluate(model, work, cluster, grid, False, full.framework, full.objective, full.requires)
+    outside = search_space_reasons(model, work, grid)
+    in_space = ev.valid.copy()
+    for _, mask in outside:
+        in_space &= ~mask
+    if in_space.any():
+        return [
+            f"{spec}: valid, but outside the plans searched (--where); drop --where to rank it."
+        ]
+    ev.reasons.extend(outside)
+    lines = [f"{spec}: rejected, no plan with these settings is valid (rules that reject every "
+             "variant first):"]  # fmt: skip
+    found: list[tuple[int, str]] = []
     for msg, mask in ev.reasons:
         if not mask.any():
             continue
         j = int(np.flatnonzero(mask)[0])
         prefix = ""
         if "{mem_gib}" in msg:
-            k = np.flatnonzero(ev.structural)
-            if len(k) == 0:
-                continue
+            # the leanest variant that only memory rejects (else any that memory rejects)
+            k = np.flatnonzero(mask & ev.structural)
+            k = k if len(k) else np.flatnonzero(mask)
             j = int(k[np.argmin(ev.memory["total"][k])])
-            prefix = "even the leanest variant "
+            every = bool((mask | ~ev.structural).all())
+            prefix = "even the leanest variant " if every else "the leanest variant that misses "
         text = msg_at(msg, grid, j, mem_gib=f"{ev.memory['total'][j] / GIB:.1f}")
-        lines.append(f"  - {prefix}{text} ({int(mask.sum())} of {len(mask)} variants)")
-    return lines
+        found.append(
+            (int(mask.sum()), f"  - {prefix}{text} ({int(mask.sum())} of {len(mask)} variants)")
+        )
+    found.sort(key=lambda f: -f[0])
+    return lines + [line for _, line in found]
 
 
 def link_report(
     model: ModelConfig, work: Workload, cluster: Cluster, par: ParallelPlan
 ) -> list[dict]:
-    """Per group and op: link crossed, calls and wire GB per GPU per step (last stage)."""
+    """Per group, op and phase: link crossed, calls and wire GB per GPU per step (last stage)."""
     rows = collectives_for(model, work, cluster, par, stage="last")
     merged: dict[tuple[str, str, str], dict] = {}
     for r in rows:
-        key = (r["group"], r["op"], r["link"])
-        e = merged.setdefault(
-            key, {"group": r["group"], "op": r["op"], "link": r["link"], "calls": 0, "wire_gb": 0.0}
-        )
+        key = (r["group"], r["op"], r["phase"], r["link"])
+        e = merged.setdefault(key, {k: r[k] for k in ("group", "op", "phase", "link")})
+        e.setdefault("calls", 0)
+        e.setdefault("wire_gb", 0.0)
         e["calls"] += r["calls"]
         e["wire_gb"] += r["wire_bytes"] / 1e9
     return list(merged.values())

@@ -15,6 +15,13 @@ from llmopt.plan.grid import GRID_FIELDS, GRID_KEYS, Grid
 from llmopt.plan.hardware import Cluster
 from llmopt.plan.workload import Workload
 
+MAX_MICRO_BATCH = 32
+# Context parallelism is for long sequences. The model does not charge ring attention's per-step
+# costs (2·cp half-chunk flash calls, cp-1 exchange latencies), which grow as chunks shrink, so
+# the search only splits sequences into chunks of at least this many tokens (Llama 3 used CP
+# only for its long-context phase; NeMo's Llama-3-70B recipe uses CP=2 at 8192).
+MIN_CP_CHUNK = 4096
+VIRTUAL_STAGES = (2, 3, 4, 6, 8)
 KEY_OF_FIELD = {name: key for key, name in GRID_FIELDS.items()}
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 
@@ -70,6 +77,30 @@ def structural_reasons(
             (grid["zero"] > 0) & (dp * cp == 1),
         ),
         ("schedule={schedule} needs pp>1", (grid["sched"] != 1) & (pp == 1)),
+    ]
+
+
+def search_space_reasons(
+    model: ModelConfig, work: Workload, grid: Grid
+) -> list[tuple[str, np.ndarray]]:
+    """What the search does not generate although no structural rule forbids it (see the
+    constants above): `--why-not` names these when a spec falls outside the searched space."""
+    cp, s = grid["cp"], work.seq_len
+    vs = ", ".join(map(str, VIRTUAL_STAGES))
+    return [
+        (
+            f"cp={{cp}} cuts seq_len={s} into chunks under the {MIN_CP_CHUNK} tokens the search "
+            "allows (ring attention's per-chunk costs are not modelled)",
+            (cp > 1) & (s // cp < MIN_CP_CHUNK),
+        ),
+        (
+            f"micro_batch={{mb}} is above the searched maximum {MAX_MICRO_BATCH}",
+            grid["mb"] > MAX_MICRO_BATCH,
+        ),
+        (
+            f"virtual_stages={{v}} is not among the searched {vs}",
+            (grid["v"] > 1) & ~np.isin(grid["v"], VIRTUAL_STAGES),
+        ),
     ]
 
 

@@ -18,20 +18,21 @@ import numpy as np
 
 from llmopt.models.config import ModelConfig
 from llmopt.parallel.plan import RECOMPUTES, ParallelPlan
+from llmopt.plan.frameworks import Numerics, framework_reasons
 from llmopt.plan.grid import GRID_KEYS, STATE_OF_REDUCE_DTYPE, Grid, grid_row, to_grid
 from llmopt.plan.hardware import GIB, Cluster
 from llmopt.plan.memory import memory_breakdown
-from llmopt.plan.rules import format_constraints, msg_at, structural_reasons
+from llmopt.plan.objectives import Requirement, objective_band
+from llmopt.plan.rules import (
+    MAX_MICRO_BATCH,
+    MIN_CP_CHUNK,
+    VIRTUAL_STAGES,
+    msg_at,
+    structural_reasons,
+)
+from llmopt.plan.shortfall import no_candidates_message, nothing_fits_message
 from llmopt.plan.timing import comm_bytes_per_gpu, step_time
 from llmopt.plan.workload import Workload, model_flops_per_step, recompute_flops_per_step
-
-MAX_MICRO_BATCH = 32
-# Context parallelism is for long sequences. The model does not charge ring attention's per-step
-# costs (2·cp half-chunk flash calls, cp-1 exchange latencies), which grow as chunks shrink, so
-# the search only splits sequences into chunks of at least this many tokens (Llama 3 used CP
-# only for its long-context phase; NeMo's Llama-3-70B recipe uses CP=2 at 8192).
-MIN_CP_CHUNK = 4096
-VIRTUAL_STAGES = (2, 3, 4, 6, 8)
 
 
 @dataclass
@@ -83,6 +84,9 @@ class Evaluation:
     mfu: np.ndarray
     hfu: np.ndarray
     tokens_per_s: np.ndarray
+    framework: str = "llmopt"
+    objective: str = "time"
+    requires: tuple[Requirement, ...] = ()
 
     def __len__(self) -> int:
         return len(self.grid["tp"])
@@ -104,12 +108,21 @@ class Evaluation:
 
 
 def evaluate(
-    model: ModelConfig, work: Workload, cluster: Cluster, grid: Grid, with_comm: bool = True
+    model: ModelConfig,
+    work: Workload,
+    cluster: Cluster,
+    grid: Grid,
+    with_comm: bool = True,
+    framework: str = "llmopt",
+    objective: str = "time",
+    requires: tuple[Requirement, ...] = (),
 ) -> Evaluation:
-    """Memory, time, MFU of every plan in `grid` and why each invalid one is invalid."""
+    """Memory, time, MFU of every plan in `grid` and why each invalid one is invalid: the
+    structural rules, then `framework`'s (frameworks.py), memory, then the `requires`."""
     if work.precision == "fp8":
         cluster.gpu.peak_flops("fp8")  # raises when the GPU has no FP8
     reasons = structural_reasons(model, work, cluster, grid)
+    reasons += framework_reasons(framework, model, Numerics.of_work(work), grid)
     structural = np.ones(len(grid["tp"]), dtype=bool)
     for _, mask in reasons:
         structural &= ~mask
@@ -122,6 +135,10 @@ def evaluate(
         )
     )
     valid = structural & mem["fits"]
+    for req in requires:
+        violates = req.violates(grid, mem["total"], cluster.gpus_per_node)
+        reasons.append((f"--require {req.text} excludes it", violates))
+        valid &= ~violates
     time = step_time(model, work, cluster, grid)
     total = time["total"]
     n = cluster.num_gpus
@@ -130,6 +147,7 @@ def evaluate(
     rc_flops = np.array([recompute_flops_per_step(model, work, r) for r in RECOMPUTES])
     mfu = mflops / (total * n * peak)
     hfu = (mflops + rc_flops[grid["rc"]]) / (total * n * peak)
+    with_comm = with_comm or objective == "internode-bytes"
     comm = comm_bytes_per_gpu(model, work, cluster, grid) if with_comm else None
     return Evaluation(
         work,
@@ -143,6 +161,9 @@ def evaluate(
         mfu,
         hfu,
         work.tokens_per_step / total,
+        framework,
+        objective,
+        tuple(requires),
     )
 
 
@@ -248,14 +269,18 @@ TIE_BAND = 0.01
 
 
 def ranked(ev: Evaluation) -> np.ndarray:
-    """Indices of valid plans, fastest first (1 % bands; see TIE_BAND)."""
+    """Indices of valid plans, best first: by the evaluation's objective band (objectives.py),
+    then fastest (1 % bands; see TIE_BAND)."""
     idx = np.flatnonzero(ev.valid)
     if len(idx) == 0:
         return idx
     g = ev.grid
     t = ev.time["total"][idx]
+    inter = ev.comm["inter_node"][idx] if ev.comm else t
+    first = objective_band(ev.objective, t, ev.memory["total"][idx], inter)
     band = np.floor((t / t.min() - 1) / TIE_BAND)
-    order = np.lexsort((t, g["tp"][idx], g["cp"][idx], g["rc"][idx], g["zero"][idx], band))
+    keys = (t, g["tp"][idx], g["cp"][idx], g["rc"][idx], g["zero"][idx], band, first)
+    order = np.lexsort(keys)
     return idx[order]
 
 
@@ -273,58 +298,29 @@ def search(
     cluster: Cluster,
     top_k: int = 10,
     constraints: dict[str, int] | None = None,
+    framework: str = "llmopt",
+    objective: str = "time",
+    requires: tuple[Requirement, ...] = (),
 ) -> SearchResult:
-    """Rank every valid plan; raise ValueError naming the shortfall when nothing fits."""
+    """Rank every valid plan that `framework` can run and meets `requires`, by `objective`;
+    raise ValueError naming the shortfall when nothing is valid."""
     grid = build_grid(model, work, cluster, constraints)
     if len(grid["tp"]) == 0:
-        raise ValueError(_no_candidates_message(model, work, cluster, constraints))
-    ev = evaluate(model, work, cluster, grid, with_comm=False)
+        raise ValueError(no_candidates_message(model, work, cluster, constraints))
+    opts = dict(framework=framework, objective=objective, requires=tuple(requires))
+    ev = evaluate(model, work, cluster, grid, with_comm=False, **opts)
     order = ranked(ev)
     if len(order) == 0:
-        raise ValueError(_nothing_fits_message(model, work, cluster, ev, constraints))
+        raise ValueError(nothing_fits_message(model, work, cluster, ev, constraints))
     top = order[:top_k]
     sub = {k: v[top] for k, v in grid.items()}
-    top_ev = evaluate(model, work, cluster, sub, with_comm=True)
+    top_ev = evaluate(model, work, cluster, sub, with_comm=True, **opts)
     plans = []
     for j in range(len(top)):
         p = plan_at(top_ev, j)
         p.rank = j + 1
         plans.append(p)
     return SearchResult(plans, len(grid["tp"]), int(ev.valid.sum()), ev)
-
-
-def _no_candidates_message(model, work, cluster, constraints) -> str:
-    what = f" with {format_constraints(constraints)}" if constraints else ""
-    for key in ("tp", "pp", "dp", "cp"):
-        if constraints and key in constraints and cluster.num_gpus % constraints[key]:
-            return f"{key}={constraints[key]} does not divide the {cluster.num_gpus} GPUs"
-    return (
-        f"no mapping of {cluster.num_gpus} GPUs{what} divides global batch "
-        f"{work.global_batch} and the model's layers; change the batch, the GPU count or the "
-        "constraints"
-    )
-
-
-def _nothing_fits_message(model, work, cluster, ev: Evaluation, constraints) -> str:
-    what = f" with {format_constraints(constraints)}" if constraints else ""
-    if not ev.structural.any():
-        counts: dict[str, int] = {}
-        for msg, mask in ev.reasons[:-1]:
-            if mask.any():
-                counts[msg_at(msg, ev.grid, int(np.flatnonzero(mask)[0]))] = int(mask.sum())
-        first = next(iter(counts))
-        return f"no valid mapping{what} for {model.name}: e.g. {first}"
-    idx = np.flatnonzero(ev.structural)
-    best = idx[np.argmin(ev.memory["total"][idx])]
-    need = ev.memory["total"][best] / GIB
-    have = ev.memory["usable"][best] / GIB
-    p = grid_row(ev.grid, int(best))
-    return (
-        f"{model.name} does not fit on {cluster.nodes}x{cluster.gpus_per_node} "
-        f"{cluster.gpu.name}{what}: the leanest plan ({p.short()}, zero_stage={p.zero_stage}, "
-        f"recompute={p.recompute}, micro_batch={p.micro_batch}) needs {need:.1f} GiB per GPU, "
-        f"{need - have:.1f} GiB more than the {have:.1f} GiB usable"
-    )
 
 
 def workload_for(work: Workload, plan: ParallelPlan) -> Workload:
@@ -368,8 +364,10 @@ def plan_of_rank(
     if rank <= len(result.plans):
         return result.plans[rank - 1]
     i = int(order[rank - 1])
-    sub = {k: v[[i]] for k, v in result.evaluation.grid.items()}
-    plan = plan_at(evaluate(model, work, cluster, sub, with_comm=True), 0)
+    ev = result.evaluation
+    sub = {k: v[[i]] for k, v in ev.grid.items()}
+    one = evaluate(model, work, cluster, sub, True, ev.framework, ev.objective, ev.requires)
+    plan = plan_at(one, 0)
     plan.rank = rank
     return plan
 

@@ -4,7 +4,8 @@ Keys are those DeepSpeed's own config classes accept (`deepspeed.runtime.config.
 and its pydantic sections, deepspeed 0.19.8; the test validates the emitted JSON with them).
 Tensor parallelism is AutoTP (`tensor_parallel.autotp_size`); the pipeline degree is the
 training script's `PipelineModule(num_stages=pp)`, so the launcher line passes it on. What
-DeepSpeed cannot run as planned is refused:
+DeepSpeed cannot run as planned is refused (rules in `llmopt.plan.frameworks`, shared with the
+search):
 - ZeRO-2/3 with pipeline parallelism (its PipelineEngine asserts "ZeRO-2 and ZeRO-3 are
   incompatible with pipeline parallelism"); a pipeline schedule other than its 1F1B-style
   TrainSchedule; AutoTP together with the pipeline engine (no AutoTP path in runtime/pipe);
@@ -19,33 +20,15 @@ from __future__ import annotations
 import json
 import shlex
 
-from llmopt.plan.emit.base import Emitted, PlannedRun, refuse
-
-FRAMEWORK = "DeepSpeed"
+from llmopt.plan.emit.base import EmitError, Emitted, PlannedRun
+from llmopt.plan.frameworks import refusal
 
 
 def check(run: PlannedRun) -> None:
-    p = run.parallel
-    if p.pp > 1 and p.zero_stage >= 2:
-        raise refuse(
-            FRAMEWORK,
-            f"zero_stage={p.zero_stage} with pp={p.pp} (its pipeline engine allows ZeRO-0/1)",
-            "use zero_stage<=1 or pp=1",
-        )
-    if p.pp > 1 and p.schedule != "1f1b":
-        raise refuse(FRAMEWORK, f"schedule={p.schedule}", "use schedule=1f1b")
-    if p.pp > 1 and p.tp > 1:
-        raise refuse(FRAMEWORK, "AutoTP (tp>1) inside its pipeline engine", "use tp=1 or pp=1")
-    if p.cp > 1:
-        raise refuse(FRAMEWORK, f"cp={p.cp} (ring context parallelism)", "use cp=1")
-    if p.sequence_parallel:
-        raise refuse(FRAMEWORK, "Megatron-style sequence_parallel", "use sequence_parallel=false")
-    if p.precision == "fp8":
-        raise refuse(FRAMEWORK, "precision=fp8 in its config", "use precision=bf16")
-    if p.recompute == "selective":
-        raise refuse(
-            FRAMEWORK, "recompute=selective (it checkpoints whole modules)", "use none or full"
-        )
+    """Refuse what DeepSpeed cannot run as planned (rules: `llmopt.plan.frameworks`)."""
+    why = refusal("deepspeed", run.model, run.parallel)
+    if why:
+        raise EmitError(why)
 
 
 def config(run: PlannedRun) -> dict:

@@ -3,18 +3,19 @@ torchrun line, mock data and a null tokenizer so it runs as written; swap in you
 
 Option names and choices are those of Megatron-LM's own parser (megatron/training/arguments.py,
 NVIDIA/Megatron-LM@d98e8a64; the parity test lists the ones used). Megatron's rank order is
-tp, cp, ep, dp, pp, the planner's. What it cannot express is refused: a GPipe schedule
-(Megatron-Core runs 1F1B, interleaved with virtual stages), a layer count the pipeline does
-not divide (uneven splits need explicit first/last-stage layer counts).
+tp, cp, ep, dp, pp, the planner's. What it cannot express is refused with the rules of
+`llmopt.plan.frameworks` (the search applies the same ones): a GPipe schedule (Megatron-Core
+runs 1F1B, interleaved with virtual stages), a layer count the pipeline does not divide (uneven
+splits need explicit first/last-stage layer counts), ZeRO-2/3 (Megatron-FSDP) with pp>1.
 """
 
 from __future__ import annotations
 
 import shlex
 
-from llmopt.plan.emit.base import Emitted, PlannedRun, refuse
+from llmopt.plan.emit.base import EmitError, Emitted, PlannedRun
+from llmopt.plan.frameworks import refusal
 
-FRAMEWORK = "Megatron-LM"
 # planner fp8_recipe -> Megatron --fp8-recipe (choices: tensorwise, delayed, mxfp8, blockwise)
 FP8_RECIPES = {"current": "tensorwise", "delayed": "delayed"}
 # ZeRO-2/3 are Megatron-FSDP sharding strategies (which need the fsdp_dtensor checkpoint format)
@@ -22,17 +23,10 @@ FSDP_STRATEGY = {2: "optim_grads", 3: "optim_grads_params"}
 
 
 def check(run: PlannedRun) -> None:
-    """Refuse what Megatron-LM cannot run as planned."""
-    p, L = run.parallel, run.model.num_layers
-    if p.pp > 1 and p.schedule == "gpipe":
-        raise refuse(FRAMEWORK, "schedule=gpipe", "use 1f1b or interleaved")
-    if L % (p.pp * p.virtual_stages):
-        raise refuse(
-            FRAMEWORK,
-            f"num_layers={L} split over pp*virtual_stages={p.pp * p.virtual_stages} unevenly "
-            "(its parser asserts divisibility)",
-            "choose pp and virtual_stages that divide the layers",
-        )
+    """Refuse what Megatron-LM cannot run as planned (rules: `llmopt.plan.frameworks`)."""
+    why = refusal("megatron", run.model, run.parallel)
+    if why:
+        raise EmitError(why)
 
 
 def arguments(run: PlannedRun) -> list[str]:

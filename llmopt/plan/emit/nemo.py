@@ -15,7 +15,8 @@ from __future__ import annotations
 import shlex
 
 from llmopt.plan.emit import megatron
-from llmopt.plan.emit.base import Emitted, PlannedRun, refuse
+from llmopt.plan.emit.base import EmitError, Emitted, PlannedRun, refuse
+from llmopt.plan.frameworks import refusal
 
 FRAMEWORK = "Megatron-Bridge"
 RECIPES = {
@@ -38,16 +39,12 @@ def _bool(value: bool) -> str:
 
 
 def check(run: PlannedRun) -> None:
-    """Refuse what a Megatron-Bridge recipe override cannot express."""
-    megatron.check(run)
+    """Refuse what a Megatron-Bridge recipe override cannot express: Megatron-Core's rules and
+    its own (`llmopt.plan.frameworks`), then a model without a recipe."""
+    why = refusal("nemo", run.model, run.parallel)
+    if why:
+        raise EmitError(why)
     recipe(run)
-    if run.parallel.reduce_dtype != "fp32":
-        raise refuse(
-            FRAMEWORK,
-            "reduce_dtype=bf16 through a recipe override (its mixed-precision presets set "
-            "grad_reduce_in_fp32)",
-            "use reduce_dtype=fp32",
-        )
 
 
 def overrides(run: PlannedRun) -> list[str]:

@@ -4,7 +4,8 @@
 Section and field names are those of torchtitan's JobConfig dataclasses
 (torchtitan/config/job_config.py at pytorch/torchtitan@238fa995, the last release line whose
 runs are TOML files; later torchtitan moved to Python configs with the same field names).
-What its code cannot run as planned is refused:
+What its code cannot run as planned is refused (plan rules in `llmopt.plan.frameworks`,
+shared with the search):
 - ZeRO-1 (FSDP2 shards parameters too; only ZeRO-2 = reshard never, ZeRO-3 = reshard always);
 - ZeRO-0 (DDP) with any other parallelism ("DDP has not supported > 1D parallelism"), and so
   with context parallelism (FSDP is applied over the cp ranks whenever cp > 1);
@@ -20,7 +21,8 @@ from __future__ import annotations
 import math
 
 from llmopt.plan.emit import toml
-from llmopt.plan.emit.base import Emitted, PlannedRun, refuse
+from llmopt.plan.emit.base import EmitError, Emitted, PlannedRun, refuse
+from llmopt.plan.frameworks import refusal
 
 FRAMEWORK = "torchtitan"
 FLAVORS = {
@@ -42,42 +44,17 @@ def check(run: PlannedRun) -> None:
             f"model {run.model_name!r} (no llama3 flavor for it)",
             f"use one of {', '.join(FLAVORS)}",
         )
-    if p.zero_stage == 1:
-        raise refuse(
-            FRAMEWORK,
-            "zero_stage=1 (FSDP2 always shards parameters)",
-            "use zero_stage=2 (reshard never) or 3 (reshard always)",
-        )
-    if p.zero_stage == 0 and p.world_size != p.dp:
-        raise refuse(
-            FRAMEWORK,
-            f"zero_stage=0 with {p.short()} (its DDP path is 1-D data parallelism only; with "
-            "cp>1 it applies FSDP)",
-            "use zero_stage=2 or 3",
-        )
-    if p.tp > 1 and not p.sequence_parallel:
-        raise refuse(
-            FRAMEWORK,
-            "tp>1 without sequence_parallel (its TP plan always shards norms over the sequence)",
-            "use sequence_parallel=true",
-        )
-    if p.reduce_dtype != "fp32":
-        raise refuse(FRAMEWORK, "reduce_dtype=bf16", "use reduce_dtype=fp32")
+    why = refusal("torchtitan", run.model, p)
+    if why:
+        raise EmitError(why)
     if p.precision == "fp8" and p.fp8_recipe == "delayed":
         raise refuse(FRAMEWORK, "fp8_recipe=delayed", "use fp8_recipe=current (tensorwise)")
 
 
 def _layers_per_stage(run: PlannedRun) -> int:
-    p, L = run.parallel, run.model.num_layers
-    stages = p.pp * p.virtual_stages
-    per = math.ceil(L / stages)
-    if math.ceil(L / per) != stages:
-        raise refuse(
-            FRAMEWORK,
-            f"num_layers={L} over {stages} pipeline stages",
-            "choose pp*virtual_stages so that ceil(layers / stage size) equals it",
-        )
-    return per
+    """Layers per pipeline stage; `check` has refused splits it cannot reproduce."""
+    p = run.parallel
+    return math.ceil(run.model.num_layers / (p.pp * p.virtual_stages))
 
 
 def job_config(run: PlannedRun) -> dict:

@@ -1,0 +1,159 @@
+"""Framework profiles inside the search, the exporters' refusals, and --why-not vs the ranking."""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import numpy as np
+import pytest
+
+from llmopt.models.presets import get_preset
+from llmopt.plan.emit import EmitError, PlannedRun, check
+from llmopt.plan.explain import why_not
+from llmopt.plan.frameworks import FRAMEWORKS, FrameworkError, frameworks_running, refusal
+from llmopt.plan.hardware import get_cluster
+from llmopt.plan.rules import parse_constraints
+from llmopt.plan.search import build_grid, evaluate, plan_at, plan_of_rank, ranked, search
+from llmopt.plan.workload import Workload
+
+MODEL = get_preset("llama-3-70b")
+CLUSTER = get_cluster("dgx-h100", 8)
+WORK = Workload()
+
+# (model, cluster preset, nodes, seq_len, global batch)
+SCENARIOS = [
+    ("llama-3-70b", "dgx-h100", 8, 4096, 1024),
+    ("llama-3-70b", "dgx-h100", 4, 4096, 512),
+    ("llama-3-70b", "dgx-h200", 2, 8192, 256),
+    ("llama-3-70b", "dgx-a100-80gb", 16, 2048, 1536),
+    ("llama-3-8b", "dgx-h100", 1, 8192, 128),
+    ("llama-3-8b", "dgx-a100-80gb", 4, 4096, 512),
+    ("llama-3.1-405b", "dgx-h100", 16, 4096, 1024),
+    ("llama-3.1-405b", "dgx-b200", 8, 8192, 512),
+]
+
+
+@pytest.mark.parametrize("framework", ["deepspeed", "megatron", "nemo"])
+def test_pipeline_frameworks_never_return_zero2_or_3_with_pp(framework):
+    """Not one valid plan of any scenario -- not only the top -- has ZeRO-2/3 with pp>1, while
+    the unrestricted search does have such plans in the same scenarios."""
+    found_unrestricted = 0
+    for name, preset, nodes, seq, batch in SCENARIOS:
+        model, cluster = get_preset(name), get_cluster(preset, nodes)
+        work = Workload(seq_len=seq, global_batch=batch)
+        result = search(model, work, cluster, top_k=20, framework=framework)
+        ev = result.evaluation
+        bad = ev.valid & (ev.grid["pp"] > 1) & (ev.grid["zero"] >= 2)
+        assert not bad.any(), (name, preset, nodes)
+        for p in result.plans:
+            assert not (p.parallel.pp > 1 and p.parallel.zero_stage >= 2)
+        free = evaluate(model, work, cluster, ev.grid, with_comm=False)
+        found_unrestricted += int(
+            (free.valid & (free.grid["pp"] > 1) & (free.grid["zero"] >= 2)).sum()
+        )
+    assert found_unrestricted > 1000
+
+
+@pytest.mark.parametrize("framework", ["megatron", "deepspeed", "torchtitan", "nemo"])
+def test_search_and_exporter_apply_the_same_rules(framework):
+    """A plan is valid under --framework F exactly when it is valid for llmopt and F's exporter
+    accepts it (every plan of the grid is checked against the exporter)."""
+    grid = build_grid(MODEL, WORK, CLUSTER)
+    free = evaluate(MODEL, WORK, CLUSTER, grid, with_comm=False)
+    fw = evaluate(MODEL, WORK, CLUSTER, grid, with_comm=False, framework=framework)
+    rng = np.random.default_rng(0)
+    idx = np.flatnonzero(free.valid)
+    accepted = 0
+    for i in rng.choice(idx, size=min(300, len(idx)), replace=False):
+        run = PlannedRun(MODEL, "llama-3-70b", WORK, CLUSTER, plan_at(free, int(i)))
+        try:
+            check(run, framework)
+            ok = True
+        except EmitError as exc:
+            ok = False
+            assert str(exc) == refusal(framework, MODEL, run.parallel)
+        assert bool(fw.valid[i]) == ok, run.parallel.short()
+        accepted += ok
+    assert 0 < accepted < 300
+
+
+def test_runs_on_names_the_frameworks_that_accept_the_plan():
+    result = search(MODEL, WORK, CLUSTER, top_k=1)
+    top = result.plans[0].parallel
+    names = frameworks_running(MODEL, top)
+    assert "llmopt" in names
+    for f in FRAMEWORKS:
+        assert (f in names) == (refusal(f, MODEL, top) is None)
+    ds = search(MODEL, WORK, CLUSTER, top_k=1, framework="deepspeed").plans[0].parallel
+    assert "deepspeed" in frameworks_running(MODEL, ds)
+
+
+def test_unknown_framework_is_one_line_error():
+    with pytest.raises(
+        FrameworkError, match="--framework='slurm' is not valid; choose one of llmopt"
+    ):
+        search(MODEL, WORK, CLUSTER, framework="slurm")
+
+
+def _specs() -> list[str]:
+    specs = [f"tp={t}" for t in (1, 2, 4, 8, 16)] + [f"pp={p}" for p in (1, 2, 4, 8, 16)]
+    specs += [f"zero_stage={z}" for z in range(4)]
+    specs += [f"tp={t},pp={p}" for t, p in itertools.product((2, 4, 8), (2, 4, 8))]
+    specs += ["pp=8,zero_stage=2", "pp=4,zero_stage=3", "tp=8,pp=1,zero_stage=0", "cp=2"]
+    specs += ["schedule=gpipe", "schedule=interleaved", "recompute=selective", "tp=16,cp=2"]
+    return specs
+
+
+@pytest.mark.parametrize("framework", ["llmopt", "megatron", "deepspeed"])
+def test_why_not_agrees_with_the_ranking(framework):
+    """For every spec: why-not's rank is the ranking's first plan with those settings (and none
+    ranks above it); 'rejected' exactly when no valid plan has them."""
+    result = search(MODEL, WORK, CLUSTER, top_k=10, framework=framework)
+    order = ranked(result.evaluation)
+    g = result.evaluation.grid
+    verdicts = set()
+    for spec in _specs():
+        c = parse_constraints(spec)
+        lines = why_not(MODEL, WORK, CLUSTER, c, result)
+        match = np.ones(len(order), dtype=bool)
+        for key, value in c.items():
+            match &= g[key][order] == value
+        found = re.search(r"ranks #(\d+)", lines[0])
+        if match.any():
+            assert found, (spec, lines[0])
+            rank = int(found.group(1))
+            assert rank == int(np.argmax(match)) + 1
+            plan = plan_of_rank(MODEL, WORK, CLUSTER, result, rank).parallel
+            for key, value in c.items():
+                assert int(g[key][order[rank - 1]]) == value
+            assert plan.short() in lines[0]
+            verdicts.add("valid")
+        else:
+            assert not found and "rejected" in lines[0], (spec, lines[0])
+            verdicts.add("rejected")
+    assert verdicts == {"valid", "rejected"}
+
+
+def test_why_not_names_the_framework_rule():
+    result = search(MODEL, WORK, CLUSTER, top_k=1, framework="deepspeed")
+    lines = why_not(MODEL, WORK, CLUSTER, parse_constraints("pp=8,zero_stage=2"), result)
+    assert "rejected" in lines[0]
+    # the rule that rejects every variant comes first
+    assert lines[1].startswith("  - DeepSpeed cannot express zero_stage=2 with pp=8")
+    assert "(1008 of 1008 variants)" in lines[1]
+
+
+def test_cli_json_names_where_the_plan_runs(capsys):
+    import json
+
+    from llmopt.cli import main
+
+    assert main(["plan", "--framework", "megatron", "--json", "--top-k", "1"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["framework"] == "megatron" and "megatron" in data["runs_on"]
+    p = data["plans"][0]
+    assert not (p["pp"] > 1 and p["zero_stage"] >= 2)
+    assert set(data["runs_on"]) | set(data["not_on"]) == set(FRAMEWORKS)
+    for why in data["not_on"].values():
+        assert why.startswith(("Megatron-LM", "Megatron-Bridge", "torchtitan", "DeepSpeed"))
