@@ -13,7 +13,6 @@ reader ever sees half of one, and it may not be the source model's directory or 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -24,6 +23,7 @@ import torch
 from torch import nn
 
 from llmopt.artifacts import atomic_write, atomic_write_json
+from llmopt.compress.markers import read_marker
 from llmopt.compress.prune.config import PruneConfig
 from llmopt.compress.prune.packed import (
     PackedNM,
@@ -173,24 +173,15 @@ def save_pruned(
 
 
 def read_prune_meta(directory: str | Path) -> dict[str, Any]:
-    path = Path(directory) / MARKER
-    if not path.is_file():
-        raise FileNotFoundError(f"{directory} is not a pruned model directory (no {MARKER})")
-    try:
-        meta = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise PruneFileError(f"{path} is not valid JSON ({exc})") from exc
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
-        raise PruneFileError(f"{path} is not an {FORMAT_NAME} file")
-    if meta.get("version") != FORMAT_VERSION:
-        raise PruneFileError(
-            f"{path} has format version {meta.get('version')!r}; this llmopt reads "
-            f"version {FORMAT_VERSION}"
-        )
-    for key in ("model_config", "prune_config", "modules", "weights_sha256"):
-        if key not in meta:
-            raise PruneFileError(f"{path} lacks the key {key!r}")
-    return meta
+    return read_marker(
+        directory,
+        MARKER,
+        FORMAT_NAME,
+        FORMAT_VERSION,
+        ("model_config", "prune_config", "modules", "weights_sha256"),
+        PruneFileError,
+        "a pruned model directory",
+    )
 
 
 def _take(state: dict[str, torch.Tensor], key: str) -> torch.Tensor:

@@ -10,7 +10,6 @@ the marker file is written last: a directory is never half a quantized model.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from torch import nn
 
 from llmopt.artifacts import atomic_write, atomic_write_json
 from llmopt.compress import QUANT_MARKER as MARKER
+from llmopt.compress.markers import read_marker
 from llmopt.compress.quant.config import QuantConfig
 from llmopt.compress.quant.formats import check_bits_group
 from llmopt.compress.quant.linear import QuantLinear
@@ -126,25 +126,15 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def read_quant_meta(directory: str | Path) -> dict[str, Any]:
-    directory = Path(directory)
-    path = directory / MARKER
-    if not path.is_file():
-        raise FileNotFoundError(f"{directory} is not a quantized model directory (no {MARKER})")
-    try:
-        meta = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise QuantFileError(f"{path} is not valid JSON ({exc})") from exc
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
-        raise QuantFileError(f"{path} is not an {FORMAT_NAME} file")
-    if meta.get("version") != FORMAT_VERSION:
-        raise QuantFileError(
-            f"{path} has format version {meta.get('version')!r}; this llmopt reads version "
-            f"{FORMAT_VERSION}"
-        )
-    for key in ("model_config", "quant_config", "modules", "weights_sha256"):
-        if key not in meta:
-            raise QuantFileError(f"{path} lacks the key {key!r}")
-    return meta
+    return read_marker(
+        directory,
+        MARKER,
+        FORMAT_NAME,
+        FORMAT_VERSION,
+        ("model_config", "quant_config", "modules", "weights_sha256"),
+        QuantFileError,
+        "a quantized model directory",
+    )
 
 
 def load_quantized_model(
