@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("llmopt.plan.cli", "choose and explain the parallel mapping of a model on a cluster"),
     "train": ("llmopt.train.cli", "distributed training (TP/SP/PP/DP/ZeRO) launched by torchrun"),
     "quantize": ("llmopt.compress.cli", "quantize weights (RTN, AWQ, GPTQ) to packed INT4/INT8"),
+    "export": ("llmopt.export.cli", "export a model as GGUF, ONNX (KV cache) or HF safetensors"),
 }
 
 

@@ -23,7 +23,8 @@ def _quantized(bits: int, group: int, sym: bool):
 
 
 @pytest.mark.parametrize(
-    "bits, group, sym", [(4, 32, True), (4, 32, False), (8, -1, True), (8, 64, False), (3, 32, False)]
+    "bits, group, sym",
+    [(4, 32, True), (4, 32, False), (8, -1, True), (8, 64, False), (3, 32, False)],
 )
 def test_decompressor_reproduces_our_weights(tmp_path, bits, group, sym):
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor

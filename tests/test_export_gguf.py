@@ -87,7 +87,9 @@ def test_q4_k_blocks_decode_with_ggml_layout():
     assert np.abs(back - x).mean() < 0.09
     # exactly representable rows come back (codes 0..15 on a grid with min 0, step 1/15)
     grid = np.tile(np.arange(16, dtype=np.float32) / 15, (1, 16))
-    assert np.allclose(dequantize(quantize_q4_k(grid), gguf.GGMLQuantizationType.Q4_K), grid, atol=2e-3)
+    assert np.allclose(
+        dequantize(quantize_q4_k(grid), gguf.GGMLQuantizationType.Q4_K), grid, atol=2e-3
+    )
 
 
 def test_gguf_export_bad_type_and_same_output(tmp_path, model):

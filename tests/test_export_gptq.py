@@ -45,7 +45,10 @@ def test_gptq_layout_reads_back_exactly(tmp_path, bits, group):
     qcfg = json.loads((out / "quantize_config.json").read_text())
     assert qcfg == json.loads((out / "config.json").read_text())["quantization_config"]
     assert (qcfg["bits"], qcfg["group_size"], qcfg["desc_act"], qcfg["sym"]) == (
-        bits, group, False, True
+        bits,
+        group,
+        False,
+        True,
     )
     files = load_file(out / "model.safetensors")
     for name, layer in qmodel.named_modules():

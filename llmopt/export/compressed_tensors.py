@@ -106,7 +106,5 @@ def export_compressed_tensors(
         "global_compression_ratio": None,
     }
     with staged_directory(out) as stage:
-        write_quantized_directory(
-            model, stage, _layer_tensors(bits, sym), config, tokenizer, dtype
-        )
+        write_quantized_directory(model, stage, _layer_tensors(bits, sym), config, tokenizer, dtype)
     return out

@@ -76,7 +76,9 @@ def _add_tokenizer(writer: Any, tokenizer: Any, pre: str | None) -> None:
     data = json.loads(tokenizer.backend.to_str())
     bpe = data.get("model", {})
     if bpe.get("type") != "BPE":
-        raise ValueError(f"GGUF export handles byte-level BPE tokenizers; this one is {bpe.get('type')}")
+        raise ValueError(
+            f"GGUF export handles byte-level BPE tokenizers; this one is {bpe.get('type')}"
+        )
     size = tokenizer.vocab_size
     tokens = [tokenizer.id_to_token(i) for i in range(size)]
     types = [_NORMAL] * size

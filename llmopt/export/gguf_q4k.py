@@ -45,8 +45,12 @@ def quantize_q4_k(array: np.ndarray) -> np.ndarray:
     q = q.reshape(-1, 4, 2, _SUB)  # chunks of 64: low nibbles from the first 32, high the next
     qs = (q[:, :, 0, :] | (q[:, :, 1, :] << 4)).reshape(-1, 128)
     blocks = np.concatenate(
-        [d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2),
-         _pack_scales(sc, mn), qs],
+        [
+            d.view(np.uint8).reshape(-1, 2),
+            dmin.view(np.uint8).reshape(-1, 2),
+            _pack_scales(sc, mn),
+            qs,
+        ],
         axis=1,
     )
     return blocks.reshape(*array.shape[:-1], array.shape[-1] // QK_K * 144)

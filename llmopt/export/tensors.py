@@ -19,7 +19,9 @@ def float_dtype(name: str) -> torch.dtype:
     return _FLOAT_DTYPES[choice(name, tuple(_FLOAT_DTYPES), "dtype")]
 
 
-def dense_state_dict(model: nn.Module, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def dense_state_dict(
+    model: nn.Module, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
     """Our parameter names -> dense tensors in `dtype` (a tied head included once, as its name)."""
     from llmopt.compress.quant.linear import QuantLinear
 
