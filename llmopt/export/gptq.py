@@ -107,7 +107,8 @@ def export_gptq(
         "sym": sym,
         "true_sequential": True,
         "damp_percent": float(getattr(qcfg, "gptq_damp", 0.01) or 0.01),
-        "lm_head": spec_for(model).head in layers,
+        # GPTQ's flag for a quantized head is named after HF's head module (the spec's name)
+        spec_for(model).head: spec_for(model).head in layers,
         "pack_dtype": "int32",
     }
     with staged_directory(out) as stage:

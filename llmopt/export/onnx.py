@@ -34,7 +34,11 @@ class KVDecoder(nn.Module):
         self.model, self.spec, self.config = model, spec, model.config
         qkv = next(g for g in spec.fused if len(g.parts) == 3)
         self.qkv_names = qkv.parts
-        self.out_name = next(n for n in spec.row_parallel if n.startswith(spec.attention + "."))
+        attn = spec.attention + "."
+        self.out_name = next(n for n in spec.row_parallel if n.startswith(attn))
+        # the feed-forward module: the parent of the row-parallel linear outside attention
+        ffn_out = next(n for n in spec.row_parallel if not n.startswith(attn))
+        self.ffn_name = ffn_out.rsplit(".", 1)[0]
 
     def _attention(self, block: nn.Module, x, cos, sin, past_k, past_v):
         from llmopt.models.llama import apply_rope
@@ -75,7 +79,7 @@ class KVDecoder(nn.Module):
             h = spec.block_module(block, norm_in)(x)
             out, k, v = self._attention(block, h, cos, sin, past[2 * i], past[2 * i + 1])
             x = x + out
-            x = x + spec.block_module(block, spec.mlp)(spec.block_module(block, norm_post)(x))
+            x = x + spec.block_module(block, self.ffn_name)(spec.block_module(block, norm_post)(x))
             presents += [k, v]
         x = spec.top_module(model, "final_norm")(x)
         return (spec.top_module(model, "head")(x), *presents)
