@@ -60,10 +60,13 @@ def test_gguf_export_reads_back(tmp_path, model, qtype, ggml, logit_tol, weight_
 def test_gguf_tokenizer_round_trips(tmp_path):
     from gguf import GGUFReader
 
-    model = tiny_llama(vocab=VOCAB)
+    model = tiny_llama(vocab=VOCAB + 8)  # a padded embedding: 8 rows no token maps to
     path = export_gguf(model, tmp_path / "t.gguf", smollm_tokenizer(), qtype="f16")
     reader = GGUFReader(path)
-    assert len(reader.fields["tokenizer.ggml.tokens"].data) == VOCAB
+    assert len(reader.fields["tokenizer.ggml.tokens"].data) == VOCAB + 8
+    assert reader.fields["tokenizer.ggml.token_type"].contents()[-8:] == [5] * 8  # UNUSED
+    with pytest.raises(ValueError, match="tokenizer has 49152 tokens but the model's vocab"):
+        export_gguf(tiny_llama(vocab=256), tmp_path / "small.gguf", smollm_tokenizer())
     assert reader.fields["tokenizer.ggml.pre"].contents() == "smollm"
     ours, ref = load_tokenizer(path), smollm_tokenizer()
     text = "In the beginning God created 1234 heavens <|im_start|>user\nhi<|im_end|>"

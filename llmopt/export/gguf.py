@@ -29,7 +29,7 @@ _FILE_TYPES = {
     "q4_k": "MOSTLY_Q4_K_M",
 }
 # llama.cpp's token types
-_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
+_NORMAL, _CONTROL, _USER_DEFINED, _UNUSED = 1, 3, 4, 5
 
 
 def _gguf_names() -> tuple[dict[str, str], dict[str, str]]:
@@ -72,7 +72,7 @@ def _encode(array: np.ndarray, qtype: str) -> tuple[np.ndarray, Any]:
     return gguf.quants.quantize(np.ascontiguousarray(array, dtype=np.float32), kind), kind
 
 
-def _add_tokenizer(writer: Any, tokenizer: Any, pre: str | None) -> None:
+def _add_tokenizer(writer: Any, tokenizer: Any, pre: str | None, vocab: int) -> None:
     data = json.loads(tokenizer.backend.to_str())
     bpe = data.get("model", {})
     if bpe.get("type") != "BPE":
@@ -80,8 +80,14 @@ def _add_tokenizer(writer: Any, tokenizer: Any, pre: str | None) -> None:
             f"GGUF export handles byte-level BPE tokenizers; this one is {bpe.get('type')}"
         )
     size = tokenizer.vocab_size
+    if size > vocab:
+        raise ValueError(f"the tokenizer has {size} tokens but the model's vocabulary is {vocab}")
     tokens = [tokenizer.id_to_token(i) for i in range(size)]
     types = [_NORMAL] * size
+    # embedding rows beyond the tokenizer (padded vocabularies): placeholders, as llama.cpp's
+    # converter writes them, so token count == vocab size
+    tokens += [f"[PAD{i}]" for i in range(size, vocab)]
+    types += [_UNUSED] * (vocab - size)
     for added in data.get("added_tokens", []):
         if added["id"] < size:
             types[added["id"]] = _CONTROL if added.get("special") else _USER_DEFINED
@@ -149,7 +155,7 @@ def export_gguf(
         if config.sliding_window is not None and spec.sliding_window:
             writer.add_sliding_window(config.sliding_window)
         if tokenizer is not None:
-            _add_tokenizer(writer, tokenizer, tokenizer_pre)
+            _add_tokenizer(writer, tokenizer, tokenizer_pre, config.vocab_size)
         for name, tensor in state.items():
             g_name = gguf_name(name, spec.blocks)
             array = tensor.float().numpy()
