@@ -75,6 +75,18 @@ def test_gguf_tokenizer_round_trips(tmp_path):
     assert ours.chat_template == ref.chat_template
 
 
+def test_q4_k_falls_back_to_q5_0_where_super_blocks_do_not_tile(tmp_path):
+    from gguf import GGUFReader
+
+    model = tiny_llama(hidden=96)  # rows of 96 and 192 values: Q4_K needs 256
+    path = export_gguf(model, tmp_path / "k.gguf", qtype="q4_k")
+    types = {t.name: t.tensor_type.name for t in GGUFReader(path).tensors}
+    assert types["blk.0.attn_q.weight"] == types["blk.0.ffn_down.weight"] == "Q5_0"
+    tokens = torch.tensor([PROMPT])
+    with torch.no_grad():
+        assert (load_model(path)(tokens) - model(tokens)).abs().max() < 2.0
+
+
 def test_q4_k_blocks_decode_with_ggml_layout():
     import gguf
     from gguf.quants import dequantize

@@ -3,8 +3,9 @@
 Tensor names and the Q/K row permutation are the inverse of `llmopt.models.gguf` (the reader),
 so a file round-trips through our loader and loads in llama.cpp, which rotates adjacent pairs
 and therefore expects llama-architecture Q/K rows interleaved. Norms and biases stay F32; a
-matrix whose row length is not a multiple of the type's block (32, or 256 for Q4_K) is stored
-F16, as llama.cpp's own quantizer falls back. The tokenizer goes into `tokenizer.ggml.*`.
+matrix whose rows Q4_K's 256-value super-blocks do not tile is stored Q5_0 (llama.cpp's own
+fallback), and one whose rows are not a multiple of 32 is stored F16. The tokenizer goes into
+`tokenizer.ggml.*`.
 """
 
 from __future__ import annotations
@@ -61,13 +62,14 @@ def _encode(array: np.ndarray, qtype: str) -> tuple[np.ndarray, Any]:
         return np.ascontiguousarray(array, dtype=np.float32), None
     if qtype == "f16":
         return array.astype(np.float16), None
-    block = 256 if qtype == "q4_k" else 32
-    if array.shape[-1] % block:
-        return array.astype(np.float16), None
     if qtype == "q4_k":
-        from llmopt.export.gguf_q4k import quantize_q4_k
+        if array.shape[-1] % 256 == 0:
+            from llmopt.export.gguf_q4k import quantize_q4_k
 
-        return quantize_q4_k(array), gguf.GGMLQuantizationType.Q4_K
+            return quantize_q4_k(array), gguf.GGMLQuantizationType.Q4_K
+        qtype = "q5_0"  # llama.cpp's fallback for rows K-quant blocks do not tile
+    if array.shape[-1] % 32:
+        return array.astype(np.float16), None
     kind = getattr(gguf.GGMLQuantizationType, qtype.upper())
     return gguf.quants.quantize(np.ascontiguousarray(array, dtype=np.float32), kind), kind
 
