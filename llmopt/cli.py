@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("llmopt.serve.bench_cli", "load-test an OpenAI-compatible server (bench serve)"),
     "profile": ("llmopt.profile.cli", "profile generation: trace, op table, launches, roofline"),
     "report": ("llmopt.report.cli", "one self-contained HTML page of optimization results"),
+    "export": ("llmopt.export.cli", "export a model as GGUF, ONNX (KV cache) or HF safetensors"),
 }
 
 

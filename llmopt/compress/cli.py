@@ -7,7 +7,7 @@ import json
 import time
 from typing import Any
 
-FORMATS = ("llmopt", "autoawq")
+FORMATS = ("llmopt", "autoawq", "gptq", "compressed-tensors", "gguf")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -37,7 +37,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--lm-head", dest="quantize_head", action="store_true", help="also quantize the LM head"
     )
-    p.add_argument("--format", default="llmopt", choices=FORMATS, help="output layout")
+    p.add_argument(
+        "--format",
+        default="llmopt",
+        choices=FORMATS,
+        help="output layout (gguf: the quantized weights dequantised into --gguf-type)",
+    )
+    p.add_argument(
+        "--gguf-type", default="q4_0", help="GGUF weight type for --format gguf (f16, q8_0, ...)"
+    )
     p.add_argument(
         "--float-dtype",
         default="keep",
@@ -48,6 +56,36 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.set_defaults(func=run)
+
+
+def _check_export_options(args: argparse.Namespace) -> None:
+    """Refuse options the chosen export cannot hold before any calibration runs."""
+    from llmopt.export.output import ExportError, choice
+
+    if args.format == "gguf":
+        from llmopt.export.gguf import GGUF_TYPES
+
+        choice(args.gguf_type, GGUF_TYPES, "gguf type")
+    if args.format == "gptq":
+        from llmopt.export.gptq import GPTQ_BITS
+
+        if args.bits not in GPTQ_BITS:
+            raise ExportError(f"GPTQ export holds bits {GPTQ_BITS}; got --bits {args.bits}")
+
+
+def _export(qmodel, args: argparse.Namespace, tokenizer):
+    """The `llmopt.export` writers for the formats that live there."""
+    if args.format == "gptq":
+        from llmopt.export.gptq import export_gptq
+
+        return export_gptq(qmodel, args.out, tokenizer, source=args.model)
+    if args.format == "compressed-tensors":
+        from llmopt.export.compressed_tensors import export_compressed_tensors
+
+        return export_compressed_tensors(qmodel, args.out, tokenizer, source=args.model)
+    from llmopt.export.gguf import export_gguf
+
+    return export_gguf(qmodel, args.out, tokenizer, qtype=args.gguf_type, source=args.model)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -74,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
         from llmopt.compress.quant.autoawq import check_autoawq_compatible
 
         check_autoawq_compatible(model, args.bits, args.group_size)
+    _check_export_options(args)
     tokenizer = load_tokenizer(args.model)
     calib = None
     if config.needs_calibration:
@@ -87,6 +126,8 @@ def run(args: argparse.Namespace) -> int:
         from llmopt.compress.quant.autoawq import export_autoawq
 
         out = export_autoawq(qmodel, args.out, tokenizer)
+    elif args.format in ("gptq", "compressed-tensors", "gguf"):
+        out = _export(qmodel, args, tokenizer)
     else:
         from llmopt.compress.quant.io import save_quantized
 
@@ -102,7 +143,9 @@ def run(args: argparse.Namespace) -> int:
         "out": str(out),
         "seconds": round(seconds, 2),
         "cpu_seconds": round(cpu_seconds, 2),
-        "disk_bytes": sum(f.stat().st_size for f in out.iterdir() if f.is_file()),
+        "disk_bytes": out.stat().st_size
+        if out.is_file()
+        else sum(f.stat().st_size for f in out.iterdir() if f.is_file()),
         **sizes,
     }
     if config.method == "awq":

@@ -1,0 +1,64 @@
+"""`llmopt export`: write a model in the layout another runtime loads (GGUF, ONNX, HF)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+FORMATS = ("gguf", "onnx", "hf")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from llmopt.export.gguf import GGUF_TYPES
+
+    p = subparsers.add_parser(
+        "export",
+        help="export a model for llama.cpp (GGUF), onnxruntime/TensorRT (ONNX) or transformers",
+        description="Export a model (packaged name, .gguf, HF or quantized directory) to GGUF, "
+        "ONNX with KV-cache inputs, or a HF safetensors directory. Quantized linears are "
+        "dequantised (use `llmopt quantize --format` for packed-integer layouts).",
+    )
+    p.add_argument("--model", required=True, help="model name, .gguf file or directory")
+    p.add_argument("--format", required=True, choices=FORMATS)
+    p.add_argument("--out", required=True, help="output file (gguf) or directory (onnx, hf)")
+    p.add_argument("--gguf-type", default="f16", choices=GGUF_TYPES, help="GGUF weight type")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "fp16"), help="ONNX/HF dtype")
+    p.add_argument("--json", action="store_true", help="print a JSON summary")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from llmopt.models.loading import load_model, load_tokenizer
+
+    if args.format != "gguf" and args.gguf_type != "f16":
+        raise ValueError(f"--gguf-type applies to --format gguf only, not {args.format}")
+    model = load_model(args.model, dtype=torch.float32)
+    tokenizer = load_tokenizer(args.model)
+    common = {"tokenizer": tokenizer, "source": args.model}
+    if args.format == "gguf":
+        from llmopt.export.gguf import export_gguf
+
+        out = export_gguf(model, args.out, qtype=args.gguf_type, **common)
+    elif args.format == "onnx":
+        from llmopt.export.onnx import export_onnx
+
+        out = export_onnx(model, args.out, dtype=args.dtype, **common)
+    else:
+        from llmopt.export.hf import export_hf
+
+        out = export_hf(model, args.out, dtype=args.dtype, **common)
+    files = [out] if out.is_file() else sorted(f for f in out.iterdir() if f.is_file())
+    summary = {
+        "model": args.model,
+        "format": args.format,
+        "out": str(out),
+        "bytes": sum(f.stat().st_size for f in files),
+        "files": [f.name for f in files],
+    }
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(f"wrote {args.format} export of {args.model} to {out} ({summary['bytes']} bytes)")
+    return 0

@@ -1,0 +1,64 @@
+"""HF transformers directory: safetensors + config.json + tokenizer + generation_config.json.
+
+What `AutoModelForCausalLM.from_pretrained` and vLLM read. Names and config come from
+`llmopt.models.hf` / `ModelConfig.to_hf_config`, so the two directions cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from llmopt.export.output import check_output, staged_directory
+from llmopt.export.tensors import checked, dense_state_dict, float_dtype
+
+
+def generation_config(config: Any) -> dict[str, Any]:
+    """The generation_config.json transformers reads for default special ids."""
+    out: dict[str, Any] = {"_from_model_config": True}
+    if config.bos_token_id is not None:
+        out["bos_token_id"] = config.bos_token_id
+    if config.eos_token_id is not None:
+        out["eos_token_id"] = config.eos_token_id
+    return out
+
+
+def write_hf_files(model: nn.Module, directory: Path, dtype: str, tokenizer: Any) -> None:
+    """Fill `directory` (which must exist) with the HF files of a dense model."""
+    from safetensors.torch import save_file
+
+    from llmopt.artifacts import atomic_write_text
+    from llmopt.models.hf import ours_to_hf
+
+    torch_dtype = float_dtype(dtype)
+    state = checked(dense_state_dict(model, torch_dtype))
+    hf_state = {ours_to_hf(name): t.contiguous() for name, t in state.items()}
+    save_file(hf_state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    hf_config = model.config.to_hf_config()
+    hf_config["torch_dtype"] = str(torch_dtype).removeprefix("torch.")
+    atomic_write_text(directory / "config.json", json.dumps(hf_config, indent=2))
+    atomic_write_text(
+        directory / "generation_config.json",
+        json.dumps(generation_config(model.config), indent=2),
+    )
+    if tokenizer is not None:
+        tokenizer.save(directory)
+
+
+def export_hf(
+    model: nn.Module,
+    out: str | Path,
+    tokenizer: Any = None,
+    *,
+    dtype: str = "fp32",
+    source: str | Path | None = None,
+) -> Path:
+    """Write a transformers-loadable directory at `out` (quantized linears dequantised)."""
+    out = check_output(out, source)
+    float_dtype(dtype)  # validate before any work
+    with staged_directory(out) as stage:
+        write_hf_files(model, stage, dtype, tokenizer)
+    return out

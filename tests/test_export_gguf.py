@@ -1,0 +1,127 @@
+"""GGUF export: read back by the `gguf` reader and by llmopt's loader; logits vs the source."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from export_fixtures import PROMPT, greedy, smollm_tokenizer, tiny_llama
+
+from llmopt.export import ExportError, export_gguf
+from llmopt.models.loading import load_model, load_tokenizer
+
+VOCAB = 49152  # the SmolLM2 tokenizer's, so its metadata is written and read back whole
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(hidden=256)  # rows of 256: every matrix takes Q4_K's super-blocks
+
+
+@pytest.mark.parametrize(
+    "qtype, ggml, logit_tol, weight_tol",
+    [
+        # Logits of this model are up to ~7. Tolerances are max |logit difference| and the
+        # worst matrix's mean |weight error| / mean |weight|, ~3x what was observed: F16 rounds
+        # by 2^-11 relative, Q8_0 keeps 8 bits per block of 32, the 4-bit types 16 levels per
+        # block (a wrong Q/K permutation or nibble order would give a weight error of ~1.4).
+        ("f16", "F16", 0.02, 1e-3),
+        ("q8_0", "Q8_0", 0.5, 0.02),
+        ("q4_0", "Q4_0", 7.0, 0.3),
+        ("q4_1", "Q4_1", 7.0, 0.3),
+        ("q4_k", "Q4_K", 7.0, 0.3),
+    ],
+)
+def test_gguf_export_reads_back(tmp_path, model, qtype, ggml, logit_tol, weight_tol):
+    from gguf import GGUFReader
+
+    path = export_gguf(model, tmp_path / "m.gguf", qtype=qtype)
+    reader = GGUFReader(path)
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blk.0.attn_q.weight"] == ggml
+    assert types["blk.1.ffn_down.weight"] == ggml
+    assert types["output_norm.weight"] == "F32"
+    assert reader.fields["general.architecture"].contents() == "llama"
+
+    loaded = load_model(path)
+    reference = dict(model.state_dict())
+    for name, tensor in loaded.state_dict().items():
+        if tensor.dim() == 2:
+            err = (tensor - reference[name]).abs().mean() / reference[name].abs().mean()
+            assert err < weight_tol, (name, err.item())
+    tokens = torch.tensor([PROMPT])
+    with torch.no_grad():
+        diff = (loaded(tokens) - model(tokens)).abs().max().item()
+    assert diff < logit_tol, diff
+    if qtype == "f16":  # Q8_0's greedy check is on SmolLM2 (random weights have near-ties)
+        assert greedy(loaded, PROMPT) == greedy(model, PROMPT)
+
+
+def test_gguf_tokenizer_round_trips(tmp_path):
+    from gguf import GGUFReader
+
+    model = tiny_llama(vocab=VOCAB + 8)  # a padded embedding: 8 rows no token maps to
+    path = export_gguf(model, tmp_path / "t.gguf", smollm_tokenizer(), qtype="f16")
+    reader = GGUFReader(path)
+    assert len(reader.fields["tokenizer.ggml.tokens"].data) == VOCAB + 8
+    assert reader.fields["tokenizer.ggml.token_type"].contents()[-8:] == [5] * 8  # UNUSED
+    with pytest.raises(ValueError, match="tokenizer has 49152 tokens but the model's vocab"):
+        export_gguf(tiny_llama(vocab=256), tmp_path / "small.gguf", smollm_tokenizer())
+    assert reader.fields["tokenizer.ggml.pre"].contents() == "smollm"
+    ours, ref = load_tokenizer(path), smollm_tokenizer()
+    text = "In the beginning God created 1234 heavens <|im_start|>user\nhi<|im_end|>"
+    assert ours.encode(text) == ref.encode(text)
+    assert (ours.bos_token_id, ours.eos_token_id) == (ref.bos_token_id, ref.eos_token_id)
+    assert ours.chat_template == ref.chat_template
+
+
+def test_q4_k_falls_back_to_q5_0_where_super_blocks_do_not_tile(tmp_path):
+    from gguf import GGUFReader
+
+    model = tiny_llama(hidden=96)  # rows of 96 and 192 values: Q4_K needs 256
+    path = export_gguf(model, tmp_path / "k.gguf", qtype="q4_k")
+    types = {t.name: t.tensor_type.name for t in GGUFReader(path).tensors}
+    assert types["blk.0.attn_q.weight"] == types["blk.0.ffn_down.weight"] == "Q5_0"
+    tokens = torch.tensor([PROMPT])
+    with torch.no_grad():
+        assert (load_model(path)(tokens) - model(tokens)).abs().max() < 2.0
+
+
+def test_q4_k_blocks_decode_with_ggml_layout():
+    import gguf
+    from gguf.quants import dequantize
+
+    from llmopt.export.gguf_q4k import quantize_q4_k
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 512)).astype(np.float32)
+    blocks = quantize_q4_k(x)
+    assert blocks.shape == (4, 2 * 144)
+    back = dequantize(blocks, gguf.GGMLQuantizationType.Q4_K)
+    # 4-bit codes of sub-blocks of 32 (range ~6 sigma / 15 levels): error <= ~half a step
+    assert np.abs(back - x).mean() < 0.09
+    # exactly representable rows come back (codes 0..15 on a grid with min 0, step 1/15)
+    grid = np.tile(np.arange(16, dtype=np.float32) / 15, (1, 16))
+    assert np.allclose(
+        dequantize(quantize_q4_k(grid), gguf.GGMLQuantizationType.Q4_K), grid, atol=2e-3
+    )
+
+
+def test_gguf_export_bad_type_and_same_output(tmp_path, model):
+    with pytest.raises(ExportError, match=r"gguf type='q3_x' is not supported; valid choices"):
+        export_gguf(model, tmp_path / "x.gguf", qtype="q3_x")
+    src = tmp_path / "src.gguf"
+    src.write_bytes(b"GGUF")
+    with pytest.raises(ExportError, match="would overwrite the input"):
+        export_gguf(model, src, source=src)
+
+
+@pytest.mark.parametrize("qtype", ["f16", "q8_0"])
+def test_smollm2_gguf_export_greedy_identical(tmp_path, qtype):
+    """The real model: our export of SmolLM2 generates exactly what the packaged file does."""
+    ref = load_model("smollm2-135m")
+    tok = smollm_tokenizer()
+    path = export_gguf(ref, tmp_path / "smol.gguf", tok, qtype=qtype, source="smollm2-135m")
+    ours = load_model(path)
+    prompt = tok.encode("The capital of France is")
+    assert greedy(ours, prompt) == greedy(ref, prompt)
