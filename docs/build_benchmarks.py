@@ -11,7 +11,18 @@ import re
 from pathlib import Path
 
 DOCS = Path(__file__).resolve().parent
-ORDER = ["decode", "serving", "planner", "engine", "pipeline", "quant", "prune", "speculative", "fp8"]
+ORDER = [
+    "decode",
+    "serving",
+    "planner",
+    "engine",
+    "pipeline",
+    "quant",
+    "prune",
+    "export",
+    "speculative",
+    "fp8",
+]
 HEADER = """# Benchmarks and validation results
 
 Every figure comes from a script in `benchmarks/` (the command is given with each table), run
