@@ -69,10 +69,10 @@ def load_model(
         config = gguf_file.config()
         tensors = gguf_file.state_dict(config, dtype)
     else:
-        from llmopt.models.hf import iter_tensors, read_config
+        from llmopt.models.hf import drop_rotary_buffers, iter_tensors, read_config
 
         config = read_config(path)
-        tensors = iter_tensors(path, dtype)
+        tensors = drop_rotary_buffers(iter_tensors(path, dtype), config, str(path))
     return model_from_tensors(config, tensors, device=device, source=str(path))
 
 
