@@ -53,6 +53,21 @@ def weight_files(directory: Path) -> list[Path]:
     return files
 
 
+def quant_method(directory: Path) -> str | None:
+    """config.json's `quantization_config.quant_method` (lower case), or None if unquantized."""
+    try:
+        qc = json.loads((directory / "config.json").read_text()).get("quantization_config")
+    except (json.JSONDecodeError, AttributeError) as exc:
+        raise ConfigError(
+            f"{directory / 'config.json'} is not a valid JSON object: {exc}"
+        ) from None
+    if qc is None:
+        return None
+    if not isinstance(qc, dict) or not isinstance(qc.get("quant_method"), str):
+        raise ConfigError(f"quantization_config={qc!r} in {directory} has no quant_method")
+    return qc["quant_method"].lower()
+
+
 def read_config(directory: Path) -> ModelConfig:
     """config.json, with the EOS ids of generation_config.json (which decide when HF stops)."""
     config = ModelConfig.from_hf_config(directory / "config.json", name=directory.name)
@@ -95,7 +110,8 @@ def drop_rotary_buffers(
 
 
 def iter_tensors(directory: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """(our name, tensor) for every tensor of every shard, cast to `dtype`."""
+    """(our name, tensor) for every tensor of every shard; floating ones cast to `dtype`
+    (integer tensors, e.g. packed quantized codes, keep their dtype)."""
     from safetensors import SafetensorError, safe_open
 
     for path in weight_files(directory):
@@ -103,7 +119,10 @@ def iter_tensors(directory: Path, dtype: torch.dtype) -> Iterator[tuple[str, tor
         try:
             with safe_open(str(path), framework="pt") as handle:
                 for key in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    yield hf_to_ours(key), handle.get_tensor(key).to(dtype)
+                    tensor = handle.get_tensor(key)
+                    if tensor.is_floating_point():
+                        tensor = tensor.to(dtype)
+                    yield hf_to_ours(key), tensor
         except (SafetensorError, OSError, RuntimeError) as exc:
             raise SafetensorsError(
                 f"{path} ({size} bytes) is truncated or corrupted: {exc}"

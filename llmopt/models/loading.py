@@ -16,6 +16,7 @@ from llmopt.models.config import ModelConfig
 from llmopt.models.directory_formats import (
     directory_format,
     get_directory_format,
+    quantization_loader,
     registered_markers,
 )
 from llmopt.models.llama import RotaryEmbedding, Transformer
@@ -69,8 +70,11 @@ def load_model(
         config = gguf_file.config()
         tensors = gguf_file.state_dict(config, dtype)
     else:
-        from llmopt.models.hf import drop_rotary_buffers, iter_tensors, read_config
+        from llmopt.models.hf import drop_rotary_buffers, iter_tensors, quant_method, read_config
 
+        method = quant_method(path)
+        if method is not None:  # AWQ/GPTQ checkpoints: packed tensors, not plain weights
+            return quantization_loader(method)(path, dtype=dtype, device=device)
         config = read_config(path)
         tensors = drop_rotary_buffers(iter_tensors(path, dtype), config, str(path))
     return model_from_tensors(config, tensors, device=device, source=str(path))
