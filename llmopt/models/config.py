@@ -286,7 +286,7 @@ class ModelConfig:
             "tie_word_embeddings": self.tie_embeddings,
             "hidden_act": "silu",
             "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
+            "eos_token_id": list(self.eos_token_ids) or self.eos_token_id,
             "torch_dtype": "float32",
         }
         if spec.attention_bias:
