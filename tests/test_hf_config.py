@@ -129,6 +129,7 @@ def test_transformers_4_layout_reads_the_same(tmp_path):
         ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "llama3 rope_scaling lacks"),
         ({"rope_parameters": {"rope_type": "default", "factor": 2.0}}, "takes no scaling keys"),
         ({"layer_types": ["sliding_attention"] * 2}, "layer_types=\\['sliding_attention'\\]"),
+        ({"layer_types": ["full_attention", "sliding_attention"]}, "one attention kind"),
     ],
 )
 def test_settings_that_change_the_math_are_refused(tmp_path, change, message):
@@ -174,3 +175,37 @@ def test_real_smollm2_resaved_by_transformers_keeps_its_perplexity(tmp_path):
     got = perplexity(resaved, tokens, ctx=128, stride=64).ppl
     assert got == pytest.approx(expected, rel=1e-4)
     assert 2 < got < 30
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_other_families_written_by_transformers(tmp_path, family):
+    import transformers
+
+    cls, cfg_cls = {
+        "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config),
+        "mistral": (transformers.MistralForCausalLM, transformers.MistralConfig),
+    }[family]
+    extra = {"sliding_window": 16} if family == "mistral" else {"use_sliding_window": False}
+    config = cfg_cls(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rope_theta=1e6,
+        **extra,
+    )
+    torch.manual_seed(1)
+    ref = cls(config).eval()
+    if family == "qwen2":  # non-zero q/k/v biases, so a dropped bias shows
+        with torch.no_grad():
+            for name, p in ref.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0, 0.5)
+    ref.save_pretrained(tmp_path / family)
+    ours = load_model(tmp_path / family)
+    assert ours.config.architecture == family and ours.config.rope_theta == 1e6
+    assert ours.config.sliding_window == (16 if family == "mistral" else None)
+    _assert_same_model(ref, ours, _tokens(48))  # 48 > the window: the window matters

@@ -340,11 +340,14 @@ def _refuse_math_keys(hf: dict[str, Any], spec: ModelSpec) -> None:
             f"attention_bias=True is not supported for {spec.hf_architectures[0]} (it also "
             "biases o_proj); llmopt implements q/k/v biases for qwen2 only"
         )
-    layer_types = hf.get("layer_types")
-    if layer_types and set(layer_types) != {"full_attention"}:
+    layer_types = set(hf.get("layer_types") or [])
+    uniform = [{"full_attention"}]
+    if spec.sliding_window and hf.get("sliding_window"):
+        uniform.append({"sliding_attention"})  # every layer windowed: what sliding_window means
+    if layer_types and layer_types not in uniform:
         raise ConfigError(
-            f"layer_types={sorted(set(layer_types))} is not supported; llmopt implements "
-            "'full_attention' layers only"
+            f"layer_types={sorted(layer_types)} is not supported for "
+            f"{spec.hf_architectures[0]}; llmopt implements one attention kind for all layers"
         )
 
 
