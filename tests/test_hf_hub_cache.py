@@ -55,6 +55,8 @@ def test_missing_repo_names_the_cache(tmp_path, monkeypatch):
         HubCacheError, match="not in the HF cache .*empty; llmopt does not download"
     ):
         load_model("acme/absent")
+    with pytest.raises(FileNotFoundError, match="model file or directory not found: runs/m.gguf"):
+        load_model("runs/m.gguf")  # a missing relative path, not a Hub id
 
 
 def test_cache_location_follows_hf_home(tmp_path, monkeypatch):

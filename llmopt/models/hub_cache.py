@@ -30,7 +30,10 @@ def hub_cache_dir() -> Path:
 
 
 def looks_like_hub_id(spec: str) -> bool:
+    """org/name[@rev]; a missing relative file path such as `runs/model.gguf` is not one."""
     repo = spec.split("@", 1)[0]
+    if repo.endswith((".gguf", ".safetensors", ".json")):
+        return False
     return bool(_REPO_ID.match(repo)) and ".." not in repo
 
 
