@@ -3,6 +3,8 @@
 A reader (a resuming job, a concurrent `load_model`, CI) must never see half a file: each
 writer fills a temporary file in the destination directory, then `os.replace` moves it into
 place, which is atomic on POSIX file systems. A failed write leaves no temporary behind.
+`mkstemp` creates its file 0600; before the rename it gets the mode a plain `open` would have
+given it (0666 minus the umask), so others can read what llmopt writes where the umask allows.
 """
 
 from __future__ import annotations
@@ -10,9 +12,20 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+_UMASK_LOCK = threading.Lock()
+
+
+def _current_umask() -> int:
+    """The process umask (reading it means setting it; the lock keeps the swap private)."""
+    with _UMASK_LOCK:
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return mask
 
 
 def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> None:
@@ -23,6 +36,7 @@ def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> None:
     os.close(fd)
     try:
         write(Path(tmp))
+        os.chmod(tmp, 0o666 & ~_current_umask())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -170,10 +170,16 @@ def test_perplexity_matches_transformers_on_web_bible(ours, reference, tokenizer
 
 
 # ---------------------------------------------------------------- GGUF files we write
-def _write_gguf(path: Path, model, arch: str, qtype: gguf.GGMLQuantizationType) -> None:
+def _write_gguf(
+    path: Path, model, arch: str, qtype: gguf.GGMLQuantizationType, extra=None, orig_ctx=None
+) -> None:
     """A llama.cpp-convention GGUF of `model` (Q/K permuted for llama and mistral)."""
     cfg: ModelConfig = model.config
     writer = gguf.GGUFWriter(str(path), arch=arch)
+    for name, array in (extra or {}).items():
+        writer.add_tensor(name, array)
+    if orig_ctx is not None:
+        writer.add_rope_scaling_orig_ctx_len(orig_ctx)
     writer.add_block_count(cfg.num_layers)
     writer.add_context_length(cfg.max_seq_len)
     writer.add_embedding_length(cfg.hidden_size)
@@ -280,6 +286,54 @@ def test_gguf_written_by_gguf_writer_round_trips(tmp_path, tiny_config, arch, qt
         torch.testing.assert_close(
             loaded.layers[1].self_attn.k_proj.weight, model.layers[1].self_attn.k_proj.weight
         )
+
+
+def _llama_cpp_rope_factors(cfg: ModelConfig) -> np.ndarray:
+    """llama.cpp's converter: per-frequency divisors for Llama 3 scaling (written here anew)."""
+    sc = cfg.rope_scaling
+    dims = np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim
+    wavelen = 2 * math.pi * cfg.rope_theta**dims
+    old = sc["original_max_position_embeddings"]
+    low_wl, high_wl = old / sc["low_freq_factor"], old / sc["high_freq_factor"]
+    out = []
+    for w in wavelen:
+        if w < high_wl:
+            out.append(1.0)
+        elif w > low_wl:
+            out.append(sc["factor"])
+        else:
+            s = (old / w - sc["low_freq_factor"]) / (sc["high_freq_factor"] - sc["low_freq_factor"])
+            out.append(1 / ((1 - s) / sc["factor"] + s))
+    return np.array(out, dtype=np.float32)
+
+
+@pytest.mark.parametrize("orig_ctx", [1024, None])
+def test_gguf_rope_freqs_become_llama3_scaling(tmp_path, tiny_config, orig_ctx):
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": orig_ctx or 8192,
+    }
+    cfg = tiny_config.replace(head_dim=64, rope_theta=500000.0, rope_scaling=scaling)
+    model = build_model(cfg, seed=4).eval()
+    path = tmp_path / "l31.gguf"
+    factors = {"rope_freqs.weight": _llama_cpp_rope_factors(cfg)}
+    # a file may name the original context; without it 8192 (Llama 3.1's) is assumed
+    _write_gguf(path, model, "llama", gguf.GGMLQuantizationType.F32, factors, orig_ctx)
+    loaded = load_model(path)
+    assert loaded.config.rope_scaling == scaling
+    tokens = torch.randint(0, cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens), model(tokens), atol=1e-5, rtol=1e-5)
+    bad = _llama_cpp_rope_factors(cfg)
+    bad[3] *= 1.5
+    _write_gguf(
+        path, model, "llama", gguf.GGMLQuantizationType.F32, extra={"rope_freqs.weight": bad}
+    )
+    with pytest.raises(GGUFError, match="does not follow Llama 3's RoPE scaling"):
+        load_model(path)
 
 
 def test_gguf_loads_in_bfloat16(tmp_path, tiny_model):

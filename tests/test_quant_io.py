@@ -10,7 +10,7 @@ from safetensors.numpy import load_file as load_numpy
 from llmopt.cli import main as cli_main
 from llmopt.compress.quant.apply import quantize_model
 from llmopt.compress.quant.autoawq import export_autoawq
-from llmopt.compress.quant.io import QuantFileError, load_quantized_model, save_quantized
+from llmopt.compress.quant.io import WEIGHTS, QuantFileError, load_quantized_model, save_quantized
 from llmopt.compress.quant.linear import QuantLinear
 from llmopt.models import ModelConfig, build_model
 from llmopt.models.loading import load_model, load_tokenizer, save_pretrained
@@ -38,7 +38,7 @@ def test_roundtrip_gives_identical_logits(tmp_path, tiny_config, tied):
 
 def test_corrupted_weights_are_detected(tmp_path, quantized):
     d = save_quantized(quantized, tmp_path / "q")
-    path = d / "model.safetensors"
+    path = d / WEIGHTS
     data = bytearray(path.read_bytes())
     data[-10] ^= 0xFF  # one flipped byte inside a tensor: still a parseable file
     path.write_bytes(bytes(data))
@@ -54,8 +54,8 @@ def test_truncated_marker_and_missing_weights(tmp_path, quantized):
     with pytest.raises(QuantFileError, match="is not valid JSON"):
         load_quantized_model(d)
     marker.write_text(text)
-    (d / "model.safetensors").unlink()
-    with pytest.raises(FileNotFoundError, match="lacks model.safetensors"):
+    (d / WEIGHTS).unlink()
+    with pytest.raises(FileNotFoundError, match=f"lacks {WEIGHTS}"):
         load_quantized_model(d)
 
 
@@ -161,8 +161,8 @@ def test_cli_float16_rest_halves_the_unquantized_bytes(tmp_path, hf_dir, capsys)
     assert cli_main([*base, "--out", str(tmp_path / "a")]) == 0
     assert cli_main([*base, "--float-dtype", "float16", "--out", str(tmp_path / "b")]) == 0
     capsys.readouterr()
-    size_a = (tmp_path / "a" / "model.safetensors").stat().st_size
-    size_b = (tmp_path / "b" / "model.safetensors").stat().st_size
+    size_a = (tmp_path / "a" / WEIGHTS).stat().st_size
+    size_b = (tmp_path / "b" / WEIGHTS).stat().st_size
     # the 49152 x 64 fp32 embedding dominates; fp16 halves it, the packed linears stay
     assert 0.45 < size_b / size_a < 0.6
     loaded = load_model(str(tmp_path / "b"))

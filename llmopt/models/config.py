@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -22,6 +23,9 @@ from llmopt.models.spec import (
 )
 
 MlpKind = Literal["swiglu", "gelu"]
+_LLAMA3_KEYS = frozenset(
+    {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+)
 
 
 class ConfigError(ValueError):
@@ -36,6 +40,8 @@ class ModelConfig:
     convention (only `rope_type="llama3"` changes the frequencies; others are rejected).
     `architecture` names the registered `ModelSpec` (module names every transformation
     reads); `sliding_window` (Mistral) limits each query to the last that many keys.
+    `eos_token_ids` lists every id that ends generation when there are several (Llama 3's
+    generation_config.json); `stop_token_ids` is what decoding loops should read.
     """
 
     name: str
@@ -55,11 +61,18 @@ class ModelConfig:
     mlp: MlpKind = "swiglu"
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
     architecture: str = "llama"
     sliding_window: int | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
+        ids = self.eos_token_ids
+        if not isinstance(ids, list | tuple) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
+        ):
+            raise ConfigError(f"eos_token_ids={ids!r} must be a list of non-negative integers")
+        object.__setattr__(self, "eos_token_ids", tuple(ids))
         if self.architecture not in registered_architectures():
             raise ConfigError(
                 f"architecture={self.architecture!r} is not registered; choose one of "
@@ -106,7 +119,7 @@ class ModelConfig:
             raise ConfigError(f"head_dim={self.head_dim} must be a positive even number (RoPE)")
         if self.mlp not in ("swiglu", "gelu"):
             raise ConfigError(f"mlp={self.mlp!r} is not supported; choose 'swiglu' or 'gelu'")
-        if self.rope_theta <= 0:
+        if not math.isfinite(self.rope_theta) or self.rope_theta <= 0:
             raise ConfigError(f"rope_theta={self.rope_theta} must be positive")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
@@ -114,6 +127,27 @@ class ModelConfig:
                 raise ConfigError(
                     f"rope_scaling type {kind!r} is not supported; supported: 'llama3', 'default'"
                 )
+            if kind == "llama3":
+                needed = _LLAMA3_KEYS - set(self.rope_scaling)
+                if needed:
+                    raise ConfigError(f"llama3 rope_scaling lacks {sorted(needed)}")
+                for key in _LLAMA3_KEYS:
+                    value = self.rope_scaling[key]
+                    if (
+                        isinstance(value, bool)
+                        or not isinstance(value, int | float)
+                        or not (math.isfinite(value) and value > 0)
+                    ):
+                        raise ConfigError(
+                            f"rope_scaling {key}={value!r} must be a positive finite number"
+                        )
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """Every token id that ends generation (all EOS ids, else the single eos_token_id)."""
+        if self.eos_token_ids:
+            return self.eos_token_ids
+        return () if self.eos_token_id is None else (self.eos_token_id,)
 
     @property
     def mlp_kind(self) -> MlpKind:
@@ -191,10 +225,12 @@ class ModelConfig:
             except json.JSONDecodeError as exc:
                 raise ConfigError(f"{path} is not valid JSON: {exc}") from exc
         spec = _hf_spec(hf)
+        _refuse_math_keys(hf, spec)
         num_heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
+        eos_ids: list[int] = []
         if isinstance(eos, list):
-            eos = eos[0]
+            eos_ids, eos = (eos, eos[0]) if len(eos) > 1 else ([], eos[0] if eos else None)
         if hf.get("use_sliding_window"):
             raise ConfigError(
                 "use_sliding_window=True (per-layer windows above max_window_layers) is not "
@@ -202,6 +238,7 @@ class ModelConfig:
             )
         # Qwen2 configs carry a `sliding_window` that is off unless use_sliding_window is set
         window = hf.get("sliding_window") if spec.sliding_window else None
+        theta, scaling = hf_rope(hf)
         return cls(
             name=name or hf.get("_name_or_path", "") or spec.hf_architectures[0],
             vocab_size=hf["vocab_size"],
@@ -212,13 +249,14 @@ class ModelConfig:
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
             max_seq_len=hf.get("max_position_embeddings", 4096),
             head_dim=hf.get("head_dim"),
-            rope_theta=float(hf.get("rope_theta", 10000.0)),
-            rope_scaling=hf.get("rope_scaling"),
+            rope_theta=theta,
+            rope_scaling=scaling,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", spec.attention_bias)),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos,
+            eos_token_ids=tuple(eos_ids),
             architecture=spec.architecture,
             sliding_window=window,
         )
@@ -248,7 +286,7 @@ class ModelConfig:
             "tie_word_embeddings": self.tie_embeddings,
             "hidden_act": "silu",
             "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
+            "eos_token_id": list(self.eos_token_ids) or self.eos_token_id,
             "torch_dtype": "float32",
         }
         if spec.attention_bias:
@@ -268,3 +306,92 @@ def _hf_spec(hf: dict[str, Any]) -> ModelSpec:
         return spec_for_hf(archs[0], hf.get("model_type"))
     except UnknownArchitectureError as exc:
         raise ConfigError(str(exc)) from None
+
+
+# keys whose non-default value changes the forward pass; reading past them gives a wrong model
+_MATH_KEYS: dict[str, tuple[Any, ...]] = {
+    "hidden_act": ("silu", "swish"),
+    "mlp_bias": (False,),
+    "partial_rotary_factor": (1, 1.0),
+    "attn_logit_softcapping": (None,),
+    "final_logit_softcapping": (None,),
+    "logits_scaling": (None, 1, 1.0),
+    "embedding_multiplier": (None, 1, 1.0),
+    "residual_multiplier": (None, 1, 1.0),
+    "attention_multiplier": (None,),
+    "query_pre_attn_scalar": (None,),
+    "no_rope_layers": (None,),
+    "use_qk_norm": (None, False),
+    "num_local_experts": (None, 0, 1),
+    "num_experts": (None, 0, 1),
+}
+
+
+def _refuse_math_keys(hf: dict[str, Any], spec: ModelSpec) -> None:
+    """Raise on settings llmopt's model does not implement (instead of silently ignoring them)."""
+    for key, allowed in _MATH_KEYS.items():
+        if key in hf and hf[key] not in allowed:
+            raise ConfigError(
+                f"{key}={hf[key]!r} is not supported for {spec.hf_architectures[0]}; llmopt "
+                f"implements only {' / '.join(map(repr, allowed))}"
+            )
+    if hf.get("attention_bias") and not spec.attention_bias:
+        raise ConfigError(
+            f"attention_bias=True is not supported for {spec.hf_architectures[0]} (it also "
+            "biases o_proj); llmopt implements q/k/v biases for qwen2 only"
+        )
+    layer_types = set(hf.get("layer_types") or [])
+    uniform = [{"full_attention"}]
+    if spec.sliding_window and hf.get("sliding_window"):
+        uniform.append({"sliding_attention"})  # every layer windowed: what sliding_window means
+    if layer_types and layer_types not in uniform:
+        raise ConfigError(
+            f"layer_types={sorted(layer_types)} is not supported for "
+            f"{spec.hf_architectures[0]}; llmopt implements one attention kind for all layers"
+        )
+
+
+def _number(value: Any, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(f"{key}={value!r} must be a finite number")
+    return float(value)
+
+
+def hf_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from a HF config in either layout.
+
+    transformers 5 writes `rope_parameters` ({rope_theta, rope_type, scaling keys}) and no
+    top-level `rope_theta`; transformers 4 writes `rope_theta` + `rope_scaling`. Both are read;
+    when both are present they must agree. A missing theta means HF's default of 10000.
+    """
+    params = hf.get("rope_parameters")
+    legacy_theta = hf.get("rope_theta")
+    legacy_scaling = hf.get("rope_scaling")
+    if params is not None:
+        if not isinstance(params, dict):
+            raise ConfigError(f"rope_parameters={params!r} must be a dict")
+        if params and all(isinstance(v, dict) for v in params.values()):
+            distinct = {json.dumps(v, sort_keys=True) for v in params.values()}
+            if len(distinct) > 1:
+                raise ConfigError(
+                    f"per-layer-type rope_parameters for {sorted(params)} differ; llmopt "
+                    "implements one RoPE for all layers"
+                )
+            params = next(iter(params.values()))
+        theta = _number(params.get("rope_theta", legacy_theta or 10000.0), "rope_theta")
+        if legacy_theta is not None and _number(legacy_theta, "rope_theta") != theta:
+            raise ConfigError(
+                f"rope_theta={legacy_theta} contradicts rope_parameters.rope_theta={theta}"
+            )
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = _number(10000.0 if legacy_theta is None else legacy_theta, "rope_theta")
+        scaling = dict(legacy_scaling or {})
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    if scaling.get("rope_type", "default") == "default":
+        extra = sorted(set(scaling) - {"rope_type"})
+        if extra:
+            raise ConfigError(f"rope_type 'default' takes no scaling keys; got {extra}")
+        return theta, None
+    return theta, scaling

@@ -1,7 +1,8 @@
 """Model directory formats that other packages add to `load_model` (e.g. quantized ones).
 
 A package registers its format (a marker file name and the dotted path of its loader) from its
-own `__init__`; `llmopt.models.loading` then recognises such directories without importing, or
+own `__init__`, and likewise loaders for HF directories whose config.json declares a
+`quantization_config.quant_method` (AWQ, GPTQ); `llmopt.models.loading` then recognises such directories without importing, or
 even knowing about, the package that writes them. Registration imports nothing (no torch).
 """
 
@@ -50,3 +51,26 @@ def get_directory_format(kind: str) -> DirectoryFormat:
 
 def registered_markers() -> list[str]:
     return [fmt.marker for fmt in _FORMATS.values()]
+
+
+_QUANT_METHODS: dict[str, str] = {}
+
+
+def register_quantization_method(method: str, loader: str) -> None:
+    """Load HF directories whose config.json has quantization_config.quant_method == method."""
+    if ":" not in loader:
+        raise ValueError(f"loader={loader!r} must be 'package.module:function'")
+    existing = _QUANT_METHODS.get(method)
+    if existing is not None and existing != loader:
+        raise ValueError(f"quant_method {method!r} is already registered to {existing}")
+    _QUANT_METHODS[method] = loader
+
+
+def quantization_loader(method: str) -> Callable:
+    """The loader registered for a quant_method; unknown ones fail naming the known ones."""
+    if method not in _QUANT_METHODS:
+        known = ", ".join(sorted(_QUANT_METHODS)) or "none"
+        raise ValueError(
+            f"quantization_config.quant_method={method!r} cannot be loaded; llmopt reads: {known}"
+        )
+    return DirectoryFormat(method, "config.json", _QUANT_METHODS[method]).load_function()

@@ -12,6 +12,7 @@ supports); this module only maps llama.cpp names and conventions onto ours:
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -115,11 +116,6 @@ class GGUFFile:
     def config(self) -> ModelConfig:
         """The model's shapes from `<arch>.*` metadata; tying and biases from the tensor list."""
         arch = self.architecture
-        if "rope_freqs.weight" in self.tensors:
-            raise GGUFError(
-                f"{self.path} stores per-dimension RoPE factors (rope_freqs.weight, Llama 3.1 "
-                "long context); load the HF safetensors directory of this model instead"
-            )
         embed = self.tensors.get("token_embd.weight")
         if embed is None:
             raise GGUFError(f"{self.path} has no token_embd.weight tensor")
@@ -134,6 +130,13 @@ class GGUFFile:
             raise GGUFError(
                 f"{self.path}: vocab_size {vocab} != {len(tokens.data)} tokenizer tokens"
             )
+        theta = _f32(self.field(f"{arch}.rope.freq_base", 10000.0))
+        rope_dim = int(head_dim) if head_dim else hidden // num_heads
+        scaling = None
+        if "rope_freqs.weight" in self.tensors:
+            orig = self.field(f"{arch}.rope.scaling.original_context_length") or 8192
+            factors = self.dequantized("rope_freqs.weight").astype(np.float64).reshape(-1)
+            scaling = llama3_scaling_from_factors(factors, theta, rope_dim, int(orig), self.path)
         try:
             return ModelConfig(
                 name=str(self.field("general.name", self.path.stem)),
@@ -145,7 +148,8 @@ class GGUFFile:
                 num_kv_heads=int(self.field(f"{arch}.attention.head_count_kv", num_heads)),
                 max_seq_len=int(self.field(f"{arch}.context_length", 4096)),
                 head_dim=int(head_dim) if head_dim and head_dim != hidden // num_heads else None,
-                rope_theta=_f32(self.field(f"{arch}.rope.freq_base", 10000.0)),
+                rope_theta=theta,
+                rope_scaling=scaling,
                 rms_norm_eps=_f32(self.field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
                 tie_embeddings="output.weight" not in self.tensors,
                 attention_bias="blk.0.attn_q.bias" in self.tensors,
@@ -198,6 +202,8 @@ class GGUFFile:
         """(our name, tensor) pairs, Q/K rows un-permuted where llama.cpp permuted them."""
         permuted = self.spec.gguf_permuted_qk
         for gguf_name in self.tensors:
+            if gguf_name == "rope_freqs.weight":  # read into config.rope_scaling
+                continue
             name = self.our_name(gguf_name)
             array = self.dequantized(gguf_name)
             if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
@@ -205,6 +211,52 @@ class GGUFFile:
             elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
                 array = unpermute_rope_rows(array, config.num_kv_heads)
             yield name, torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
+
+
+def llama3_scaling_from_factors(
+    factors: np.ndarray, theta: float, head_dim: int, orig_ctx: int, path: Path
+) -> dict[str, Any] | None:
+    """Llama 3's `rope_scaling` recovered from llama.cpp's per-frequency divisors.
+
+    llama.cpp stores 1 (short wavelengths), `factor` (long ones) and 1/((1-s)/factor + s) in
+    between, s linear in 1/wavelength. Only orig_ctx/low and orig_ctx/high enter the math, so
+    with the original context (8192 when the file omits it) the fit is exact; factors of any
+    other shape are refused rather than approximated.
+    """
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if factors.shape != inv_freq.shape or not np.isfinite(factors).all() or factors.min() <= 0:
+        raise GGUFError(
+            f"{path}: rope_freqs.weight has shape {factors.shape} (need {inv_freq.shape}) or "
+            "non-positive/non-finite values"
+        )
+    factor = float(factors.max())
+    if np.allclose(factors, 1.0):
+        return None
+    smooth = (1 / factors - 1 / factor) / (1 - 1 / factor)
+    mid = (factors > 1 + 1e-6) & (factors < factor * (1 - 1e-6))
+    x = orig_ctx * inv_freq / (2 * math.pi)  # orig_ctx / wavelength
+    if mid.sum() < 2:
+        raise GGUFError(
+            f"{path}: rope_freqs.weight has {int(mid.sum())} transition frequencies; llmopt "
+            "recovers Llama 3 scaling from 2 or more"
+        )
+    slope, intercept = np.polyfit(x[mid], smooth[mid], 1)
+    low = round(float(-intercept / slope), 6)  # float32 factors: 6 digits are exact
+    scaling = {
+        "rope_type": "llama3",
+        "factor": round(factor, 6),
+        "low_freq_factor": low,
+        "high_freq_factor": round(low + float(1 / slope), 6),
+        "original_max_position_embeddings": orig_ctx,
+    }
+    wavelen = 2 * math.pi / inv_freq
+    expect = np.where(wavelen < orig_ctx / scaling["high_freq_factor"], 1.0, factor)
+    between = (wavelen >= orig_ctx / scaling["high_freq_factor"]) & (wavelen <= orig_ctx / low)
+    s = (orig_ctx / wavelen - low) / (scaling["high_freq_factor"] - low)
+    expect = np.where(between, 1 / ((1 - s) / factor + s), expect)
+    if not np.allclose(expect, factors, rtol=1e-4, atol=0):
+        raise GGUFError(f"{path}: rope_freqs.weight does not follow Llama 3's RoPE scaling")
+    return scaling
 
 
 def _f32(value: float) -> float:

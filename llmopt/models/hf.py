@@ -7,15 +7,16 @@ directory we write loads in transformers and vice versa. Only safetensors: never
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 
 from llmopt.artifacts import atomic_write, atomic_write_text
-from llmopt.models.config import ModelConfig
+from llmopt.models.config import ConfigError, ModelConfig
 
 _PREFIX = "model."
+_ROTARY_BUFFERS = ("inv_freq", "original_inv_freq")
 
 
 class SafetensorsError(ValueError):
@@ -52,12 +53,65 @@ def weight_files(directory: Path) -> list[Path]:
     return files
 
 
+def quant_method(directory: Path) -> str | None:
+    """config.json's `quantization_config.quant_method` (lower case), or None if unquantized."""
+    try:
+        qc = json.loads((directory / "config.json").read_text()).get("quantization_config")
+    except (json.JSONDecodeError, AttributeError) as exc:
+        raise ConfigError(
+            f"{directory / 'config.json'} is not a valid JSON object: {exc}"
+        ) from None
+    if qc is None:
+        return None
+    if not isinstance(qc, dict) or not isinstance(qc.get("quant_method"), str):
+        raise ConfigError(f"quantization_config={qc!r} in {directory} has no quant_method")
+    return qc["quant_method"].lower()
+
+
 def read_config(directory: Path) -> ModelConfig:
-    return ModelConfig.from_hf_config(directory / "config.json", name=directory.name)
+    """config.json, with the EOS ids of generation_config.json (which decide when HF stops)."""
+    config = ModelConfig.from_hf_config(directory / "config.json", name=directory.name)
+    gen_path = directory / "generation_config.json"
+    if not gen_path.is_file():
+        return config
+    try:
+        eos = json.loads(gen_path.read_text()).get("eos_token_id")
+    except (json.JSONDecodeError, AttributeError) as exc:
+        raise ConfigError(f"{gen_path} is not a valid JSON object: {exc}") from None
+    if eos is None:
+        return config
+    ids = eos if isinstance(eos, list) else [eos]
+    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ConfigError(f"{gen_path}: eos_token_id={eos!r} must be an integer or a list of them")
+    first = config.eos_token_id if config.eos_token_id in ids else ids[0]
+    return config.replace(eos_token_id=first, eos_token_ids=tuple(ids) if len(ids) > 1 else ())
+
+
+def drop_rotary_buffers(
+    tensors: Iterable[tuple[str, torch.Tensor]], config: ModelConfig, source: str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Skip saved RoPE `inv_freq` buffers (older transformers saved them), after checking they
+    agree with the config's RoPE: a mismatch means the config misdescribes the checkpoint."""
+    from llmopt.models.llama import rope_frequencies
+
+    expected = rope_frequencies(config)
+    for name, tensor in tensors:
+        if name.rsplit(".", 1)[-1] not in _ROTARY_BUFFERS or "rotary_emb" not in name:
+            yield name, tensor
+            continue
+        if name.endswith(".inv_freq") and (
+            tensor.shape != expected.shape
+            or not torch.allclose(tensor.float(), expected, rtol=1e-3, atol=0.0)
+        ):
+            raise ConfigError(
+                f"{source}: saved {name} does not match the RoPE of the config "
+                f"(rope_theta={config.rope_theta}, rope_scaling={config.rope_scaling})"
+            )
 
 
 def iter_tensors(directory: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """(our name, tensor) for every tensor of every shard, cast to `dtype`."""
+    """(our name, tensor) for every tensor of every shard; floating ones cast to `dtype`
+    (integer tensors, e.g. packed quantized codes, keep their dtype)."""
     from safetensors import SafetensorError, safe_open
 
     for path in weight_files(directory):
@@ -65,7 +119,10 @@ def iter_tensors(directory: Path, dtype: torch.dtype) -> Iterator[tuple[str, tor
         try:
             with safe_open(str(path), framework="pt") as handle:
                 for key in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    yield hf_to_ours(key), handle.get_tensor(key).to(dtype)
+                    tensor = handle.get_tensor(key)
+                    if tensor.is_floating_point():
+                        tensor = tensor.to(dtype)
+                    yield hf_to_ours(key), tensor
         except (SafetensorError, OSError, RuntimeError) as exc:
             raise SafetensorsError(
                 f"{path} ({size} bytes) is truncated or corrupted: {exc}"

@@ -16,8 +16,10 @@ from llmopt.models.config import ModelConfig
 from llmopt.models.directory_formats import (
     directory_format,
     get_directory_format,
+    quantization_loader,
     registered_markers,
 )
+from llmopt.models.hub_cache import cached_snapshot, looks_like_hub_id
 from llmopt.models.llama import RotaryEmbedding, Transformer
 from llmopt.models.registry import is_model_name, resolve
 from llmopt.models.tokenizer import Tokenizer
@@ -25,11 +27,14 @@ from llmopt.models.tokenizer import Tokenizer
 
 def resolve_spec(spec: str | Path) -> tuple[str, Path]:
     """(kind, path) for a model spec; kind is 'gguf', 'hf' or a registered directory format
-    ('quant': an `llmopt quantize` output)."""
+    ('quant': an `llmopt quantize` output). A Hub id that is not a local path is looked up in
+    the local HF cache."""
     spec = str(spec)
     if is_model_name(spec):
         return "gguf", resolve(spec)
     path = Path(spec).expanduser()
+    if not path.exists() and looks_like_hub_id(spec):
+        path = cached_snapshot(spec)  # raises naming the cache when it is not there
     if not path.exists():
         if "/" not in spec and "\\" not in spec and not Path(spec).suffix:
             resolve(spec)  # raises the 'unknown model' error with the known names
@@ -40,6 +45,9 @@ def resolve_spec(spec: str | Path) -> tuple[str, Path]:
             return fmt.kind, path
         if (path / "config.json").is_file():
             return "hf", path
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:  # e.g. a Hub snapshot of a GGUF-only repository
+            return "gguf", ggufs[0]
         markers = " or ".join(["config.json", *registered_markers()])
         raise FileNotFoundError(
             f"{path} is a directory without {markers}; expected a HF model "
@@ -69,10 +77,13 @@ def load_model(
         config = gguf_file.config()
         tensors = gguf_file.state_dict(config, dtype)
     else:
-        from llmopt.models.hf import iter_tensors, read_config
+        from llmopt.models.hf import drop_rotary_buffers, iter_tensors, quant_method, read_config
 
+        method = quant_method(path)
+        if method is not None:  # AWQ/GPTQ checkpoints: packed tensors, not plain weights
+            return quantization_loader(method)(path, dtype=dtype, device=device)
         config = read_config(path)
-        tensors = iter_tensors(path, dtype)
+        tensors = drop_rotary_buffers(iter_tensors(path, dtype), config, str(path))
     return model_from_tensors(config, tensors, device=device, source=str(path))
 
 

@@ -1,10 +1,17 @@
-"""Quantized model directories: `model.safetensors` + `llmopt_quant.json` (+ config/tokenizer).
+"""Quantized model directories: `llmopt_quant.safetensors` + `llmopt_quant.json` (+ tokenizer).
 
 `llmopt_quant.json` records the model config, the quantization config, every quantized
-module's shape, and the SHA-256 of `model.safetensors`; loading checks all of them, so a
+module's shape, and the SHA-256 of the weights file; loading checks all of them, so a
 truncated, corrupted or mismatched file fails with one line naming the problem instead of
 producing a silently wrong model. Every file is written to a temporary name and renamed, and
 the marker file is written last: a directory is never half a quantized model.
+
+Neither `config.json` nor `model.safetensors` is written (stale ones are removed): transformers
+loads any `model.safetensors` (with a default config when config.json is absent) and initialises
+every linear whose packed tensors it does not know at random. Without both names every
+transformers loader raises instead. Portable outputs are the exports (`export_autoawq`).
+Directories written before this change (`model.safetensors`) still load: the marker names its
+weights file.
 """
 
 from __future__ import annotations
@@ -25,7 +32,8 @@ from llmopt.compress.quant.formats import check_bits_group
 from llmopt.compress.quant.linear import QuantLinear
 from llmopt.models.spec import spec_for
 
-WEIGHTS = "model.safetensors"
+WEIGHTS = "llmopt_quant.safetensors"
+LEGACY_WEIGHTS = "model.safetensors"  # directories written before `weights_file` existed
 FORMAT_NAME = "llmopt-quant"
 FORMAT_VERSION = 1
 
@@ -93,14 +101,11 @@ def save_quantized(
         for name, m in model.named_modules()
         if isinstance(m, QuantLinear)
     }
+    (directory / MARKER).unlink(missing_ok=True)  # an interrupted save is never complete
+    for stale in ("config.json", LEGACY_WEIGHTS, "model.safetensors.index.json"):
+        (directory / stale).unlink(missing_ok=True)
     weights = directory / WEIGHTS
     atomic_write(weights, lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
-    hf_config = model.config.to_hf_config()
-    hf_config["quantization_config"] = {
-        "quant_method": f"llmopt-{config.method}",
-        **config.to_dict(),
-    }
-    _write_json(directory / "config.json", hf_config)
     if tokenizer is not None:
         tokenizer.save(directory)
     meta = {
@@ -109,6 +114,7 @@ def save_quantized(
         "model_config": model.config.to_dict(),
         "quant_config": config.to_dict(),
         "modules": modules,
+        "weights_file": WEIGHTS,
         "weights_sha256": sha256_file(weights),
         "float_dtype": str(float_dtype or next(iter(_float_params(model)), torch.float32)),
         "report": _jsonable(getattr(model, "quant_report", {})),
@@ -150,9 +156,12 @@ def load_quantized_model(
 
     directory = Path(path)
     meta = read_quant_meta(directory)
-    weights = directory / WEIGHTS
+    weights_name = meta.get("weights_file", LEGACY_WEIGHTS)
+    if weights_name not in (WEIGHTS, LEGACY_WEIGHTS):
+        raise QuantFileError(f"{MARKER}: weights_file={weights_name!r}; expected {WEIGHTS!r}")
+    weights = directory / weights_name
     if not weights.is_file():
-        raise FileNotFoundError(f"{directory} lacks {WEIGHTS}")
+        raise FileNotFoundError(f"{directory} lacks {weights_name}")
     digest = sha256_file(weights)
     if digest != meta["weights_sha256"]:
         raise QuantFileError(
@@ -201,7 +210,7 @@ def load_quantized_model(
             not ref.is_floating_point() and t.dtype != ref.dtype
         ):
             raise QuantFileError(
-                f"tensor {name!r} in {WEIGHTS} is {tuple(t.shape)} {t.dtype}, but {MARKER} "
+                f"tensor {name!r} in {weights_name} is {tuple(t.shape)} {t.dtype}, but {MARKER} "
                 f"implies {tuple(ref.shape)} {ref.dtype}"
             )
     extra = sorted(set(state) - set(expected))
