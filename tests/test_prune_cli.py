@@ -132,10 +132,10 @@ def test_cli_float16_rest_halves_the_embedding_and_dir_is_readable(tmp_path, hf_
     from llmopt.models.spec import get_spec
 
     embedding = get_spec("llama").embedding
-    with safe_open(str(tmp_path / "b" / "model.safetensors"), framework="pt") as handle:
+    with safe_open(str(tmp_path / "b" / "llmopt_prune.safetensors"), framework="pt") as handle:
         assert handle.get_tensor(f"{embedding}.weight").dtype == torch.float16
-    size_a = (tmp_path / "a" / "model.safetensors").stat().st_size
-    size_b = (tmp_path / "b" / "model.safetensors").stat().st_size
+    size_a = (tmp_path / "a" / "llmopt_prune.safetensors").stat().st_size
+    size_b = (tmp_path / "b" / "llmopt_prune.safetensors").stat().st_size
     assert 0.45 < size_b / size_a < 0.6  # the 49152 x 64 embedding dominates the tiny model
     loaded = load_pruned(tmp_path / "b")
     assert (

@@ -1,4 +1,4 @@
-"""Pruned model directories: `model.safetensors` + `llmopt_prune.json` (+ tokenizer files).
+"""Pruned model directories: `llmopt_prune.safetensors` + `llmopt_prune.json` (+ tokenizer files).
 
 Pruned linears are stored by structure:
 - N:M: `<module>.values` (fp16, the N kept of every M) + `<module>.indices` (bit-packed
@@ -37,7 +37,9 @@ from llmopt.compress.quant.io import sha256_file
 from llmopt.models.spec import spec_for
 
 MARKER = "llmopt_prune.json"
-WEIGHTS = "model.safetensors"
+WEIGHTS = (
+    "llmopt_prune.safetensors"  # not model.safetensors: transformers must not take it for a model
+)
 FORMAT_NAME = "llmopt-prune"
 FORMAT_VERSION = 1
 
