@@ -7,9 +7,8 @@ import torch
 from torch import nn
 
 from llmopt.models import build_model
-from llmopt.precision import fp8
+from llmopt.precision import fp8, fp8_linear
 from llmopt.precision.fp8 import (
-    BLOCK_LINEARS,
     Float8Linear,
     Fp8Error,
     Fp8UnsupportedError,
@@ -30,9 +29,10 @@ def test_convert_swaps_exactly_the_block_linears(tiny_config):
     convert_to_fp8(model, "delayed")
     converted = fp8_modules(model)
     assert sorted(converted) == sorted(
-        f"layers.{i}.{'self_attn' if n.endswith(('q_proj', 'k_proj', 'v_proj', 'o_proj')) else 'mlp'}.{n}"
+        f"layers.{i}.{part}.{n}_proj"
         for i in range(tiny_config.num_layers)
-        for n in BLOCK_LINEARS
+        for part, names in (("self_attn", "qkvo"), ("mlp", ("gate", "up", "down")))
+        for n in names
     )
     assert len(converted) == 7 * tiny_config.num_layers
     # high precision everywhere else
@@ -109,7 +109,7 @@ def test_unsupported_device_errors_or_emulates(tiny_config, monkeypatch):
         convert_to_fp8(meta, fallback="cpu")
 
     # A torch without a CPU FP8 GEMM: error by default, exact emulation when asked.
-    monkeypatch.setattr(fp8, "_cpu_scaled_mm_error", lambda: "torch 2.3 has no CPU FP8 GEMM")
+    monkeypatch.setattr(fp8_linear, "_cpu_scaled_mm_error", lambda: "torch 2.3 has no CPU FP8 GEMM")
     with pytest.raises(Fp8UnsupportedError, match="torch 2.3 has no CPU FP8 GEMM; pass fallback"):
         convert_to_fp8(build_model(tiny_config, seed=0))
     emulated = convert_to_fp8(build_model(tiny_config, seed=0), fallback="emulate")

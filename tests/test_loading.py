@@ -171,7 +171,7 @@ def test_perplexity_matches_transformers_on_web_bible(ours, reference, tokenizer
 
 # ---------------------------------------------------------------- GGUF files we write
 def _write_gguf(path: Path, model, arch: str, qtype: gguf.GGMLQuantizationType) -> None:
-    """A llama.cpp-convention GGUF of `model` (Q/K permuted for the llama architecture)."""
+    """A llama.cpp-convention GGUF of `model` (Q/K permuted for llama and mistral)."""
     cfg: ModelConfig = model.config
     writer = gguf.GGUFWriter(str(path), arch=arch)
     writer.add_block_count(cfg.num_layers)
@@ -183,6 +183,8 @@ def _write_gguf(path: Path, model, arch: str, qtype: gguf.GGMLQuantizationType) 
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_dimension_count(cfg.head_dim)
+    if cfg.sliding_window is not None:
+        writer.add_sliding_window(cfg.sliding_window)
     names = {
         "embed_tokens.weight": "token_embd.weight",
         "norm.weight": "output_norm.weight",
@@ -208,7 +210,8 @@ def _write_gguf(path: Path, model, arch: str, qtype: gguf.GGMLQuantizationType) 
             _, idx, *mid, leaf = name.split(".")
             gguf_name = f"blk.{idx}.{block['.'.join(mid)]}.{leaf}"
         array = tensor.float().numpy()
-        if arch == "llama" and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
+        permuted = arch in ("llama", "mistral")
+        if permuted and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
             heads = cfg.num_heads if ".attn_q." in gguf_name else cfg.num_kv_heads
             array = permute_rope_rows(array, heads)
         if array.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
@@ -237,6 +240,7 @@ def _qwen2_config() -> ModelConfig:
         rms_norm_eps=1e-6,
         attention_bias=True,
         tie_embeddings=False,
+        architecture="qwen2",
     )
 
 
@@ -250,9 +254,13 @@ def _qwen2_config() -> ModelConfig:
         (gguf.GGMLQuantizationType.Q8_0, 2e-2),
     ],
 )
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_gguf_written_by_gguf_writer_round_trips(tmp_path, tiny_config, arch, qtype, atol):
-    cfg = tiny_config if arch == "llama" else _qwen2_config()
+    cfg = {
+        "llama": tiny_config,
+        "qwen2": _qwen2_config(),
+        "mistral": tiny_config.replace(architecture="mistral", sliding_window=8),
+    }[arch]
     model = build_model(cfg, seed=3).eval()
     with torch.no_grad():  # non-zero biases so a dropped bias would show
         for layer in model.layers:

@@ -75,6 +75,7 @@ def test_hf_config_round_trip():
         num_kv_heads=2,
         attention_bias=True,
         tie_embeddings=False,
+        architecture="qwen2",
     )
     back = ModelConfig.from_hf_config(cfg.to_hf_config(), name="q")
     assert back == cfg

@@ -7,7 +7,7 @@ import torch
 
 from llmopt.compress.quant.apply import quantize_model
 from llmopt.compress.quant.awq import _apply_scale, scaling_groups
-from llmopt.models import ModelConfig, build_model
+from llmopt.models import ModelConfig, build_model, spec_for
 
 SALIENT = [5, 77]
 
@@ -44,7 +44,7 @@ def test_scale_folding_keeps_the_model_equivalent():
     with torch.no_grad():
         ref = block(x, cos, sin)
         selected = {n for n, m in block.named_modules() if isinstance(m, torch.nn.Linear)}
-        groups = scaling_groups(block, selected, cos, sin)
+        groups = scaling_groups(block, spec_for(model), selected, cos, sin)
         # MHA + SwiGLU: all four fold points exist
         assert [g.prev_name for g in groups] == [
             "input_layernorm",

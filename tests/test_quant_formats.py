@@ -154,3 +154,14 @@ def test_model_to_bf16_keeps_the_packed_format(tiny_model):
     with torch.no_grad():
         out = q16(tokens)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
+
+
+def test_module_selection_reads_the_spec_and_names_bad_entries(tiny_model):
+    q = quantize_model(
+        tiny_model, "rtn", bits=8, group_size=32, modules=("mlp.down_proj", "q_proj")
+    )
+    assert sorted(quant_linears(q)) == [
+        f"layers.{i}.{n}" for i in range(2) for n in ("mlp.down_proj", "self_attn.q_proj")
+    ]
+    with pytest.raises(ValueError, match=r"modules=\['wq'\] are not linears of a llama block"):
+        quantize_model(tiny_model, "rtn", modules=("wq",))

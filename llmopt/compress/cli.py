@@ -34,7 +34,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=True,
         help="GPTQ: visit columns by decreasing Hessian diagonal (default on)",
     )
-    p.add_argument("--lm-head", action="store_true", help="also quantize the LM head")
+    p.add_argument(
+        "--lm-head", dest="quantize_head", action="store_true", help="also quantize the LM head"
+    )
     p.add_argument("--format", default="llmopt", choices=FORMATS, help="output layout")
     p.add_argument(
         "--float-dtype",
@@ -65,23 +67,13 @@ def run(args: argparse.Namespace) -> int:
         calib_samples=args.calib_samples,
         calib_seq_len=args.calib_seq_len,
         gptq_act_order=args.act_order,
-        quantize_lm_head=args.lm_head,
+        quantize_lm_head=args.quantize_head,
     )
-    if args.format == "autoawq" and args.bits != 4:
-        raise ValueError(f"--format autoawq holds 4-bit weights only; got --bits {args.bits}")
     model = load_model(args.model, dtype=torch.float32)
-    if args.format == "autoawq" and args.group_size != -1:
-        # fail before spending minutes on calibration: AutoAWQ has no short last group
-        widths = sorted(
-            {m.in_features for m in model.layers.modules() if hasattr(m, "in_features")}
-        )
-        bad = [w for w in widths if w % args.group_size]
-        if bad:
-            raise ValueError(
-                f"--format autoawq needs every input width divisible by --group-size "
-                f"{args.group_size}; this model has widths {bad}; choose a group size that "
-                f"divides {', '.join(map(str, bad))} (or -1)"
-            )
+    if args.format == "autoawq":
+        from llmopt.compress.quant.autoawq import check_autoawq_compatible
+
+        check_autoawq_compatible(model, args.bits, args.group_size)
     tokenizer = load_tokenizer(args.model)
     calib = None
     if config.needs_calibration:

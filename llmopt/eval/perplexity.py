@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from llmopt.models.llama import Transformer
+from llmopt.models.spec import spec_for
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,8 @@ def window_logprobs(model: Transformer, tokens: torch.Tensor, window: Window) ->
     ids = tokens[window.begin : window.end].to(device).unsqueeze(0)
     h = model.hidden_states(ids)
     first = window.score_from - window.begin - 1
-    logits = model.lm_head(h[0, first : window.end - window.begin - 1])
+    head = spec_for(model).top_module(model, "head")
+    logits = head(h[0, first : window.end - window.begin - 1])
     return F.log_softmax(logits.float(), dim=-1)
 
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from llmopt.infer.sampling import SamplingConfig, logits_to_probs, sample
 from llmopt.models.llama import KVCache, Transformer
+from llmopt.models.spec import spec_for
 
 
 @dataclass
@@ -65,7 +66,9 @@ class EarlyExitModel(Transformer):
     """
 
     def __init__(self, target: Transformer, num_layers: int) -> None:
-        total = len(target.layers)
+        spec = spec_for(target)
+        blocks = list(spec.blocks_of(target))
+        total = len(blocks)
         if not 1 <= num_layers < total:
             raise ValueError(
                 f"early-exit layer count {num_layers} must be in [1, {total - 1}] "
@@ -73,11 +76,10 @@ class EarlyExitModel(Transformer):
             )
         nn.Module.__init__(self)  # Transformer.__init__ would allocate fresh weights
         self.config = target.config.replace(num_layers=num_layers)
-        self.embed_tokens = target.embed_tokens
         self.rotary = target.rotary
-        self.layers = nn.ModuleList(list(target.layers[:num_layers]))
-        self.norm = target.norm
-        self.lm_head = target.lm_head
+        for role in ("embedding", "final_norm", "head"):
+            setattr(self, getattr(spec, role), spec.top_module(target, role))
+        setattr(self, spec.blocks, nn.ModuleList(blocks[:num_layers]))
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -19,7 +19,11 @@ _WHERE = {
     "get_preset": "llmopt.models.presets",
     "ModelSpec": "llmopt.models.spec",
     "get_spec": "llmopt.models.spec",
+    "register_spec": "llmopt.models.spec",
+    "registered_architectures": "llmopt.models.spec",
     "spec_for": "llmopt.models.spec",
+    "spec_for_gguf": "llmopt.models.spec",
+    "spec_for_hf": "llmopt.models.spec",
 }
 
 __all__ = sorted(_WHERE)

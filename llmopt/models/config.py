@@ -13,6 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from llmopt.models.spec import (
+    ModelSpec,
+    UnknownArchitectureError,
+    get_spec,
+    registered_architectures,
+    spec_for_hf,
+)
+
 MlpKind = Literal["swiglu", "gelu"]
 
 
@@ -26,6 +34,8 @@ class ModelConfig:
 
     `head_dim` defaults to hidden_size // num_heads. `rope_scaling` follows HF's dict
     convention (only `rope_type="llama3"` changes the frequencies; others are rejected).
+    `architecture` names the registered `ModelSpec` (module names every transformation
+    reads); `sliding_window` (Mistral) limits each query to the last that many keys.
     """
 
     name: str
@@ -45,9 +55,30 @@ class ModelConfig:
     mlp: MlpKind = "swiglu"
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    architecture: str = "llama"
+    sliding_window: int | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
+        if self.architecture not in registered_architectures():
+            raise ConfigError(
+                f"architecture={self.architecture!r} is not registered; choose one of "
+                f"{', '.join(registered_architectures())}"
+            )
+        if self.sliding_window is not None and (
+            not isinstance(self.sliding_window, int)
+            or isinstance(self.sliding_window, bool)
+            or self.sliding_window <= 0
+        ):
+            raise ConfigError(
+                f"sliding_window={self.sliding_window!r} must be a positive integer or None"
+            )
+        if self.sliding_window is not None and not get_spec(self.architecture).sliding_window:
+            raise ConfigError(
+                f"sliding_window={self.sliding_window} is not supported for architecture "
+                f"{self.architecture!r}; architectures with sliding-window attention: "
+                + ", ".join(a for a in registered_architectures() if get_spec(a).sliding_window)
+            )
         for name in (
             "vocab_size",
             "hidden_size",
@@ -83,6 +114,12 @@ class ModelConfig:
                 raise ConfigError(
                     f"rope_scaling type {kind!r} is not supported; supported: 'llama3', 'default'"
                 )
+
+    @property
+    def mlp_kind(self) -> MlpKind:
+        """The MLP's activation ("swiglu" / "gelu"): `mlp` read under a name that cannot be
+        mistaken for a block's MLP module outside llmopt.models."""
+        return self.mlp
 
     # ---- derived sizes (used by the planner; no tensors involved) ----
     @property
@@ -153,18 +190,20 @@ class ModelConfig:
                 hf = json.loads(path.read_text())
             except json.JSONDecodeError as exc:
                 raise ConfigError(f"{path} is not valid JSON: {exc}") from exc
-        archs = hf.get("architectures") or [hf.get("model_type", "?")]
-        arch = archs[0]
-        supported = {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"}
-        if arch not in supported and hf.get("model_type") not in {"llama", "qwen2", "mistral"}:
-            raise ConfigError(f"unsupported architecture {arch!r}; supported: {sorted(supported)}")
-        is_qwen2 = arch == "Qwen2ForCausalLM" or hf.get("model_type") == "qwen2"
+        spec = _hf_spec(hf)
         num_heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
         if isinstance(eos, list):
             eos = eos[0]
+        if hf.get("use_sliding_window"):
+            raise ConfigError(
+                "use_sliding_window=True (per-layer windows above max_window_layers) is not "
+                f"supported for {spec.hf_architectures[0]}"
+            )
+        # Qwen2 configs carry a `sliding_window` that is off unless use_sliding_window is set
+        window = hf.get("sliding_window") if spec.sliding_window else None
         return cls(
-            name=name or hf.get("_name_or_path", "") or arch,
+            name=name or hf.get("_name_or_path", "") or spec.hf_architectures[0],
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"],
@@ -177,17 +216,24 @@ class ModelConfig:
             rope_scaling=hf.get("rope_scaling"),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", is_qwen2)),
+            attention_bias=bool(hf.get("attention_bias", spec.attention_bias)),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos,
+            architecture=spec.architecture,
+            sliding_window=window,
         )
 
     def to_hf_config(self) -> dict[str, Any]:
-        """The equivalent HF `config.json` dict (Qwen2 when attention has biases)."""
-        qwen2 = self.attention_bias
+        """The equivalent HF `config.json` dict for this config's architecture."""
+        spec = get_spec(self.architecture)
+        if self.attention_bias and not spec.attention_bias:
+            raise ConfigError(
+                f"attention_bias=True has no HF {spec.hf_architectures[0]} equivalent (HF would "
+                "also bias o_proj); use architecture='qwen2' for q/k/v biases"
+            )
         cfg: dict[str, Any] = {
-            "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
-            "model_type": "qwen2" if qwen2 else "llama",
+            "architectures": [spec.hf_architectures[0]],
+            "model_type": spec.hf_model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -205,7 +251,20 @@ class ModelConfig:
             "eos_token_id": self.eos_token_id,
             "torch_dtype": "float32",
         }
-        if not qwen2:
+        if spec.attention_bias:
+            cfg["use_sliding_window"] = False
+        else:
             cfg["attention_bias"] = False
             cfg["mlp_bias"] = False
+        if spec.sliding_window:
+            cfg["sliding_window"] = self.sliding_window
         return cfg
+
+
+def _hf_spec(hf: dict[str, Any]) -> ModelSpec:
+    """The registered spec of a HF config (by `architectures`, else `model_type`)."""
+    archs = hf.get("architectures") or [hf.get("model_type", "?")]
+    try:
+        return spec_for_hf(archs[0], hf.get("model_type"))
+    except UnknownArchitectureError as exc:
+        raise ConfigError(str(exc)) from None

@@ -20,9 +20,7 @@ import numpy as np
 import torch
 
 from llmopt.models.config import ConfigError, ModelConfig
-
-# general.architecture -> whether llama.cpp's converter permuted Q/K rows for its RoPE layout
-SUPPORTED_ARCHITECTURES = {"llama": True, "mistral": True, "qwen2": False}
+from llmopt.models.spec import ModelSpec, UnknownArchitectureError, spec_for_gguf
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "embed_tokens.weight",
@@ -102,13 +100,17 @@ class GGUFFile:
 
     @property
     def architecture(self) -> str:
+        """`general.architecture` (the prefix of the shape metadata keys)."""
+        self.spec  # noqa: B018 - validates
+        return self.require("general.architecture")
+
+    @property
+    def spec(self) -> ModelSpec:
         arch = self.require("general.architecture")
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise GGUFError(
-                f"unsupported architecture {arch!r} in {self.path}; "
-                f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
-            )
-        return arch
+        try:
+            return spec_for_gguf(arch)
+        except UnknownArchitectureError as exc:
+            raise GGUFError(f"{exc} (in {self.path})") from None
 
     def config(self) -> ModelConfig:
         """The model's shapes from `<arch>.*` metadata; tying and biases from the tensor list."""
@@ -149,9 +151,15 @@ class GGUFFile:
                 attention_bias="blk.0.attn_q.bias" in self.tensors,
                 bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
                 eos_token_id=self.field("tokenizer.ggml.eos_token_id"),
+                architecture=self.spec.architecture,
+                sliding_window=self._sliding_window(arch),
             )
         except ConfigError as exc:
             raise GGUFError(f"{self.path}: {exc}") from exc
+
+    def _sliding_window(self, arch: str) -> int | None:
+        window = self.field(f"{arch}.attention.sliding_window")
+        return int(window) if window and self.spec.sliding_window else None
 
     # ---- tensors ----
     def our_name(self, gguf_name: str) -> str:
@@ -188,7 +196,7 @@ class GGUFFile:
         self, config: ModelConfig, dtype: torch.dtype
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """(our name, tensor) pairs, Q/K rows un-permuted where llama.cpp permuted them."""
-        permuted = SUPPORTED_ARCHITECTURES[self.architecture]
+        permuted = self.spec.gguf_permuted_qk
         for gguf_name in self.tensors:
             name = self.our_name(gguf_name)
             array = self.dequantized(gguf_name)

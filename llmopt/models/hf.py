@@ -27,7 +27,8 @@ def hf_to_ours(name: str) -> str:
 
 
 def ours_to_hf(name: str) -> str:
-    return name if name.startswith("lm_head.") else _PREFIX + name
+    """HF's name of a tensor or module (all but the LM head sit under `model.`)."""
+    return name if name.split(".", 1)[0] == "lm_head" else _PREFIX + name
 
 
 def weight_files(directory: Path) -> list[Path]:

@@ -2,8 +2,13 @@
 
 RMSNorm, RoPE (HF "rotate half" layout), grouped-query attention through
 `scaled_dot_product_attention`, SwiGLU (or GELU) MLP, tied or untied embeddings, optional
-q/k/v biases (Qwen2). Parameter names follow HF's (minus the `model.` prefix) so checkpoints
-map one-to-one.
+q/k/v biases (Qwen2), optional sliding-window attention (Mistral). Parameter names follow
+HF's (minus the `model.` prefix) so checkpoints map one-to-one; the `ModelSpec`s of
+`llmopt.models.spec` name them for everything outside this package.
+
+The forward tolerates stage-deleted modules (torchtitan's pipeline convention): without an
+embedding the input is already hidden states, without a final norm / head the output is the
+hidden states, and `layers` may hold a subset of the blocks (a ModuleDict keyed by index).
 
 Nothing here knows about parallelism, precision or quantization: those are applied to this
 model by functions elsewhere that swap or wrap submodules. To make that possible:
@@ -62,11 +67,11 @@ class KVCache:
             raise ValueError(
                 f"cache length {max_len} exceeds the model context max_seq_len={cfg.max_seq_len}"
             )
-        attn = model.layers[0].self_attn
+        attn = next(iter(model.held_blocks())).self_attn
         param = next(model.parameters())
         dtype = param.dtype if param.is_floating_point() else torch.float32
-        return cls(
-            len(model.layers),
+        return cls(  # indexed by each block's layer_idx: a stage's blocks keep theirs
+            cfg.num_layers,
             batch_size,
             attn.num_kv_heads,
             max_len,
@@ -154,13 +159,19 @@ class AttentionCore(nn.Module):
 
     q: [B, H, T, D]; k, v: [B, Hkv, S, D] where the T queries sit at the last T of the S
     positions. Kept separate so selective activation recomputation can wrap exactly it.
+    With a sliding `window`, query i sees keys (i - window, i] (HF Mistral's convention).
     """
+
+    def __init__(self, window: int | None = None) -> None:
+        super().__init__()
+        self.window = window
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         batch, heads, t, d = q.shape
         kv_heads, s = k.shape[1], k.shape[2]
         groups = heads // kv_heads
-        if t == s:  # no cached prefix: plain causal attention (flash/efficient kernels)
+        windowed = self.window is not None and s > self.window
+        if t == s and not windowed:  # plain causal attention (flash/efficient kernels)
             if groups == 1:
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True)
             if _SDPA_HAS_GQA:
@@ -172,10 +183,13 @@ class AttentionCore(nn.Module):
         # cached keys are read once, never copied per query head.
         qf = q.reshape(batch, kv_heads, groups * t, d)
         mask = None
-        if t > 1:
-            query_pos = torch.arange(s - t, s, device=q.device)
-            key_pos = torch.arange(s, device=q.device)
-            mask = (key_pos[None, :] <= query_pos[:, None]).repeat(groups, 1)
+        if t > 1 or windowed:
+            query_pos = torch.arange(s - t, s, device=q.device)[:, None]
+            key_pos = torch.arange(s, device=q.device)[None, :]
+            visible = key_pos <= query_pos
+            if windowed:
+                visible = visible & (key_pos > query_pos - self.window)
+            mask = visible.repeat(groups, 1)
         out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask)
         return out.reshape(batch, heads, t, d)
 
@@ -192,7 +206,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, config.kv_size, bias=bias)
         self.v_proj = nn.Linear(h, config.kv_size, bias=bias)
         self.o_proj = nn.Linear(config.q_size, h, bias=False)
-        self.core = AttentionCore()
+        self.core = AttentionCore(config.sliding_window)
 
     def forward(
         self,
@@ -269,29 +283,55 @@ class Transformer(nn.Module):
                 param.copy_(torch.randn(param.shape, generator=gen) * std)
         return self
 
-    def hidden_states(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """Final-norm hidden states [B, T, hidden]; advances `cache` by T positions."""
-        if tokens.dim() != 2:
+    def held_blocks(self) -> list[Block]:
+        """The blocks this (possibly stage-deleted) model holds, in order."""
+        layers = self.layers
+        return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
+
+    def hidden_states(
+        self, tokens: torch.Tensor, cache: KVCache | None = None, seq_len: int | None = None
+    ) -> torch.Tensor:
+        """Hidden states [B, T, hidden] after the blocks (and the final norm, if held).
+
+        `tokens` are ids [B, T], or hidden states [B, T, hidden] when the embedding was
+        deleted (a later pipeline stage). `seq_len`: the full sequence length when the input
+        is a sequence shard (sequence parallelism), for the RoPE tables. Advances `cache` by
+        T positions.
+        """
+        if self.embed_tokens is not None and tokens.dim() != 2:
             raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
+        if self.embed_tokens is None and tokens.dim() != 3:
+            raise ValueError(
+                "a model without its embedding takes hidden states [batch, seq, hidden], got "
+                f"shape {tuple(tokens.shape)}"
+            )
         start = cache.length if cache is not None else 0
         t = tokens.shape[1]
-        if start + t > self.config.max_seq_len:
+        full = seq_len if seq_len is not None else t
+        if start + full > self.config.max_seq_len:
             raise ValueError(
-                f"sequence of {start + t} tokens exceeds the model context "
+                f"sequence of {start + full} tokens exceeds the model context "
                 f"max_seq_len={self.config.max_seq_len}"
             )
-        x = self.embed_tokens(tokens)
-        cos, sin = self.rotary(start, t, x.dtype)
-        for layer in self.layers:
+        x = self.embed_tokens(tokens) if self.embed_tokens is not None else tokens
+        cos, sin = self.rotary(start, full, x.dtype)
+        for layer in self.held_blocks():
             x = layer(x, cos, sin, cache, start)
         if cache is not None:
             cache.length = start + t
-        return self.norm(x)
+        return self.norm(x) if self.norm is not None else x
 
     def forward(
-        self, tokens: torch.Tensor, cache: KVCache | None = None, last_only: bool = False
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache | None = None,
+        last_only: bool = False,
+        seq_len: int | None = None,
     ) -> torch.Tensor:
-        h = self.hidden_states(tokens, cache)
+        """Logits [B, T, vocab] (or [B, 1, vocab] with last_only); hidden states without a head."""
+        h = self.hidden_states(tokens, cache, seq_len)
+        if self.lm_head is None:
+            return h
         if last_only:
             h = h[:, -1:]
         return self.lm_head(h)

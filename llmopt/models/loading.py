@@ -13,15 +13,19 @@ from pathlib import Path
 import torch
 
 from llmopt.models.config import ModelConfig
+from llmopt.models.directory_formats import (
+    directory_format,
+    get_directory_format,
+    registered_markers,
+)
 from llmopt.models.llama import RotaryEmbedding, Transformer
 from llmopt.models.registry import is_model_name, resolve
 from llmopt.models.tokenizer import Tokenizer
 
-QUANT_MARKER = "llmopt_quant.json"
-
 
 def resolve_spec(spec: str | Path) -> tuple[str, Path]:
-    """(kind, path) for a model spec; kind is 'gguf', 'hf' or 'quant'."""
+    """(kind, path) for a model spec; kind is 'gguf', 'hf' or a registered directory format
+    ('quant': an `llmopt quantize` output)."""
     spec = str(spec)
     if is_model_name(spec):
         return "gguf", resolve(spec)
@@ -31,12 +35,14 @@ def resolve_spec(spec: str | Path) -> tuple[str, Path]:
             resolve(spec)  # raises the 'unknown model' error with the known names
         raise FileNotFoundError(f"model file or directory not found: {spec}")
     if path.is_dir():
-        if (path / QUANT_MARKER).is_file():
-            return "quant", path
+        fmt = directory_format(path)
+        if fmt is not None:
+            return fmt.kind, path
         if (path / "config.json").is_file():
             return "hf", path
+        markers = " or ".join(["config.json", *registered_markers()])
         raise FileNotFoundError(
-            f"{path} is a directory without config.json or {QUANT_MARKER}; expected a HF model "
+            f"{path} is a directory without {markers}; expected a HF model "
             "directory or an `llmopt quantize` output"
         )
     with open(path, "rb") as handle:
@@ -54,10 +60,8 @@ def load_model(
 ) -> Transformer:
     """The model named or located by `spec`, in eval mode, with weights in `dtype` on `device`."""
     kind, path = resolve_spec(spec)
-    if kind == "quant":
-        from llmopt.compress.quant import load_quantized_model
-
-        return load_quantized_model(path, dtype=dtype, device=device)
+    if kind not in ("gguf", "hf"):
+        return get_directory_format(kind).load_function()(path, dtype=dtype, device=device)
     if kind == "gguf":
         from llmopt.models.gguf import open_gguf
 
@@ -96,7 +100,7 @@ def model_from_tensors(
         if name not in expected:
             raise ValueError(
                 f"{source}: unexpected tensor {name!r} for a {config.num_layers}-layer "
-                f"{'Qwen2' if config.attention_bias else 'Llama'}-style model"
+                f"{config.architecture} model"
             )
         if tensor.shape != expected[name]:
             raise ValueError(

@@ -67,6 +67,7 @@ def _qwen25(name, hidden, ffn, layers, heads, kv, vocab, tied):
         tie_embeddings=tied,
         attention_bias=True,
         eos_token_id=151643,
+        architecture="qwen2",
     )
 
 

@@ -7,6 +7,12 @@ Llama's attribute names, so adding an architecture is one `register_spec` call b
 Names are dotted paths: top-level ones relative to the model (`embed_tokens`), block-level ones
 relative to one block (`self_attn.q_proj`). A block-level name the block does not have (e.g.
 `mlp.gate_proj` in a GELU MLP) is skipped by every consumer (`block_module` returns None).
+
+A model's architecture is `model.config.architecture` (set by `ModelConfig.from_hf_config` and
+the GGUF loader, written back by `to_hf_config`); `spec_for(model)` returns its spec. Llama,
+Qwen2 and Mistral share one module layout (`llmopt.models.llama.Transformer`) and differ only
+in the family flags (q/k/v biases, sliding window, GGUF Q/K permutation). A stage-deleted
+model (modules set to None, blocks a ModuleDict subset) is walked with `named_blocks`.
 """
 
 from __future__ import annotations
@@ -26,11 +32,13 @@ class UnknownArchitectureError(ValueError):
 class ScalingGroup:
     """AWQ: linears that read the output of `prev` (a norm or a linear whose output channels
     can absorb 1/s), and the module (`inspect`) whose output error the scale search minimises.
-    `inspect` empty: the error of the linears' own outputs."""
+    `inspect` empty: the error of the linears' own outputs. `needs`: modules the block must
+    have for the fold to be exact (e.g. a gate that makes up's output enter down linearly)."""
 
     prev: str
     linears: tuple[str, ...]
     inspect: str = ""
+    needs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -46,6 +54,11 @@ class ModelSpec:
     architecture: str
     hf_architectures: tuple[str, ...] = ()
     gguf_architectures: tuple[str, ...] = ()
+    hf_model_type: str = ""  # config.json's model_type (default: the architecture name)
+    # what distinguishes family members that share the module layout
+    attention_bias: bool = False  # q/k/v biases by default (Qwen2)
+    sliding_window: bool = False  # attention may be limited to a window of recent keys
+    gguf_permuted_qk: bool = True  # llama.cpp's converter permuted Q/K rows (RoPE layout)
     # top level (relative to the model)
     embedding: str = "embed_tokens"
     blocks: str = "layers"
@@ -53,6 +66,7 @@ class ModelSpec:
     head: str = "lm_head"
     # inside one block
     attention: str = "self_attn"  # has num_heads / num_kv_heads that TP divides
+    attention_core: str = "self_attn.core"  # softmax(QK^T)V alone: selective recompute wraps it
     mlp: str = "mlp"
     column_parallel: tuple[str, ...] = (
         "self_attn.q_proj",
@@ -71,8 +85,10 @@ class ModelSpec:
         ),
         ScalingGroup("self_attn.v_proj", ("self_attn.o_proj",)),
         ScalingGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
-        ScalingGroup("mlp.up_proj", ("mlp.down_proj",)),
+        ScalingGroup("mlp.up_proj", ("mlp.down_proj",), needs=("mlp.gate_proj",)),
     )
+    # AWQ searches no clipping range for these (they feed a softmax through RoPE)
+    awq_no_clip: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj")
     # GPTQ quantizes these groups in order, re-running the block between them
     gptq_order: tuple[tuple[str, ...], ...] = (
         ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -86,6 +102,10 @@ class ModelSpec:
     )
     extra: dict = field(default_factory=dict, compare=False)
 
+    def __post_init__(self) -> None:
+        if not self.hf_model_type:
+            object.__setattr__(self, "hf_model_type", self.architecture)
+
     @property
     def block_linears(self) -> tuple[str, ...]:
         """Every linear of a block (FP8 and quantization targets), column-parallel first."""
@@ -94,6 +114,26 @@ class ModelSpec:
     # ---- access by name ----
     def blocks_of(self, model: nn.Module) -> nn.ModuleList:
         return getattr(model, self.blocks)
+
+    def named_blocks(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """(qualified name, block) of the blocks a model (or a pipeline stage) holds.
+
+        Works for a full ModuleList and for a stage's ModuleDict keyed by original index.
+        """
+        return [
+            (f"{self.blocks}.{key}", block) for key, block in self.blocks_of(model).named_children()
+        ]
+
+    def named_block_modules(
+        self, block: nn.Module, names: tuple[str, ...]
+    ) -> list[tuple[str, nn.Module]]:
+        """(name, module) for each of `names` the block has, in the given order."""
+        found = []
+        for name in names:
+            module = self.block_module(block, name)
+            if module is not None:
+                found.append((name, module))
+        return found
 
     def block_module(self, block: nn.Module, name: str) -> nn.Module | None:
         """The submodule `name` of a block, or None where this block has none."""
@@ -132,15 +172,58 @@ def get_spec(architecture: str) -> ModelSpec:
         ) from None
 
 
+def spec_for_hf(hf_architecture: str, model_type: str | None = None) -> ModelSpec:
+    """The spec of a HF `architectures[0]` (or, failing that, of its `model_type`)."""
+    for spec in _SPECS.values():
+        if hf_architecture in spec.hf_architectures:
+            return spec
+    for spec in _SPECS.values():
+        if model_type is not None and model_type == spec.hf_model_type:
+            return spec
+    supported = sorted(a for spec in _SPECS.values() for a in spec.hf_architectures)
+    raise UnknownArchitectureError(
+        f"unsupported architecture {hf_architecture!r}; supported: {supported}"
+    )
+
+
+def spec_for_gguf(gguf_architecture: str) -> ModelSpec:
+    """The spec of a GGUF `general.architecture`."""
+    for spec in _SPECS.values():
+        if gguf_architecture in spec.gguf_architectures:
+            return spec
+    supported = sorted(a for spec in _SPECS.values() for a in spec.gguf_architectures)
+    raise UnknownArchitectureError(
+        f"unsupported architecture {gguf_architecture!r}; supported: {', '.join(supported)}"
+    )
+
+
 def spec_for(model: nn.Module) -> ModelSpec:
     """The spec of a model built by llmopt (its config names the architecture)."""
     return get_spec(getattr(model.config, "architecture", "llama"))
 
 
+# The three share one module layout (llmopt.models.llama.Transformer builds all of them).
 register_spec(
     ModelSpec(
         "llama",
         hf_architectures=("LlamaForCausalLM",),
         gguf_architectures=("llama",),
+    )
+)
+register_spec(
+    ModelSpec(
+        "qwen2",
+        hf_architectures=("Qwen2ForCausalLM",),
+        gguf_architectures=("qwen2",),
+        attention_bias=True,
+        gguf_permuted_qk=False,  # llama.cpp writes Qwen2's Q/K rows unpermuted
+    )
+)
+register_spec(
+    ModelSpec(
+        "mistral",
+        hf_architectures=("MistralForCausalLM",),
+        gguf_architectures=("mistral",),
+        sliding_window=True,
     )
 )

@@ -22,6 +22,8 @@ import functools
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from llmopt.models.spec import spec_for
+
 RECOMPUTE_MODES = ("none", "selective", "full")
 
 
@@ -39,8 +41,9 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> nn.Module:
         raise ValueError(f"recompute={mode!r} is not valid; choose one of {RECOMPUTE_MODES}")
     if mode == "none":
         return model
-    for block in model.layers:
-        target = block if mode == "full" else block.self_attn.core
+    spec = spec_for(model)
+    for _, block in spec.named_blocks(model):
+        target = block if mode == "full" else spec.block_module(block, spec.attention_core)
         if getattr(target, "_llmopt_recompute", False):
             raise ValueError("activation checkpointing is already applied to this model")
         target.forward = _checkpointed(target.forward)

@@ -4,11 +4,12 @@
 it. The linear layers stay `nn.Linear` (so later conversions such as FP8 still find them); only
 their weights shrink, and the communication is attached with module hooks:
 
-- q/k/v, gate/up and the LM head are *column parallel* (output features split; whole heads per
-  rank, KV heads split the same way so grouped-query attention stays local);
-- o_proj and down_proj are *row parallel* (input features split) and their partial outputs
-  are summed: all-reduce (``g``), or with sequence parallelism a reduce-scatter along the
-  sequence;
+- the architecture's column-parallel linears (Llama: q/k/v, gate/up) and the LM head are
+  *column parallel* (output features split; whole heads per rank, KV heads split the same way
+  so grouped-query attention stays local);
+- its row-parallel linears (Llama: the attention output and down projections) split input
+  features and their partial outputs are summed: all-reduce (``g``), or with sequence
+  parallelism a reduce-scatter along the sequence;
 - each norm's output enters the column-parallel layers through ``f`` (identity forward,
   all-reduce of the input gradient backward), or with sequence parallelism through an
   all-gather along the sequence (reduce-scatter backward);
@@ -18,7 +19,8 @@ their weights shrink, and the communication is attached with module hooks:
 With sequence parallelism the norms run on sequence shards, so each rank's norm-weight
 gradient covers only its tokens; a gradient hook sums it over the TP group (the bug class of
 Megatron #1446). Replicated parameters are marked `tp_replicated=True` so gradient-norm
-clipping counts them once; sharded ones carry `tp_dim`.
+clipping counts them once; sharded ones carry `tp_dim`. Which module is which comes from the
+model's `ModelSpec` (`llmopt.models.spec`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmopt.models.llama import Transformer
+from llmopt.models.spec import spec_for
 from llmopt.parallel.comm import Group
 
 SEQ_DIM = 1  # activations are [batch, seq, hidden]
@@ -230,35 +233,39 @@ def apply_tensor_parallel(
             p.tp_replicated = True
         return model
     sp = model.sequence_parallel
+    spec = spec_for(model)
     norms = []
-    for block in model.layers:
-        attn, mlp = block.self_attn, block.mlp
-        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
-            _shard_linear(proj, 0, group)
-        _shard_linear(attn.o_proj, 1, group)
-        attn.o_proj.register_forward_hook(_row_output_hook(group, sp))
-        attn.num_heads //= tp
-        attn.num_kv_heads //= tp
-        for proj in [mlp.up_proj] + ([mlp.gate_proj] if mlp.kind == "swiglu" else []):
-            _shard_linear(proj, 0, group)
-        _shard_linear(mlp.down_proj, 1, group)
-        mlp.down_proj.register_forward_hook(_row_output_hook(group, sp))
-        norms += [block.input_layernorm, block.post_attention_layernorm]
-    norms.append(model.norm)
+    for _, block in spec.named_blocks(model):
+        for _, linear in spec.named_block_modules(block, spec.column_parallel):
+            _shard_linear(linear, 0, group)
+        for _, linear in spec.named_block_modules(block, spec.row_parallel):
+            _shard_linear(linear, 1, group)
+            linear.register_forward_hook(_row_output_hook(group, sp))
+        attention = spec.block_module(block, spec.attention)
+        attention.num_heads //= tp
+        attention.num_kv_heads //= tp
+        norms += [norm for _, norm in spec.named_block_modules(block, spec.block_norms)]
+    final_norm = spec.top_module(model, "final_norm")
+    if final_norm is not None:
+        norms.append(final_norm)
     for norm in norms:
         norm.register_forward_hook(_norm_output_hook(group, sp))
         norm.weight.tp_replicated = True
         if sp:
             norm.weight.register_hook(_sum_grad_over_tp(group))
     rows = cfg.vocab_size // tp
-    model.embed_tokens = VocabParallelEmbedding(
-        _shard(model.embed_tokens.weight.data, 0, group), group.rank * rows, group, sp
-    )
-    if cfg.tie_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-        model.lm_head.out_features = rows
-    else:
-        _shard_linear(model.lm_head, 0, group)
+    embedding = spec.top_module(model, "embedding")
+    if embedding is not None:
+        embedding = VocabParallelEmbedding(
+            _shard(embedding.weight.data, 0, group), group.rank * rows, group, sp
+        )
+        setattr(model, spec.embedding, embedding)
+    head = spec.top_module(model, "head")
+    if head is not None and cfg.tie_embeddings and embedding is not None:
+        head.weight = embedding.weight
+        head.out_features = rows
+    elif head is not None:
+        _shard_linear(head, 0, group)
     model.vocab_start = group.rank * rows
     return model
 
@@ -267,7 +274,7 @@ def lm_loss_from_hidden(
     model: Transformer, hidden: torch.Tensor, targets: torch.Tensor
 ) -> torch.Tensor:
     """Mean next-token cross-entropy from final hidden states, TP-aware (fp32 softmax)."""
-    logits = model.lm_head(hidden)
+    logits = spec_for(model).top_module(model, "head")(hidden)
     group: Group | None = getattr(model, "tp_group", None)
     if group is not None and group.size > 1:
         return vocab_parallel_cross_entropy(logits, targets, group, model.vocab_start)

@@ -9,6 +9,7 @@ from llmopt.precision.fp8 import (
     convert_to_fp8,
     fp8_gemm_unsupported_reason,
     fp8_modules,
+    fp8_targets,
     make_recipe,
     set_amax_group,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "convert_to_fp8",
     "fp8_gemm_unsupported_reason",
     "fp8_modules",
+    "fp8_targets",
     "make_recipe",
     "set_amax_group",
 ]

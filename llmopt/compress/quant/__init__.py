@@ -1,6 +1,6 @@
 """Weight quantization to packed INT4/INT8 (RTN, AWQ, GPTQ), files, and AutoAWQ export.
 
-Imports are lazy so `llmopt.models.loading` can call `load_quantized_model` cheaply.
+Imports are lazy: `from llmopt.compress.quant import X` loads only X's module.
 """
 
 from __future__ import annotations

@@ -8,70 +8,29 @@ and `quant_report` (per-layer details: AWQ's α and scales, GPTQ's losses) as at
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from llmopt.compress.quant.config import QuantConfig
-from llmopt.compress.quant.formats import PackedWeight
 from llmopt.compress.quant.linear import QuantLinear
+from llmopt.compress.quant.progress import layer_progress
 from llmopt.compress.quant.rtn import rtn_quantize
-
-
-def block_linears(block: nn.Module, config: QuantConfig) -> dict[str, nn.Linear]:
-    """The block's linear layers selected by `config.modules`, by dotted name."""
-    found = {}
-    for name, module in block.named_modules():
-        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in config.modules:
-            found[name] = module
-    return found
-
-
-def set_submodule(root: nn.Module, dotted: str, module: nn.Module) -> None:
-    parent_name, _, attr = dotted.rpartition(".")
-    parent = root.get_submodule(parent_name) if parent_name else root
-    setattr(parent, attr, module)
-
-
-def replace_with_packed(
-    root: nn.Module, name: str, packed: PackedWeight, config: QuantConfig
-) -> QuantLinear:
-    linear = root.get_submodule(name)
-    qlinear = QuantLinear.from_packed(packed, bias=linear.bias, backend=config.backend)
-    set_submodule(root, name, qlinear)
-    return qlinear
-
-
-@contextlib.contextmanager
-def layer_progress(total: int, description: str, enabled: bool) -> Iterator[Any]:
-    """A rich progress bar over layers, or a no-op advance when disabled."""
-    if not enabled:
-        yield lambda: None
-        return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
-    columns = (
-        "[progress.description]{task.description}",
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-    )
-    with Progress(*columns, transient=False) as bar:
-        task = bar.add_task(description, total=total)
-        yield lambda: bar.advance(task)
+from llmopt.compress.quant.targets import block_linears, replace_with_packed, selected_names
+from llmopt.models.spec import spec_for
 
 
 def _quantize_rtn(model: nn.Module, config: QuantConfig, progress: bool) -> dict[str, Any]:
-    with layer_progress(len(model.layers), "RTN", progress) as advance:
-        for i, block in enumerate(model.layers):
-            for name, linear in block_linears(block, config).items():
+    spec = spec_for(model)
+    blocks = spec.named_blocks(model)
+    with layer_progress(len(blocks), "RTN", progress) as advance:
+        for _, block in blocks:
+            for name, linear in block_linears(block, spec, config).items():
                 packed = rtn_quantize(linear.weight, config.bits, config.group_size, config.sym)
-                replace_with_packed(model.layers[i], name, packed, config)
+                replace_with_packed(block, name, packed, config)
             advance()
     return {}
 
@@ -95,6 +54,8 @@ def quantize_model(
     """
     if config is None:
         config = QuantConfig(method=method, bits=bits, group_size=group_size, sym=sym, **options)
+    spec = spec_for(model)
+    selected_names(spec, config)  # unknown module names fail before any work
     if config.needs_calibration:
         if calib_tokens is None:
             raise ValueError(
@@ -125,8 +86,9 @@ def quantize_model(
 
             report = gptq_quantize(qmodel, config, calib_tokens.to(param.device), progress)
         if config.quantize_lm_head:
-            packed = rtn_quantize(qmodel.lm_head.weight, config.bits, config.group_size, config.sym)
-            replace_with_packed(qmodel, "lm_head", packed, config)
+            head = spec.top_module(qmodel, "head")
+            packed = rtn_quantize(head.weight, config.bits, config.group_size, config.sym)
+            replace_with_packed(qmodel, spec.head, packed, config)
     _cast_float_params(qmodel, dtype)
     report["seconds"] = time.perf_counter() - start
     qmodel.quant_config = config
@@ -142,10 +104,15 @@ def _cast_float_params(model: nn.Module, dtype: torch.dtype) -> None:
         for name, p in module.named_parameters(recurse=False):
             if p.is_floating_point() and p.dtype != dtype:
                 setattr(module, name, nn.Parameter(p.data.to(dtype), requires_grad=False))
-    if getattr(model.config, "tie_embeddings", False) and not isinstance(
-        model.lm_head, QuantLinear
-    ):
-        model.lm_head.weight = model.embed_tokens.weight
+    retie_head(model)
+
+
+def retie_head(model: nn.Module) -> None:
+    """Point a tied, unquantized head at the embedding again (casts and loads untie them)."""
+    spec = spec_for(model)
+    head = spec.top_module(model, "head")
+    if model.config.tie_embeddings and not isinstance(head, QuantLinear):
+        head.weight = spec.top_module(model, "embedding").weight
 
 
 def quant_linears(model: nn.Module) -> dict[str, QuantLinear]:

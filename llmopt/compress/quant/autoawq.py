@@ -19,6 +19,8 @@ from torch import nn
 
 from llmopt.artifacts import atomic_write, atomic_write_json
 from llmopt.compress.quant.linear import QuantLinear
+from llmopt.models.hf import ours_to_hf
+from llmopt.models.spec import spec_for
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
@@ -32,6 +34,33 @@ def pack_awq_int32(values: torch.Tensor) -> torch.Tensor:
     shifts = torch.arange(0, 32, 4, dtype=torch.int64)
     packed = (v << shifts).sum(-1)  # disjoint bit fields: sum == bitwise or
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def check_autoawq_compatible(model: nn.Module, bits: int, group_size: int) -> None:
+    """Fail before any calibration when AutoAWQ's GEMM layout cannot hold the result.
+
+    It holds 4-bit weights only and has no short last group, so every quantized linear's
+    input width must be a multiple of the group size.
+    """
+    if bits != 4:
+        raise ValueError(f"AutoAWQ's GEMM layout holds 4-bit weights only; got bits={bits}")
+    if group_size == -1:
+        return
+    spec = spec_for(model)
+    widths = sorted(
+        {
+            module.in_features
+            for _, block in spec.named_blocks(model)
+            for _, module in spec.named_block_modules(block, spec.block_linears)
+        }
+    )
+    bad = [w for w in widths if w % group_size]
+    if bad:
+        raise ValueError(
+            f"AutoAWQ needs every input width divisible by the group size {group_size}; this "
+            f"model has widths {bad}; choose a group size that divides "
+            f"{', '.join(map(str, bad))} (or -1)"
+        )
 
 
 def awq_tensors(layer: QuantLinear) -> dict[str, torch.Tensor]:
@@ -65,7 +94,7 @@ def export_autoawq(model: nn.Module, directory: str | Path, tokenizer: Any = Non
     quantized = set()
     for name, module in model.named_modules():
         if isinstance(module, QuantLinear):
-            prefix = name if name == "lm_head" else f"model.{name}"
+            prefix = ours_to_hf(name)
             for key, tensor in awq_tensors(module).items():
                 state[f"{prefix}.{key}"] = tensor
             if module.bias is not None:
@@ -73,13 +102,13 @@ def export_autoawq(model: nn.Module, directory: str | Path, tokenizer: Any = Non
             quantized.add(name)
     if not quantized:
         raise ValueError("model has no quantized linear layers to export")
-    tied = model.config.tie_embeddings and "lm_head" not in quantized
+    head = spec_for(model).head
+    tied = model.config.tie_embeddings and head not in quantized
     for name, tensor in model.state_dict().items():
         module_name = name.rsplit(".", 1)[0]
-        if module_name in quantized or (tied and name == "lm_head.weight"):
+        if module_name in quantized or (tied and name == f"{head}.weight"):
             continue
-        key = name if name.startswith("lm_head.") else f"model.{name}"
-        state[key] = tensor.detach().half().contiguous()
+        state[ours_to_hf(name)] = tensor.detach().half().contiguous()
     atomic_write(
         directory / "model.safetensors",
         lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}),

@@ -25,7 +25,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmopt.compress.quant.apply import block_linears, layer_progress, replace_with_packed
 from llmopt.compress.quant.config import QuantConfig
 from llmopt.compress.quant.formats import (
     compute_qparams,
@@ -34,11 +33,15 @@ from llmopt.compress.quant.formats import (
     num_groups,
     pack_weight,
 )
+from llmopt.compress.quant.progress import layer_progress
+from llmopt.compress.quant.targets import block_linears, replace_with_packed
+from llmopt.models.spec import ModelSpec, spec_for
 
 
 @dataclass
-class ScalingGroup:
-    """Linears that share one input, the op producing that input, and the module scored."""
+class BoundGroup:
+    """One block's instance of a spec `ScalingGroup`: the producer module, the linears
+    sharing its output, and the function whose output error is scored."""
 
     prev_name: str
     prev: nn.Module
@@ -67,37 +70,47 @@ def _capture_inputs(
     return feats, out
 
 
-def scaling_groups(block: nn.Module, selected: set[str], cos, sin) -> list[ScalingGroup]:
-    """The Llama block's four places where a per-channel scale can be folded exactly."""
-    attn, mlp = block.self_attn, block.mlp
+def scaling_groups(
+    block: nn.Module, spec: ModelSpec, selected: set[str], cos, sin
+) -> list[BoundGroup]:
+    """The spec's AWQ fold points that are exact in this block, restricted to `selected`.
+
+    A linear producer folds exactly only into consumers reading its outputs one-to-one (so
+    v -> o is skipped under grouped-query attention, as in AutoAWQ).
+    """
     groups = []
-
-    def keep(names):
-        return [n for n in names if n in selected]
-
-    qkv = keep(["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"])
-    if qkv:
-        groups.append(
-            ScalingGroup("input_layernorm", block.input_layernorm, qkv, lambda x: attn(x, cos, sin))
-        )
-    # v -> o only when shapes match one-to-one (no grouped-query sharing), as in AutoAWQ
-    if "self_attn.o_proj" in selected and attn.v_proj.weight.shape == attn.o_proj.weight.shape:
-        groups.append(
-            ScalingGroup("self_attn.v_proj", attn.v_proj, ["self_attn.o_proj"], attn.o_proj)
-        )
-    gate_up = keep(["mlp.gate_proj", "mlp.up_proj"])
-    if gate_up:
-        groups.append(
-            ScalingGroup("post_attention_layernorm", block.post_attention_layernorm, gate_up, mlp)
-        )
-    # up -> down is exact only when up's output enters down linearly (SwiGLU's product)
-    if "mlp.down_proj" in selected and mlp.kind == "swiglu":
-        groups.append(ScalingGroup("mlp.up_proj", mlp.up_proj, ["mlp.down_proj"], mlp.down_proj))
+    for group in spec.awq_groups:
+        names = [n for n in group.linears if n in selected]
+        prev = spec.block_module(block, group.prev)
+        if not names or prev is None:
+            continue
+        if any(spec.block_module(block, n) is None for n in group.needs):
+            continue
+        linears = [spec.block_module(block, n) for n in names]
+        if isinstance(prev, nn.Linear) and any(
+            lin.in_features != prev.out_features for lin in linears
+        ):
+            continue
+        groups.append(BoundGroup(group.prev, prev, names, _inspect(spec, block, group, cos, sin)))
     return groups
 
 
+def _inspect(spec: ModelSpec, block: nn.Module, group, cos, sin) -> Callable:
+    """The module output the scale search scores: attention (with RoPE), another module, or
+    the group's own linears concatenated."""
+    if not group.inspect:
+        linears = [spec.block_module(block, n) for n in group.linears]
+        if len(linears) == 1:
+            return linears[0]
+        return lambda x: torch.cat([lin(x) for lin in linears], dim=-1)
+    module = spec.block_module(block, group.inspect)
+    if group.inspect == spec.attention:
+        return lambda x: module(x, cos, sin)
+    return module
+
+
 def _search_scale(
-    group: ScalingGroup,
+    group: BoundGroup,
     block: nn.Module,
     inp: torch.Tensor,
     n_search: int,
@@ -130,7 +143,7 @@ def _search_scale(
     return best[1], best[2], losses
 
 
-def _apply_scale(group: ScalingGroup, block: nn.Module, s: torch.Tensor) -> None:
+def _apply_scale(group: BoundGroup, block: nn.Module, s: torch.Tensor) -> None:
     """Fold 1/s into the producer of the input and s into the consumers' columns (exact)."""
     prev = group.prev
     if isinstance(prev, nn.Linear):
@@ -183,26 +196,28 @@ def awq_quantize(
     model: nn.Module, config: QuantConfig, calib_tokens: torch.Tensor, progress: bool
 ) -> dict[str, Any]:
     """Scale, clip and quantize every block in place; returns the per-layer report."""
+    spec = spec_for(model)
     n, t = calib_tokens.shape
-    x = model.embed_tokens(calib_tokens).float()
+    x = spec.top_module(model, "embedding")(calib_tokens).float()
     cos, sin = model.rotary(0, t, x.dtype)
     n_search = min(config.awq_search_samples, n)
     gen = torch.Generator().manual_seed(config.calib_seed)
     layers_report = []
     scales: dict[str, torch.Tensor] = {}
-    with layer_progress(len(model.layers), f"AWQ W{config.bits}", progress) as advance:
-        for i, block in enumerate(model.layers):
-            linears = block_linears(block, config)
+    blocks = spec.named_blocks(model)
+    with layer_progress(len(blocks), f"AWQ W{config.bits}", progress) as advance:
+        for i, (block_name, block) in enumerate(blocks):
+            linears = block_linears(block, spec, config)
             feats, out = _capture_inputs(block, list(linears), x, cos, sin)
             layer_report: dict[str, Any] = {"layer": i, "groups": [], "clip": {}}
-            for group in scaling_groups(block, set(linears), cos, sin):
+            for group in scaling_groups(block, spec, set(linears), cos, sin):
                 inp = feats[group.names[0]]
                 s, alpha, losses = _search_scale(group, block, inp, n_search, config)
                 _apply_scale(group, block, s)
                 scaled = inp / s  # the linears now see x / s
                 for name in group.names:
                     feats[name] = scaled
-                scales[f"layers.{i}.{group.prev_name}"] = s
+                scales[f"{block_name}.{group.prev_name}"] = s
                 top = torch.topk(s, k=min(4, s.numel()))
                 layer_report["groups"].append(
                     {
@@ -219,8 +234,7 @@ def awq_quantize(
             for name, lin in linears.items():
                 w = lin.weight.data
                 max_abs = None
-                # q/k feed a softmax through RoPE: clipping them hurts (as in AutoAWQ)
-                if config.awq_clip and not name.endswith(("q_proj", "k_proj")):
+                if config.awq_clip and name not in spec.awq_no_clip:
                     tokens = feats[name].reshape(-1, w.shape[1])
                     if tokens.shape[0] > config.awq_clip_tokens:
                         pick = torch.randperm(tokens.shape[0], generator=gen)

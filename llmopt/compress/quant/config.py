@@ -10,7 +10,6 @@ from llmopt.compress.quant.formats import check_bits_group
 from llmopt.compress.quant.linear import BACKENDS
 
 METHODS = ("rtn", "awq", "gptq")
-DEFAULT_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -20,14 +19,15 @@ class QuantConfig:
     Calibration sizes default small on purpose: AWQ and GPTQ must finish on a 2-core CPU for
     SmolLM2-135M in minutes. `awq_search_samples` of the calibration sequences score the
     α grid (the activation statistics use all of them); `awq_clip_tokens` tokens score the
-    clipping search.
+    clipping search. `modules` narrows the architecture's block linears (its `ModelSpec`) by
+    block-relative name or last name component; empty means all of them.
     """
 
     method: str = "rtn"
     bits: int = 4
     group_size: int = 128
     sym: bool = False
-    modules: tuple[str, ...] = DEFAULT_MODULES
+    modules: tuple[str, ...] = ()
     quantize_lm_head: bool = False
     backend: str = "auto"
     # calibration (AWQ, GPTQ)
@@ -55,11 +55,9 @@ class QuantConfig:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r}; valid choices: {', '.join(BACKENDS)}")
         object.__setattr__(self, "modules", tuple(self.modules))
-        unknown = set(self.modules) - set(DEFAULT_MODULES)
-        if unknown or not self.modules:
-            raise ValueError(
-                f"modules={list(self.modules)}: choose a non-empty subset of {list(DEFAULT_MODULES)}"
-            )
+        bad = [m for m in self.modules if not isinstance(m, str) or not m]
+        if bad:
+            raise ValueError(f"modules={list(self.modules)}: entries must be non-empty names")
         for name in ("calib_samples", "calib_seq_len", "awq_grid", "awq_search_samples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")

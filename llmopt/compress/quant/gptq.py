@@ -9,8 +9,8 @@ act-order visits columns by decreasing H_jj; group parameters are then fixed upf
 contiguous groups of the original weight ("static groups"), so the packed format and the
 kernels stay unchanged.
 
-Layer by layer (and, with `gptq_true_sequential`, sub-layer by sub-layer: qkv, o, gate/up,
-down), each layer's Hessian is collected from inputs produced by the already-quantized layers.
+Layer by layer (and, with `gptq_true_sequential`, sub-layer by sub-layer in the spec's
+`gptq_order`; Llama: qkv, o, gate/up, down), each layer's Hessian is collected from inputs produced by the already-quantized layers.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmopt.compress.quant.apply import block_linears, layer_progress, replace_with_packed
 from llmopt.compress.quant.config import QuantConfig
 from llmopt.compress.quant.formats import (
     PackedWeight,
@@ -30,13 +29,9 @@ from llmopt.compress.quant.formats import (
     num_groups,
     pack_codes,
 )
-
-SEQUENTIAL_ORDER = (
-    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    ("self_attn.o_proj",),
-    ("mlp.gate_proj", "mlp.up_proj"),
-    ("mlp.down_proj",),
-)
+from llmopt.compress.quant.progress import layer_progress
+from llmopt.compress.quant.targets import block_linears, replace_with_packed
+from llmopt.models.spec import spec_for
 
 
 class _Captured(Exception):
@@ -149,15 +144,17 @@ def gptq_quantize(
     model: nn.Module, config: QuantConfig, calib_tokens: torch.Tensor, progress: bool
 ) -> dict[str, Any]:
     """Quantize every block in place, feeding quantized outputs forward; returns a report."""
+    spec = spec_for(model)
     _, t = calib_tokens.shape
-    x = model.embed_tokens(calib_tokens).float()
+    x = spec.top_module(model, "embedding")(calib_tokens).float()
     cos, sin = model.rotary(0, t, x.dtype)
     layers_report = []
-    with layer_progress(len(model.layers), f"GPTQ W{config.bits}", progress) as advance:
-        for i, block in enumerate(model.layers):
-            linears = block_linears(block, config)
+    blocks = spec.named_blocks(model)
+    with layer_progress(len(blocks), f"GPTQ W{config.bits}", progress) as advance:
+        for i, (_, block) in enumerate(blocks):
+            linears = block_linears(block, spec, config)
             if config.gptq_true_sequential:
-                order = [[n for n in stage if n in linears] for stage in SEQUENTIAL_ORDER]
+                order = [[n for n in stage if n in linears] for stage in spec.gptq_order]
                 order = [stage for stage in order if stage]
                 rest = set(linears) - {n for stage in order for n in stage}
                 if rest:

@@ -19,11 +19,12 @@ import torch
 from torch import nn
 
 from llmopt.artifacts import atomic_write, atomic_write_json
+from llmopt.compress import QUANT_MARKER as MARKER
 from llmopt.compress.quant.config import QuantConfig
 from llmopt.compress.quant.formats import check_bits_group
 from llmopt.compress.quant.linear import QuantLinear
+from llmopt.models.spec import spec_for
 
-MARKER = "llmopt_quant.json"
 WEIGHTS = "model.safetensors"
 FORMAT_NAME = "llmopt-quant"
 FORMAT_VERSION = 1
@@ -70,10 +71,13 @@ def save_quantized(
         raise ValueError("model has no quant_config: quantize it with quantize_model first")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tied = model.config.tie_embeddings and not isinstance(model.lm_head, QuantLinear)
+    spec = spec_for(model)
+    tied = model.config.tie_embeddings and not isinstance(
+        spec.top_module(model, "head"), QuantLinear
+    )
     state = {}
     for name, tensor in model.state_dict().items():
-        if tied and name == "lm_head.weight":
+        if tied and name == f"{spec.head}.weight":
             continue
         if float_dtype is not None and tensor.is_floating_point() and "scales" not in name:
             tensor = tensor.to(float_dtype)
@@ -150,6 +154,7 @@ def load_quantized_model(
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    from llmopt.compress.quant.apply import retie_head
     from llmopt.models.config import ModelConfig
     from llmopt.models.llama import RotaryEmbedding, Transformer
 
@@ -193,10 +198,11 @@ def load_quantized_model(
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, layer)
 
-    tied = model_config.tie_embeddings and "lm_head" not in meta["modules"]
+    spec = spec_for(model)
+    tied = model_config.tie_embeddings and spec.head not in meta["modules"]
     expected = model.state_dict()
     if tied:
-        expected.pop("lm_head.weight", None)
+        expected.pop(f"{spec.head}.weight", None)
     for name, ref in expected.items():
         if name not in state:
             raise QuantFileError(f"{weights} lacks tensor {name!r} that {MARKER} implies")
@@ -215,8 +221,7 @@ def load_quantized_model(
         if t.is_floating_point() and not name.endswith(".scales"):
             state[name] = t.to(dtype)
     model.load_state_dict(state, strict=False, assign=True)
-    if tied:
-        model.lm_head.weight = model.embed_tokens.weight
+    retie_head(model)
     model.rotary = RotaryEmbedding(model_config)
     model = model.to(device).eval()
     for m in model.modules():

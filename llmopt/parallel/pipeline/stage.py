@@ -2,8 +2,12 @@
 
 Stage 0 holds the embedding, the last stage the final norm and the LM head; the blocks are
 spread evenly. Stages reuse the model's own modules (no copies), and their parameter names are
-the model's (`layers.5.mlp.up_proj.weight`), so gradients, optimizer states and checkpoints map
-one-to-one onto the single-process model.
+the model's (block 5's parameters keep the prefix `<blocks>.5.`), so gradients, optimizer
+states and checkpoints map one-to-one onto the single-process model.
+
+A stage is the model with the modules it does not hold set to None (torchtitan's
+convention), so it runs the model's own forward; the module names come from the
+architecture's `ModelSpec`.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 from torch import nn
 
 from llmopt.models.llama import Transformer
+from llmopt.models.spec import spec_for
 from llmopt.parallel.pipeline.schedule import ScheduleError
 
 
@@ -66,8 +71,8 @@ def stage_layout(
     return tuple(bounds)
 
 
-class PipelineStage(nn.Module):
-    """One virtual stage: [embedding] -> blocks -> [norm -> lm_head].
+class PipelineStage(Transformer):
+    """One virtual stage: [embedding] -> blocks -> [final norm -> head].
 
     Input is token ids [B, T] on the first stage and hidden states [B, T', H] elsewhere; output
     is hidden states, or logits on the last stage (T' differs from T only when sequence
@@ -75,7 +80,8 @@ class PipelineStage(nn.Module):
     """
 
     def __init__(self, model: Transformer, stage: int, num_stages: int, layers: range) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # shares the model's modules; allocates nothing
+        spec = spec_for(model)
         self.config = model.config
         self.stage = stage
         self.num_stages = num_stages
@@ -83,27 +89,16 @@ class PipelineStage(nn.Module):
         self.is_last = stage == num_stages - 1
         self.layer_indices = layers
         self.rotary = model.rotary  # buffers only: positions, not parameters
-        if self.is_first:
-            self.embed_tokens = model.embed_tokens
+        held = {"embedding": self.is_first, "final_norm": self.is_last, "head": self.is_last}
+        for role, keep in held.items():
+            setattr(self, getattr(spec, role), spec.top_module(model, role) if keep else None)
+        blocks = spec.blocks_of(model)
         # ModuleDict keyed by the original index keeps parameter names equal to the model's.
-        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layers})
-        if self.is_last:
-            self.norm = model.norm
-            self.lm_head = model.lm_head
+        setattr(self, spec.blocks, nn.ModuleDict({str(i): blocks[i] for i in layers}))
 
     def forward(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
         """`seq_len`: the full sequence length when x holds a sequence shard (RoPE tables)."""
-        if self.is_first:
-            if x.dim() != 2:
-                raise ValueError(f"first stage takes tokens [batch, seq], got {tuple(x.shape)}")
-            x = self.embed_tokens(x)
-        t = seq_len if seq_len is not None else x.shape[1]
-        cos, sin = self.rotary(0, t, x.dtype)
-        for layer in self.layers.values():
-            x = layer(x, cos, sin)
-        if self.is_last:
-            x = self.lm_head(self.norm(x))
-        return x
+        return super().forward(x, seq_len=seq_len)
 
 
 def split_model(
