@@ -145,10 +145,14 @@ def hf_dir(tmp_path_factory):
 def test_cli_quantize_awq_then_load(tmp_path, hf_dir, capsys):
     out = tmp_path / "q"
     argv = ["quantize", "--model", str(hf_dir), "--method", "awq", "--group-size", "32"]
-    argv += ["--calib-samples", "2", "--calib-seq-len", "64", "--out", str(out), "--json"]
+    argv += ["--calib-samples", "4", "--calib-seq-len", "64", "--out", str(out), "--json"]
     assert cli_main(argv) == 0
-    summary = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out)
     assert summary["method"] == "awq" and summary["bits"] == 4
+    coverage = summary["calibration"]  # the default mix: one 64-token window per source
+    assert coverage["tokens"] == 256 and [s["samples"] for s in coverage["sources"]] == [1] * 4
+    assert "warning: calibration has 256 tokens (< 4096)" in captured.err
     assert summary["quant_linear_fp16_bytes"] / summary["quant_linear_bytes"] > 3.0
     model = load_model(str(out))
     assert model.quant_config.method == "awq"
@@ -186,9 +190,9 @@ def test_calibration_windows_are_seeded_and_distinct(hf_dir):
     from llmopt.compress.quant.calibration import calibration_tokens, windows
 
     tok = load_tokenizer(str(hf_dir))
-    a = calibration_tokens(tok, n_samples=3, seq_len=32, seed=0)
+    a = calibration_tokens(tok, "corpus:web-bible", n_samples=3, seq_len=32, seed=0)
     assert a.shape == (3, 32) and a.dtype == torch.long
-    assert torch.equal(a, calibration_tokens(tok, n_samples=3, seq_len=32, seed=0))
+    assert torch.equal(a, calibration_tokens(tok, "corpus:web-bible", n_samples=3, seq_len=32))
     ids = torch.arange(100)
     w = windows(ids, 3, 10, seed=1)
     assert sorted(set(w[:, 0].tolist())) == sorted(w[:, 0].tolist())  # distinct windows

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from typing import Any
 
@@ -25,7 +26,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--bits", type=int, default=4, help=f"one of {list(VALID_BITS)}")
     p.add_argument("--group-size", type=int, default=128, help="32, 64, 128 or -1 (per channel)")
     p.add_argument("--sym", action="store_true", help="symmetric grid (zero point fixed)")
-    p.add_argument("--calib", default="corpus:web-bible", help="calibration text (AWQ, GPTQ)")
+    p.add_argument(
+        "--calib",
+        default="mix:default",
+        help="calibration sources (AWQ, GPTQ): SOURCE[=WEIGHT],... with SOURCE corpus:NAME or "
+        "a text file; mix:default is web-bible, py-docs, stdlib-docs, stdlib-comments (0.25 each)",
+    )
     p.add_argument("--calib-samples", type=int, default=16, help="calibration sequences")
     p.add_argument("--calib-seq-len", type=int, default=512, help="tokens per sequence")
     p.add_argument(
@@ -92,8 +98,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from llmopt.compress.quant.apply import model_nbytes, quantize_model
-    from llmopt.compress.quant.calibration import calibration_tokens
+    from llmopt.compress.quant.calibration import calibration_set
     from llmopt.compress.quant.config import QuantConfig
+    from llmopt.data.mix import parse_mix
     from llmopt.models.loading import load_model, load_tokenizer
 
     config = QuantConfig(
@@ -107,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
         gptq_act_order=args.act_order,
         quantize_lm_head=args.quantize_head,
     )
+    if config.needs_calibration:
+        parse_mix(config.calib)  # a bad --calib fails before the model loads
     model = load_model(args.model, dtype=torch.float32)
     if args.format == "autoawq":
         from llmopt.compress.quant.autoawq import check_autoawq_compatible
@@ -114,11 +123,14 @@ def run(args: argparse.Namespace) -> int:
         check_autoawq_compatible(model, args.bits, args.group_size)
     _check_export_options(args)
     tokenizer = load_tokenizer(args.model)
-    calib = None
+    calib = coverage = None
     if config.needs_calibration:
-        calib = calibration_tokens(
+        calib_set = calibration_set(
             tokenizer, config.calib, config.calib_samples, config.calib_seq_len, config.calib_seed
         )
+        calib, coverage = calib_set.tokens, calib_set.coverage
+        for warning in coverage["warnings"]:
+            print(f"warning: {warning}", file=sys.stderr)
     start, cpu_start = time.perf_counter(), time.process_time()
     qmodel = quantize_model(model, config=config, calib_tokens=calib, progress=not args.json)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
@@ -148,6 +160,8 @@ def run(args: argparse.Namespace) -> int:
         else sum(f.stat().st_size for f in out.iterdir() if f.is_file()),
         **sizes,
     }
+    if coverage is not None:
+        summary["calibration"] = coverage
     if config.method == "awq":
         alphas = [g["alpha"] for layer in qmodel.quant_report["layers"] for g in layer["groups"]]
         summary["awq_mean_alpha"] = round(sum(alphas) / len(alphas), 3)
@@ -173,6 +187,11 @@ def run(args: argparse.Namespace) -> int:
         ("other tensors", f"{sizes['other_bytes'] / 2**20:.2f} MiB"),
         ("size on disk", f"{summary['disk_bytes'] / 2**20:.2f} MiB"),
     ]
+    if coverage is not None:
+        drawn = ", ".join(
+            f"{s['source'].removeprefix('corpus:')} {s['tokens']}" for s in coverage["sources"]
+        )
+        rows.append(("calibration tokens", f"{coverage['tokens']} ({drawn})"))
     if "awq_mean_alpha" in summary:
         rows.append(("AWQ mean α", f"{summary['awq_mean_alpha']}"))
     for row in rows:

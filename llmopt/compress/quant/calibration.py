@@ -1,39 +1,109 @@
-"""Calibration batches: fixed token windows of real text, disjoint from the evaluation slice.
+"""Calibration batches: seeded token windows from a weighted mix of real text sources.
 
-Evaluation (benchmarks, `eval ppl`) reads web-bible from its beginning; calibration windows
-are drawn from the second half of the corpus, so a method cannot overfit the text it is
-scored on.
+Each source contributes windows in proportion to its weight (`llmopt.data.mix`), drawn
+from the second half of its text: evaluation (benchmarks, `eval ppl`) reads corpora from
+their beginning, so a method is never scored on text it was calibrated on. The rows are
+shuffled (seeded) so that any prefix of them (AWQ scores its α grid on the first few)
+still mixes the sources. `CalibrationSet.coverage` says what was drawn, and warns when it
+is narrow: one source calibrates for one domain only (issue 19).
 """
 
 from __future__ import annotations
 
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
 import torch
 
 from llmopt.data.corpus import load_text
+from llmopt.data.mix import DEFAULT_MIX, allocate, format_mix, parse_mix
 
 CALIB_START_FRACTION = 0.5
+MIN_CALIB_TOKENS = 4096
 _CHARS_PER_WINDOW_TOKEN = 10  # ~4.5 chars/token in English: about 2x more windows than drawn
+
+
+@dataclass(frozen=True)
+class CalibrationSet:
+    tokens: torch.Tensor  # [n_samples, seq_len] int64, rows shuffled across sources
+    sources: list[dict[str, Any]]  # per source: source, weight, samples, tokens
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def coverage(self) -> dict[str, Any]:
+        return {
+            "tokens": int(self.tokens.numel()),
+            "samples": int(self.tokens.shape[0]),
+            "seq_len": int(self.tokens.shape[1]),
+            "sources": self.sources,
+            "warnings": self.warnings,
+        }
+
+
+def calibration_set(
+    tokenizer,
+    spec: str = DEFAULT_MIX,
+    n_samples: int = 16,
+    seq_len: int = 512,
+    seed: int = 0,
+) -> CalibrationSet:
+    """Windows from every source of the mix `spec`, with the coverage they give."""
+    if n_samples < 1 or seq_len < 2:
+        raise ValueError(f"need n_samples >= 1 and seq_len >= 2; got {n_samples}, {seq_len}")
+    parts = parse_mix(spec)
+    counts = allocate(parts, n_samples)
+    rows, sources = [], []
+    for part, count in zip(parts, counts, strict=True):
+        source_seed = seed + zlib.crc32(part.source.encode())  # independent of mix order
+        rows.append(_source_windows(tokenizer, part.source, count, seq_len, source_seed))
+        sources.append(
+            {
+                "source": part.source,
+                "weight": round(part.weight, 4),
+                "samples": count,
+                "tokens": count * seq_len,
+            }
+        )
+    tokens = torch.cat(rows)
+    order = torch.randperm(tokens.shape[0], generator=torch.Generator().manual_seed(seed))
+    warnings = []
+    if len(parts) == 1:
+        warnings.append(
+            f"calibration draws from one source ({parts[0].source}): quality out of that "
+            f"domain may fall below RTN; the default mix is {DEFAULT_MIX}"
+        )
+    if tokens.numel() < MIN_CALIB_TOKENS:
+        warnings.append(
+            f"calibration has {tokens.numel()} tokens (< {MIN_CALIB_TOKENS}): "
+            "Hessians and activation statistics this small are noisy"
+        )
+    return CalibrationSet(tokens[order], sources, warnings)
 
 
 def calibration_tokens(
     tokenizer,
-    spec: str = "corpus:web-bible",
+    spec: str = DEFAULT_MIX,
     n_samples: int = 16,
     seq_len: int = 512,
     seed: int = 0,
 ) -> torch.Tensor:
-    """[n_samples, seq_len] token ids from random windows of the text's second half."""
-    if n_samples < 1 or seq_len < 2:
-        raise ValueError(f"need n_samples >= 1 and seq_len >= 2; got {n_samples}, {seq_len}")
-    text = load_text(spec)
+    """[n_samples, seq_len] token ids of `calibration_set` (for callers needing ids only)."""
+    return calibration_set(tokenizer, spec, n_samples, seq_len, seed).tokens
+
+
+def _source_windows(tokenizer, source: str, n: int, seq_len: int, seed: int) -> torch.Tensor:
+    text = load_text(source)
     start = int(len(text) * CALIB_START_FRACTION)
     # tokenize only what the windows need (tokenizing megabytes costs seconds)
-    chars = n_samples * seq_len * _CHARS_PER_WINDOW_TOKEN
+    chars = n * seq_len * _CHARS_PER_WINDOW_TOKEN
     while True:
-        piece = text[start : start + chars]
-        ids = torch.tensor(tokenizer.encode(piece), dtype=torch.long)
-        if ids.numel() // seq_len >= n_samples or start + chars >= len(text):
-            return windows(ids, n_samples, seq_len, seed)
+        ids = torch.tensor(tokenizer.encode(text[start : start + chars]), dtype=torch.long)
+        if ids.numel() // seq_len >= n or start + chars >= len(text):
+            try:
+                return windows(ids, n, seq_len, seed)
+            except ValueError as err:
+                raise ValueError(f"calibration source {source}: {err}") from None
         chars *= 2
 
 
@@ -47,3 +117,6 @@ def windows(ids: torch.Tensor, n_samples: int, seq_len: int, seed: int = 0) -> t
     gen = torch.Generator().manual_seed(seed)
     chosen = torch.randperm(slots, generator=gen)[:n_samples].sort().values
     return torch.stack([ids[i * seq_len : (i + 1) * seq_len] for i in chosen.tolist()])
+
+
+__all__ = ["CalibrationSet", "calibration_set", "calibration_tokens", "format_mix", "windows"]

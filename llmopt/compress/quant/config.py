@@ -31,7 +31,7 @@ class QuantConfig:
     quantize_lm_head: bool = False
     backend: str = "auto"
     # calibration (AWQ, GPTQ)
-    calib: str = "corpus:web-bible"
+    calib: str = "mix:default"  # llmopt.data.mix; one source fails out of domain (issue 19)
     calib_samples: int = 16
     calib_seq_len: int = 512
     calib_seed: int = 0
