@@ -27,6 +27,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--top", type=int, default=15, help="op-table rows to print (15)")
+    parser.add_argument(
+        "--fast",
+        action="store_true",
+        help="profile the fused C++ decode step (generate's default path: one op per step) "
+        "instead of the eager model op by op",
+    )
     parser.set_defaults(func=run)
 
 
@@ -64,7 +70,9 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(args.model, dtype=dtype, device=device)
     ids = tokenizer.encode(args.prompt, add_bos=tokenizer.add_bos)
     peaks = measure_peaks(device, dtype)
-    summary = profile_generate(model, ids, args.new_tokens, peaks, trace_path=out / "trace.json")
+    summary = profile_generate(
+        model, ids, args.new_tokens, peaks, trace_path=out / "trace.json", fast=args.fast
+    )
     summary["model"] = args.model
     summary["memory"]["timeline_ms_bytes"] = _thin(summary["memory"]["timeline_ms_bytes"])
     summary["roofline_points"] = plot_roofline(summary, out / "roofline.png")

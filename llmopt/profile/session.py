@@ -52,11 +52,13 @@ class StepClock:
         return [b - a for a, b in zip(self.stamps[1:], self.stamps[2:])]
 
 
-def _timed_run(model, prompt_ids, new_tokens, marker=None) -> StepClock:
+def _timed_run(model, prompt_ids, new_tokens, marker=None, fast: bool = False) -> StepClock:
     clock = StepClock(marker, new_tokens)
     clock.start()
     try:
-        out = generate(model, prompt_ids, max_new_tokens=new_tokens, on_token=clock.on_token)
+        out = generate(
+            model, prompt_ids, max_new_tokens=new_tokens, on_token=clock.on_token, fast=fast
+        )
     finally:
         if marker is not None:
             marker.close_all()
@@ -81,16 +83,20 @@ def profile_generate(
     peaks: MachinePeaks,
     *,
     trace_path=None,
+    fast: bool = False,
 ) -> dict[str, Any]:
-    """Summary dict of a profiled greedy generation; writes the Chrome trace to `trace_path`."""
+    """Summary dict of a profiled greedy generation; writes the Chrome trace to `trace_path`.
+
+    fast=False profiles the eager model op by op (what the op table and roofline are for);
+    fast=True the fused C++ decode step `generate` uses by default (one op per step)."""
     if new_tokens < 2:
         raise ValueError(f"new_tokens={new_tokens} must be >= 2 (at least one decode step)")
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
-    _timed_run(model, prompt_ids, 2)  # warm-up
+    _timed_run(model, prompt_ids, 2, fast=fast)  # warm-up
     # timed without torch.profiler, but with the phase ranges: under `nsys profile` (which
     # cannot share CUPTI with torch.profiler) this is the run whose NVTX ranges to read
-    plain = _timed_run(model, prompt_ids, new_tokens, PhaseMarker())
+    plain = _timed_run(model, prompt_ids, new_tokens, PhaseMarker(), fast=fast)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     if cuda:
         torch.cuda.synchronize(device)
@@ -100,7 +106,7 @@ def profile_generate(
         baseline = _weights_bytes(model)
     marker = PhaseMarker()
     with profile(activities=activities, record_shapes=True, profile_memory=True) as prof:
-        clock = _timed_run(model, prompt_ids, new_tokens, marker)
+        clock = _timed_run(model, prompt_ids, new_tokens, marker, fast=fast)
     events = prof.events()
     stats = phase_stats(events, launches_on_device=cuda)
     if trace_path is not None:
