@@ -101,11 +101,11 @@ def decode_rates(timing: dict[str, Any]) -> dict[str, Any]:
     return {
         "decode_path": timing["path"],
         "fallback_reason": timing["fallback_reason"],
-        "prefill_s": round(prefill_s, 4),
+        "prefill_s": round(prefill_s, 6),
         "prefill_tokens_per_s": round(timing["prefill_tokens"] / prefill_s, 2)
         if prefill_s > 0
         else None,
-        "decode_s": round(decode_s, 4),
+        "decode_s": round(decode_s, 6),
         "decode_tokens_per_s": round(decoded / decode_s, 2) if decoded and decode_s > 0 else None,
     }
 
