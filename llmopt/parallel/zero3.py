@@ -9,7 +9,7 @@ from its first use until the parameter update.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,9 +17,6 @@ from torch import nn
 from llmopt.parallel.comm import Group
 from llmopt.parallel.zero_buffers import Unit
 from llmopt.parallel.zero_stages import ZeroStage2
-
-if TYPE_CHECKING:
-    from llmopt.parallel.data_parallel import DataParallel
 
 
 class _PreBackwardGather(torch.autograd.Function):
@@ -58,7 +55,12 @@ class ZeroStage3(ZeroStage2):
         lo, hi = self.local_range(unit)
         unit.shard = unit.flat[lo:hi].clone()
 
-    def attach(self, owner: DataParallel, model: nn.Module, blocks: list[nn.Module]) -> None:
+    def attach(
+        self,
+        owner: Any,  # the DataParallel that runs this stage
+        model: nn.Module,
+        blocks: list[nn.Module],
+    ) -> None:
         self.blocks = [u for u in owner.units if not u.is_root]
         self.root = next((u for u in owner.units if u.is_root), None)
         model.register_forward_pre_hook(lambda mod, args: self.prepare_forward())

@@ -18,16 +18,13 @@ compute parameters (`update`). Rajbhandari et al.'s stages, each a small step fr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from llmopt.parallel.comm import Group
 from llmopt.parallel.zero_buffers import Unit, shard_range
-
-if TYPE_CHECKING:
-    from llmopt.parallel.data_parallel import DataParallel
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -59,7 +56,12 @@ class ZeroStage:
         else:
             unit.master = nn.Parameter(full32.clone())
 
-    def attach(self, owner: DataParallel, model: nn.Module, blocks: list[nn.Module]) -> None:
+    def attach(
+        self,
+        owner: Any,  # the DataParallel that runs this stage
+        model: nn.Module,
+        blocks: list[nn.Module],
+    ) -> None:
         """Install whatever the stage needs around forward/backward (ZeRO-3 only)."""
 
     def prepare_forward(self) -> None:

@@ -12,11 +12,11 @@ import argparse
 from typing import Any
 
 from llmopt.parallel.plan import FP8_RECIPES, RECOMPUTES, REDUCE_DTYPES, SCHEDULES
+from llmopt.plan.cli_inputs import DEFAULT_NODES
 from llmopt.plan.objectives import OBJECTIVES
 
 DEFAULT_MODEL = "llama-3-70b"
 DEFAULT_CLUSTER = "dgx-h100"
-DEFAULT_NODES = 8
 DEFAULT_COMPARE = ("tp=8,pp=8", "tp=16,pp=4", "dp=64,zero_stage=3")
 EMIT_FORMATS = ("llmopt", "megatron", "nemo", "torchtitan", "deepspeed")
 

@@ -13,6 +13,8 @@ from llmopt.plan.grid import STATE_OF_REDUCE_DTYPE
 from llmopt.plan.hardware import Cluster, customize, get_cluster, load_cluster_toml
 from llmopt.plan.workload import Workload
 
+DEFAULT_NODES = 8  # `--nodes` when neither the flag nor a cluster file says
+
 # flag dest (= ModelConfig field = TrainConfig shape override) given on the command line
 SHAPE_FIELDS = (
     "num_layers",
@@ -63,8 +65,6 @@ def build_cluster(args: argparse.Namespace) -> Cluster:
     if args.cluster.endswith(".toml"):  # its `nodes` stands unless --nodes is given
         cluster = load_cluster_toml(args.cluster, nodes=args.nodes)
     else:
-        from llmopt.plan.cli import DEFAULT_NODES
-
         cluster = get_cluster(args.cluster, DEFAULT_NODES if args.nodes is None else args.nodes)
     overrides = {
         "gpus_per_node": args.gpus_per_node,

@@ -10,12 +10,19 @@ recomputed forward. Pure Python: importing it never imports torch.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from llmopt.models.config import ModelConfig
 
-if TYPE_CHECKING:
-    from llmopt.plan.workload import Workload
+
+class Workload(Protocol):
+    """What FLOP counting reads of a `llmopt.plan.workload.Workload` (a protocol, so this
+    module does not import the workload module, which re-exports these functions)."""
+
+    seq_len: int
+
+    @property
+    def tokens_per_step(self) -> int: ...
 
 
 def matmul_params_per_layer(model: ModelConfig) -> int:

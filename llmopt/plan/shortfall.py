@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
@@ -11,9 +11,6 @@ from llmopt.plan.grid import grid_row
 from llmopt.plan.hardware import GIB, Cluster
 from llmopt.plan.rules import format_constraints, msg_at
 from llmopt.plan.workload import Workload
-
-if TYPE_CHECKING:
-    from llmopt.plan.search import Evaluation
 
 
 def no_candidates_message(
@@ -35,7 +32,7 @@ def nothing_fits_message(
     model: ModelConfig,
     work: Workload,
     cluster: Cluster,
-    ev: Evaluation,
+    ev: Any,  # llmopt.plan.search.Evaluation (not imported: search imports this module)
     constraints: dict[str, int] | None,
 ) -> str:
     """Why every generated mapping is invalid: the first rule, or the leanest plan's shortfall."""
