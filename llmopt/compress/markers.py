@@ -3,6 +3,7 @@ one reader, so every format validates its marker the same way and names the file
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -39,3 +40,25 @@ def read_marker(
         if key not in meta:
             raise error(f"{path} lacks the key {key!r}")
     return meta
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify_weights(
+    weights: Path, expected_sha256: str, marker: str, error: type[ValueError]
+) -> None:
+    """Refuse a weights file whose SHA-256 differs from the one its marker recorded."""
+    if not weights.is_file():
+        raise FileNotFoundError(f"{weights.parent} lacks {weights.name}")
+    digest = sha256_file(weights)
+    if digest != expected_sha256:
+        raise error(
+            f"{weights} is corrupted or was replaced: its SHA-256 {digest[:12]}... does not "
+            f"match {expected_sha256[:12]}... recorded in {marker}"
+        )

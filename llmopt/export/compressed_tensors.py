@@ -17,7 +17,11 @@ import torch
 from torch import nn
 
 from llmopt.export.output import ExportError, check_output, staged_directory
-from llmopt.export.quantized_dir import quantized_layers, write_quantized_directory
+from llmopt.export.quantized_dir import (
+    quantized_layers,
+    uniform_setting,
+    write_quantized_directory,
+)
 
 
 def pack_bitstream(values: torch.Tensor, bits: int) -> torch.Tensor:
@@ -64,10 +68,7 @@ def export_compressed_tensors(
 
     out = check_output(out, source)
     layers = quantized_layers(model)
-    settings = {(m.bits, m.group_size) for m in layers.values()}
-    if len(settings) != 1:
-        raise ExportError(f"layers are quantized with different (bits, group) {sorted(settings)}")
-    bits, group = settings.pop()
+    bits, group = uniform_setting(layers)
     for name, layer in layers.items():
         if group != -1 and layer.in_features % group:
             raise ExportError(

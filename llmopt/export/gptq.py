@@ -22,7 +22,11 @@ import torch
 from torch import nn
 
 from llmopt.export.output import ExportError, check_output, staged_directory
-from llmopt.export.quantized_dir import quantized_layers, write_quantized_directory
+from llmopt.export.quantized_dir import (
+    quantized_layers,
+    uniform_setting,
+    write_quantized_directory,
+)
 
 GPTQ_BITS = (2, 4, 8)
 
@@ -89,10 +93,7 @@ def export_gptq(
 
     out = check_output(out, source)
     layers = quantized_layers(model)
-    settings = {(m.bits, m.group_size) for m in layers.values()}
-    if len(settings) != 1:
-        raise ExportError(f"layers are quantized with different (bits, group) {sorted(settings)}")
-    bits, group = settings.pop()
+    bits, group = uniform_setting(layers)
     if bits not in GPTQ_BITS:
         raise ExportError(f"GPTQ export holds bits {GPTQ_BITS}; this model is {bits}-bit")
     sym = all(bool((m.zeros == 1 << (bits - 1)).all()) for m in layers.values())

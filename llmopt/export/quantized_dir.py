@@ -26,6 +26,15 @@ def quantized_layers(model: nn.Module) -> dict[str, Any]:
     return layers
 
 
+def uniform_setting(layers: dict[str, Any]) -> tuple[int, int]:
+    """The one (bits, group_size) every quantized layer uses: both formats store one setting
+    for the whole model."""
+    settings = {(m.bits, m.group_size) for m in layers.values()}
+    if len(settings) != 1:
+        raise ExportError(f"layers are quantized with different (bits, group) {sorted(settings)}")
+    return settings.pop()
+
+
 def write_quantized_directory(
     model: nn.Module,
     directory: Path,

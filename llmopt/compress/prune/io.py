@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from llmopt.artifacts import atomic_write, atomic_write_json
-from llmopt.compress.markers import read_marker
+from llmopt.compress.markers import read_marker, sha256_file, verify_weights
 from llmopt.compress.prune.config import PruneConfig
 from llmopt.compress.prune.packed import (
     PackedNM,
@@ -33,7 +33,6 @@ from llmopt.compress.prune.packed import (
     pack_nm,
     unpack_bits,
 )
-from llmopt.compress.quant.io import sha256_file
 from llmopt.models.spec import spec_for
 
 MARKER = "llmopt_prune.json"
@@ -211,14 +210,7 @@ def load_pruned(
     directory = Path(directory)
     meta = read_prune_meta(directory)
     weights = directory / WEIGHTS
-    if not weights.is_file():
-        raise FileNotFoundError(f"{directory} lacks {WEIGHTS}")
-    digest = sha256_file(weights)
-    if digest != meta["weights_sha256"]:
-        raise PruneFileError(
-            f"{weights} is corrupted or was replaced: SHA-256 {digest[:12]}... differs from "
-            f"{meta['weights_sha256'][:12]}... recorded in {MARKER}"
-        )
+    verify_weights(weights, meta["weights_sha256"], MARKER, PruneFileError)
     try:
         model_config = ModelConfig.from_dict(meta["model_config"])
         prune_config = PruneConfig.from_dict(meta["prune_config"])

@@ -16,7 +16,6 @@ weights file.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from torch import nn
 
 from llmopt.artifacts import atomic_write, atomic_write_json
 from llmopt.compress import QUANT_MARKER as MARKER
-from llmopt.compress.markers import read_marker
+from llmopt.compress.markers import read_marker, sha256_file, verify_weights
 from llmopt.compress.quant.config import QuantConfig
 from llmopt.compress.quant.formats import check_bits_group
 from llmopt.compress.quant.linear import QuantLinear
@@ -40,14 +39,6 @@ FORMAT_VERSION = 1
 
 class QuantFileError(ValueError):
     """A quantized directory that is corrupted, incomplete or inconsistent."""
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _jsonable(value: Any) -> Any:
@@ -160,14 +151,7 @@ def load_quantized_model(
     if weights_name not in (WEIGHTS, LEGACY_WEIGHTS):
         raise QuantFileError(f"{MARKER}: weights_file={weights_name!r}; expected {WEIGHTS!r}")
     weights = directory / weights_name
-    if not weights.is_file():
-        raise FileNotFoundError(f"{directory} lacks {weights_name}")
-    digest = sha256_file(weights)
-    if digest != meta["weights_sha256"]:
-        raise QuantFileError(
-            f"{weights} is corrupted or was replaced: its SHA-256 {digest[:12]}... does not match "
-            f"{meta['weights_sha256'][:12]}... recorded in {MARKER}"
-        )
+    verify_weights(weights, meta["weights_sha256"], MARKER, QuantFileError)
     try:
         model_config = ModelConfig.from_dict(meta["model_config"])
         quant_config = QuantConfig.from_dict(meta["quant_config"])
