@@ -1,0 +1,126 @@
+"""Steady state of continuous (in-flight) batching on one replica, and what it gives the
+deployment: output tokens/s, TTFT, ITL/TPOT and the limit that bounds them.
+
+Model: B sequences decode together; every iteration each emits one token (E with speculative
+decoding) and, on average, the prompts of the requests that replace finished ones are
+prefilled in the same iterations (B·I/O prompt tokens per decode round, chunked to
+max_num_tokens per iteration). The running batch B is the concurrency, capped by what the KV
+cache holds at full length and by max_num_seqs; at a request rate R it solves Little's law
+B = R·O·ITL(B). A request's TTFT is half an iteration of alignment plus the iterations that
+carry its prompt, plus the queue: clients beyond B wait (C − B)/X for a slot (closed loop),
+and an open stream waits the M/D/1 time ρ/(2(1−ρ)) iterations at utilisation ρ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from llmopt.models.config import ModelConfig
+from llmopt.plan.hardware import Cluster
+from llmopt.plan.serve.capacity import capacity
+from llmopt.plan.serve.explain import bound_of, explain
+from llmopt.plan.serve.result import ServeEstimate
+from llmopt.plan.serve.scenario import Load, Scenario
+from llmopt.plan.serve.step import StepCost, step_cost
+
+
+@dataclass(frozen=True)
+class Round:
+    """One decode round: every running sequence advances by `tokens` (1, or E drafted)."""
+
+    seconds: float
+    tokens: float
+    step: StepCost  # the target iteration (verification when speculating)
+    iterations: float  # engine iterations the round's tokens are spread over
+
+
+def decode_round(model: ModelConfig, cluster: Cluster, sc: Scenario, batch: float) -> Round:
+    """Time for `batch` sequences to each advance one round, prefill of replacements included."""
+    i, o, k = sc.input_len, sc.output_len, sc.spec_tokens
+    e = sc.tokens_per_round
+    ctx = i + o / 2
+    prefill = batch * e * i / o
+    tokens = batch * (k + 1) + prefill
+    n = max(1.0, tokens / sc.max_num_tokens)  # iterations the round's tokens need
+    step = step_cost(
+        model, cluster, sc, batch / n, ctx, prefill / n, i / 2, batch * e / o / n, k + 1
+    )
+    seconds = n * step.total_s
+    if k:
+        plain = step_cost(model, cluster, sc, batch, ctx).total_s
+        seconds += k * sc.spec_draft_cost * plain
+    return Round(seconds, e, step, n)
+
+
+def _prefill_s(model: ModelConfig, cluster: Cluster, sc: Scenario, batch: float) -> float:
+    """Iterations that carry one new prompt beside `batch` decoding sequences."""
+    i, ctx = sc.input_len, sc.input_len + sc.output_len / 2
+    chunks = math.ceil((i + batch) / sc.max_num_tokens)
+    step = step_cost(model, cluster, sc, batch, ctx, i / chunks, i / 2, 1.0 / chunks)
+    return chunks * step.total_s
+
+
+def _rate_batch(
+    model: ModelConfig, cluster: Cluster, sc: Scenario, rate: float, cap: int
+) -> tuple[float, bool]:
+    """Running batch B solving B = rate·O·ITL(B) by bisection; (cap, True) when overloaded."""
+
+    def excess(b: float) -> float:
+        r = decode_round(model, cluster, sc, b)
+        return rate * sc.output_len * r.seconds / r.tokens - b
+
+    if excess(cap) > 0:
+        return float(cap), True
+    lo, hi = 1e-6, float(cap)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if excess(mid) > 0 else (lo, mid)
+    return hi, False
+
+
+def estimate(model: ModelConfig, cluster: Cluster, sc: Scenario) -> ServeEstimate:
+    """Continuous-batching steady state of `sc` (see the module docstring)."""
+    cap = capacity(model, cluster.gpu, sc)
+    load: Load = sc.load.split(sc.replicas)
+    overloaded = False
+    if load.kind == "offline":
+        batch = float(cap.max_batch)
+    elif load.kind == "concurrency":
+        batch = float(min(load.value, cap.max_batch))
+    else:
+        batch, overloaded = _rate_batch(model, cluster, sc, load.value, cap.max_batch)
+    rnd = decode_round(model, cluster, sc, batch)
+    itl = rnd.seconds / rnd.tokens
+    per_replica_tps = batch / itl
+    req_rate = per_replica_tps / sc.output_len
+    ttft: float | None
+    if load.kind == "offline":
+        ttft = None
+    else:
+        ttft = rnd.seconds / rnd.iterations / 2 + _prefill_s(model, cluster, sc, batch)
+        if load.kind == "concurrency" and load.value > batch:
+            ttft += (load.value - batch) / req_rate
+        elif load.kind == "rate":
+            full = decode_round(model, cluster, sc, cap.max_batch)
+            rho = min(
+                load.value / (cap.max_batch / (full.seconds / full.tokens) / sc.output_len), 1
+            )
+            ttft = math.inf if overloaded or rho >= 1 else ttft + rho / (2 * (1 - rho)) * itl
+    est = ServeEstimate(
+        model=model.name,
+        gpu=cluster.gpu.name,
+        scenario=sc,
+        capacity=cap,
+        batch=batch,
+        itl_s=itl,
+        ttft_s=ttft,
+        output_tokens_per_s=per_replica_tps * sc.replicas,
+        request_rate=req_rate * sc.replicas,
+        step=rnd.step,
+        bound="",
+        overloaded=overloaded,
+    )
+    bound = bound_of(est, load)
+    return dataclasses.replace(est, bound=bound, explanation=explain(model, cluster, est, load))

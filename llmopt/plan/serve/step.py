@@ -1,0 +1,150 @@
+"""Time of one engine iteration (a forward over a mixed batch of decode tokens and prefill
+chunks) on one replica, from FLOPs, HBM bytes and TP all-reduces.
+
+Each kernel class runs at the slower of its compute and its memory traffic (a roofline per
+operation, not per step): GEMMs move the weights once per step and do 2 FLOPs per weight per
+token; attention reads every decoding sequence's KV cache and does 4·span·q_size FLOPs per
+token and layer (`llmopt.plan.flops`). TP costs two all-reduces of the hidden state per layer
+on the critical path. A fixed per-iteration host cost covers scheduling, sampling and launches.
+
+Efficiencies are the GPU profile's (catalog.py), shared with the training planner; the only
+serving-specific constants are below, each global, none fitted per measurement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmopt.models.config import ModelConfig
+from llmopt.plan.flops import head_flops_fwd_per_token, layer_flops_fwd_per_token
+from llmopt.plan.hardware import Cluster
+from llmopt.plan.serve.capacity import ACT_BYTES, kv_bytes_per_token, moe_shape, weight_bytes
+from llmopt.plan.serve.scenario import WEIGHT_BYTES, Scenario, ServeInputError
+
+# Host work per iteration (scheduler, sampling, detokenisation, CUDA-graph launch). In-flight
+# batching engines report 1-3 ms of CPU time per step hidden partly behind the GPU; 1 ms.
+STEP_OVERHEAD_S = 1.0e-3
+# W4A16 GEMMs dequantise in the main loop: Marlin/AWQ kernels reach ~0.8 of a bf16 GEMM at
+# large batch (vLLM Marlin benchmarks); at small batch they are memory-bound anyway.
+INT4_GEMM_EFFICIENCY_SCALE = 0.8
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Seconds of one iteration, by what bounds each part."""
+
+    gemm_compute_s: float
+    weight_read_s: float
+    attn_compute_s: float
+    kv_read_s: float
+    comm_s: float
+    overhead_s: float
+
+    @property
+    def gemm_s(self) -> float:
+        return max(self.gemm_compute_s, self.weight_read_s)
+
+    @property
+    def attention_s(self) -> float:
+        return max(self.attn_compute_s, self.kv_read_s)
+
+    @property
+    def total_s(self) -> float:
+        return self.gemm_s + self.attention_s + self.comm_s + self.overhead_s
+
+    def shares(self) -> dict[str, float]:
+        """Fraction of the step each limit accounts for (sums to 1)."""
+        t = self.total_s
+        return {
+            "compute": (
+                (self.gemm_compute_s if self.gemm_compute_s >= self.weight_read_s else 0.0)
+                + (self.attn_compute_s if self.attn_compute_s >= self.kv_read_s else 0.0)
+            )
+            / t,
+            "weight bandwidth": (
+                self.weight_read_s if self.weight_read_s > self.gemm_compute_s else 0.0
+            )
+            / t,
+            "KV bandwidth": (self.kv_read_s if self.kv_read_s > self.attn_compute_s else 0.0) / t,
+            "interconnect": self.comm_s / t,
+            "host overhead": self.overhead_s / t,
+        }
+
+
+def gemm_flops_per_s(cluster: Cluster, precision: str) -> float:
+    """Sustained GEMM FLOP/s of one GPU for the weight format."""
+    gpu = cluster.gpu
+    if precision == "fp8":
+        if gpu.peak_fp8_tflops is None:
+            raise ServeInputError(
+                f"{gpu.name} has no FP8 tensor cores; valid precisions: bf16, int8, int4-awq"
+            )
+        peak, eff = gpu.peak_fp8_tflops * 1e12, gpu.fp8_gemm_efficiency
+    elif precision == "int8":  # INT8 tensor cores: 2x the dense bf16 rate on A100/H100/B200
+        peak, eff = 2 * gpu.peak_bf16_tflops * 1e12, gpu.fp8_gemm_efficiency
+    elif precision == "int4-awq":
+        peak, eff = gpu.peak_bf16_tflops * 1e12, gpu.gemm_efficiency * INT4_GEMM_EFFICIENCY_SCALE
+    else:
+        peak, eff = gpu.peak_bf16_tflops * 1e12, gpu.gemm_efficiency
+    return peak * eff * gpu.clock_scale
+
+
+def allreduce_s(cluster: Cluster, tp: int, nbytes: float) -> float:
+    """Ring all-reduce of `nbytes` over the tp GPUs of a replica (NVLink inside a node)."""
+    if tp == 1:
+        return 0.0
+    link = cluster.intra_node if tp <= cluster.gpus_per_node else cluster.inter_node
+    return link.latency_us * 1e-6 + 2 * (tp - 1) / tp * nbytes / link.bytes_per_s
+
+
+def weights_read(model: ModelConfig, sc: Scenario, tokens: int) -> float:
+    """Weight bytes one rank reads in a step of `tokens` tokens: everything for a dense model;
+    for an MoE model only the experts some token was routed to (uniform routing)."""
+    full = weight_bytes(model, sc.tp, sc.precision)
+    moe = moe_shape(model)
+    if not moe.is_moe:
+        return full
+    n_mlp = 3 if model.mlp_kind == "swiglu" else 2
+    expert = n_mlp * model.hidden_size * moe.expert_intermediate * WEIGHT_BYTES[sc.precision]
+    all_experts = moe.num_experts * expert * model.num_layers / sc.tp
+    touched = moe.num_experts * (1 - (1 - moe.experts_per_token / moe.num_experts) ** tokens)
+    return full - all_experts * (1 - touched / moe.num_experts)
+
+
+def step_cost(
+    model: ModelConfig,
+    cluster: Cluster,
+    sc: Scenario,
+    decode: float,
+    decode_ctx: float,
+    prefill_tokens: float = 0.0,
+    prefill_span: float = 0.0,
+    prefill_requests: float = 0.0,
+    tokens_per_seq: int = 1,
+) -> StepCost:
+    """One iteration carrying `decode` sequences (`tokens_per_seq` tokens each: 1, or k+1 when
+    verifying k drafted tokens; `decode_ctx` cached tokens on average) and `prefill_tokens`
+    prompt tokens attending `prefill_span` keys on average."""
+    gpu = cluster.gpu
+    tokens = decode * tokens_per_seq + prefill_tokens
+    layers = model.num_layers
+    dense = layer_flops_fwd_per_token(model, 0)
+    gemm = layers * dense * tokens + head_flops_fwd_per_token(model) * (
+        decode * tokens_per_seq + prefill_requests
+    )
+    attn = layers * (
+        (layer_flops_fwd_per_token(model, decode_ctx) - dense) * decode * tokens_per_seq
+        + (layer_flops_fwd_per_token(model, prefill_span) - dense) * prefill_tokens
+    )
+    hbm = gpu.hbm_bandwidth_gbs * 1e9 * gpu.hbm_efficiency
+    attn_peak = gpu.peak_bf16_tflops * 1e12 * gpu.attention_efficiency * gpu.clock_scale
+    kv = kv_bytes_per_token(model, sc.tp, sc.kv_dtype)
+    comm = 2 * layers * allreduce_s(cluster, sc.tp, tokens * model.hidden_size * ACT_BYTES)
+    return StepCost(
+        gemm_compute_s=gemm / sc.tp / gemm_flops_per_s(cluster, sc.precision),
+        weight_read_s=weights_read(model, sc, max(1, round(tokens))) / hbm,
+        attn_compute_s=attn / sc.tp / attn_peak,
+        kv_read_s=decode * decode_ctx * kv / hbm,
+        comm_s=comm,
+        overhead_s=STEP_OVERHEAD_S,
+    )
