@@ -134,7 +134,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _common(plan, sub=False)
     _plan_flags(plan)
     plan.set_defaults(func=cli_run.run_plan)
-    sub = plan.add_subparsers(dest="plan_command", metavar="{estimate,compare}")
+    sub = plan.add_subparsers(dest="plan_command", metavar="{estimate,compare,serve}")
     est = sub.add_parser("estimate", help="evaluate one fully specified mapping")
     _common(est, sub=True)
     _estimate_flags(est)
@@ -146,3 +146,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"mapping specs (unset fields chosen by the planner); default: {' '.join(DEFAULT_COMPARE)}",
     )  # fmt: skip
     cmp.set_defaults(func=cli_run.run_compare)
+    from llmopt.plan.serve.cli import add_parser as add_serve
+
+    add_serve(sub)

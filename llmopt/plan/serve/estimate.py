@@ -122,5 +122,5 @@ def estimate(model: ModelConfig, cluster: Cluster, sc: Scenario) -> ServeEstimat
         bound="",
         overloaded=overloaded,
     )
-    bound = bound_of(est, load)
-    return dataclasses.replace(est, bound=bound, explanation=explain(model, cluster, est, load))
+    est = dataclasses.replace(est, bound=bound_of(est, load))
+    return dataclasses.replace(est, explanation=explain(model, cluster, est, load))

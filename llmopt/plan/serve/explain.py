@@ -118,7 +118,7 @@ def _bound_sentence(est: ServeEstimate, load: Load) -> str:
             f"Bound: host overhead — the fixed {st.overhead_s * 1e3:.1f} ms per iteration "
             "dominates this small batch; a larger batch amortises it."
         )
-    tokens = max(est.batch, 1.0)
+    tokens = max(st.tokens, 1.0)
     cross = tokens * st.weight_read_s / max(st.gemm_compute_s, 1e-12)
     what = "weights" if st.weight_read_s >= st.kv_read_s else "KV cache"
     return (

@@ -48,7 +48,7 @@ class ServeEstimate:
             "capacity": self.capacity.to_dict(),
             "batch_per_replica": self.batch,
             "itl_ms": self.itl_s * 1e3,
-            "ttft_ms": None if self.ttft_s is None else self.ttft_s * 1e3,
+            "ttft_ms": None if self.ttft_s is None or self.overloaded else self.ttft_s * 1e3,
             "output_tokens_per_s": self.output_tokens_per_s,
             "output_tokens_per_s_per_gpu": self.output_tokens_per_s / self.num_gpus,
             "request_rate": self.request_rate,

@@ -39,6 +39,7 @@ class StepCost:
     kv_read_s: float
     comm_s: float
     overhead_s: float
+    tokens: float = 0.0  # tokens the iteration carries (decode + prefill)
 
     @property
     def gemm_s(self) -> float:
@@ -147,4 +148,5 @@ def step_cost(
         kv_read_s=decode * decode_ctx * kv / hbm,
         comm_s=comm,
         overhead_s=STEP_OVERHEAD_S,
+        tokens=tokens,
     )
