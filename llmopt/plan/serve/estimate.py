@@ -99,7 +99,9 @@ def estimate(model: ModelConfig, cluster: Cluster, sc: Scenario) -> ServeEstimat
     if load.kind == "offline":
         ttft = None
     else:
-        ttft = rnd.seconds / rnd.iterations / 2 + _prefill_s(model, cluster, sc, batch)
+        # a new prompt waits for the running iteration to end (none runs when it is alone)
+        align = rnd.seconds / rnd.iterations / 2 * max(0.0, 1 - 1 / max(batch, 1.0))
+        ttft = align + _prefill_s(model, cluster, sc, batch)
         if load.kind == "concurrency" and load.value > batch:
             ttft += (load.value - batch) / req_rate
         elif load.kind == "rate":
