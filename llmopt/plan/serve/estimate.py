@@ -4,9 +4,10 @@ deployment: output tokens/s, TTFT, ITL/TPOT and the limit that bounds them.
 Model: B sequences decode together; every iteration each emits one token (E with speculative
 decoding) and, on average, the prompts of the requests that replace finished ones are
 prefilled in the same iterations (B·I/O prompt tokens per decode round, chunked to
-max_num_tokens per iteration). The running batch B is the concurrency, capped by what the KV
-cache holds at full length and by max_num_seqs; at a request rate R it solves Little's law
-B = R·O·ITL(B). A request's TTFT is half an iteration of alignment plus the iterations that
+max_num_tokens per iteration). The running batch B is capped by what the KV cache holds at
+full length and by max_num_seqs; below the cap, C closed-loop clients keep
+B = C·O·ITL / (TTFT + O·ITL) decoding (each spends its TTFT waiting), and a request rate R
+keeps B = R·O·ITL(B) (Little's law). A request's TTFT is half an iteration of alignment plus the iterations that
 carry its prompt, plus the queue: clients beyond B wait (C − B)/X for a slot (closed loop),
 and an open stream waits the M/D/1 time ρ/(2(1−ρ)) iterations at utilisation ρ.
 """
@@ -62,6 +63,31 @@ def _prefill_s(model: ModelConfig, cluster: Cluster, sc: Scenario, batch: float)
     return chunks * step.total_s
 
 
+def _ttft_s(model: ModelConfig, cluster: Cluster, sc: Scenario, batch: float, rnd: Round) -> float:
+    """Half an iteration of alignment (none when alone) plus the iterations of the prompt."""
+    align = rnd.seconds / rnd.iterations / 2 * max(0.0, 1 - 1 / max(batch, 1.0))
+    return align + _prefill_s(model, cluster, sc, batch)
+
+
+def _closed_loop_batch(
+    model: ModelConfig, cluster: Cluster, sc: Scenario, clients: float, cap: int
+) -> float:
+    """Sequences decoding when `clients` each wait TTFT, then decode O tokens, then resubmit:
+    B = C·O·ITL / (TTFT + O·ITL) below the cap (a fixed point; B moves ITL and TTFT); at or
+    above the cap every slot is busy and the rest of the clients queue."""
+    if clients >= cap:
+        return float(cap)
+    batch = clients
+    for _ in range(30):
+        rnd = decode_round(model, cluster, sc, batch)
+        decode = sc.output_len * rnd.seconds / rnd.tokens
+        new = clients * decode / (_ttft_s(model, cluster, sc, batch, rnd) + decode)
+        if abs(new - batch) < 1e-9 * clients:
+            break
+        batch = (batch + new) / 2
+    return batch
+
+
 def _rate_batch(
     model: ModelConfig, cluster: Cluster, sc: Scenario, rate: float, cap: int
 ) -> tuple[float, bool]:
@@ -88,7 +114,7 @@ def estimate(model: ModelConfig, cluster: Cluster, sc: Scenario) -> ServeEstimat
     if load.kind == "offline":
         batch = float(cap.max_batch)
     elif load.kind == "concurrency":
-        batch = float(min(load.value, cap.max_batch))
+        batch = _closed_loop_batch(model, cluster, sc, load.value, cap.max_batch)
     else:
         batch, overloaded = _rate_batch(model, cluster, sc, load.value, cap.max_batch)
     rnd = decode_round(model, cluster, sc, batch)
@@ -99,10 +125,8 @@ def estimate(model: ModelConfig, cluster: Cluster, sc: Scenario) -> ServeEstimat
     if load.kind == "offline":
         ttft = None
     else:
-        # a new prompt waits for the running iteration to end (none runs when it is alone)
-        align = rnd.seconds / rnd.iterations / 2 * max(0.0, 1 - 1 / max(batch, 1.0))
-        ttft = align + _prefill_s(model, cluster, sc, batch)
-        if load.kind == "concurrency" and load.value > batch:
+        ttft = _ttft_s(model, cluster, sc, batch, rnd)
+        if load.kind == "concurrency" and load.value >= cap.max_batch:
             ttft += (load.value - batch) / req_rate
         elif load.kind == "rate":
             full = decode_round(model, cluster, sc, cap.max_batch)

@@ -33,7 +33,7 @@ def bound_of(est: ServeEstimate, load: Load) -> str:
     """The limit to raise for more throughput: the batch limit when the load wants more
     sequences than run and the iteration is not compute-bound, else the iteration's."""
     step = _step_limit(est)
-    wants_more = est.overloaded or (load.kind != "rate" and _demand(load) > est.batch)
+    wants_more = est.overloaded or (load.kind != "rate" and _demand(load) > est.capacity.max_batch)
     if wants_more and step != "compute":
         cap = est.capacity
         return "KV capacity" if cap.max_batch_kv <= est.scenario.max_num_seqs else "scheduler cap"
@@ -60,10 +60,12 @@ def explain(model: ModelConfig, cluster: Cluster, est: ServeEstimate, load: Load
     if load.kind == "offline":
         lines.append(f"Offline: the batch fills to {est.batch:,.0f} running sequences{per}.")
     elif load.kind == "concurrency":
-        queued = load.value - est.batch
-        text = f"Concurrency {load.value:g}{per} runs {est.batch:,.0f} sequences"
+        queued = load.value - cap.max_batch
+        text = f"Concurrency {load.value:g}{per} keeps {est.batch:,.1f} sequences decoding"
         if queued > 0:
             text += f"; {queued:,.0f} clients wait for a KV slot before their prefill"
+        else:
+            text += " (the other clients are waiting for their first token)"
         lines.append(text + ".")
     else:
         state = "OVERLOADED: the queue grows without bound" if est.overloaded else "steady"
