@@ -136,6 +136,14 @@ def test_itl_search_respects_its_target():
         search(M8, cluster, base, 8, max_itl_ms=math.nan)
 
 
+def test_unreachable_target_exits_1_and_lists_the_closest(capsys):
+    argv = ["plan", "serve", "--model", "llama-3.1-70b", "--num-gpus", "8", "--max-itl-ms", "1"]
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    assert "no layout meets the target" in out and out.count("(misses target)") == 3
+    assert "(cannot run) tp=1" in out  # 131 GiB of bf16 weights on one 80 GB GPU
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

@@ -92,7 +92,7 @@ def resolve(model_name: str, gpu_name: str, num_gpus: int):
 
 def run_serve(args: argparse.Namespace) -> int:
     from llmopt.plan.serve.estimate import estimate
-    from llmopt.plan.serve.render import print_estimate, print_search
+    from llmopt.plan.serve.render import estimate_lines, search_lines, write
     from llmopt.plan.serve.search import search
 
     searching = args.max_itl_ms is not None or args.max_ttft_ms is not None
@@ -112,14 +112,9 @@ def run_serve(args: argparse.Namespace) -> int:
     as_json = getattr(args, _DEST["json"])
     if not searching:
         est = estimate(model, cluster, base)
-        if as_json:
-            print(json.dumps(est.to_dict(), indent=1))
-        else:
-            print_estimate(est)
+        write([json.dumps(est.to_dict(), indent=1)] if as_json else estimate_lines(est))
         return 0
     result = search(model, cluster, base, num_gpus, args.max_itl_ms, args.max_ttft_ms)
-    if as_json:
-        print(json.dumps(result.to_dict(), indent=1))
-    else:
-        print_search(result, args.max_itl_ms, args.max_ttft_ms)
+    lines = search_lines(result, args.max_itl_ms, args.max_ttft_ms)
+    write([json.dumps(result.to_dict(), indent=1)] if as_json else lines)
     return 0 if result.best else 1

@@ -3,6 +3,9 @@ answers in well under a second)."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 from llmopt.plan.serve.result import ServeEstimate
 from llmopt.plan.serve.search import ServeSearch
 
@@ -28,37 +31,44 @@ def summary(est: ServeEstimate) -> list[str]:
     ]
 
 
-def print_estimate(est: ServeEstimate) -> None:
-    print("\n".join(summary(est)))
-    print()
-    for line in est.explanation:
-        print(f"- {line}")
+def write(lines: list[str]) -> None:
+    """Print; a reader that stops early (`| head`) ends the output quietly."""
+    try:
+        sys.stdout.write("\n".join(lines) + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:  # keep the interpreter's final flush from failing again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
-def print_search(result: ServeSearch, max_itl_ms: float | None, max_ttft_ms: float | None) -> None:
+def estimate_lines(est: ServeEstimate) -> list[str]:
+    return [*summary(est), "", *(f"- {line}" for line in est.explanation)]
+
+
+def search_lines(
+    result: ServeSearch, max_itl_ms: float | None, max_ttft_ms: float | None
+) -> list[str]:
     targets = ", ".join(
         t for t in (
             f"ITL <= {max_itl_ms:g} ms" if max_itl_ms is not None else "",
             f"TTFT <= {max_ttft_ms:g} ms" if max_ttft_ms is not None else "",
         ) if t
     ) or "no latency target"  # fmt: skip
-    print(f"layouts meeting {targets}, fastest first:")
+    out = [f"layouts meeting {targets}, fastest first:"]
     for e in result.ranked:
         ttft = "-" if e.ttft_s is None else _ms(e.ttft_s)
-        print(
+        out.append(
             f"  tp={e.scenario.tp} ep={e.scenario.ep} x{e.scenario.replicas}: "
             f"{e.output_tokens_per_s:,.0f} tok/s, ITL {e.itl_s * 1e3:.2f} ms, TTFT {ttft}, "
             f"bound {e.bound}"
         )
     for e in result.missed:
-        print(
+        out.append(
             f"  (misses target) tp={e.scenario.tp} x{e.scenario.replicas}: ITL "
             f"{e.itl_s * 1e3:.2f} ms, TTFT {_ms(e.ttft_s)}"
         )
     for name, reason in result.rejected:
-        print(f"  (cannot run) {name}: {reason}")
+        out.append(f"  (cannot run) {name}: {reason}")
     if result.best is None:
-        print("no layout meets the target; the closest is listed first under 'misses target'")
-        return
-    print()
-    print_estimate(result.best)
+        out.append("no layout meets the target; the closest is listed first under 'misses target'")
+        return out
+    return [*out, "", *estimate_lines(result.best)]
