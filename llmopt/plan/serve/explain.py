@@ -106,9 +106,12 @@ def _bound_sentence(est: ServeEstimate, load: Load) -> str:
             f"{cap.max_batch_kv:,} sequences the KV cache could hold."
         )
     if b == "compute":
+        full = est.batch >= cap.max_batch and (load.kind == "offline" or load.value > est.batch)
+        also = f" (the batch is also at its cap of {cap.max_batch:,} sequences)" if full else ""
         return (
-            f"Bound: compute — GEMMs and attention run at the sustained {sc.precision} rate; "
-            "more GPUs or a lower-precision format raise throughput, batching no longer helps."
+            f"Bound: compute — GEMMs and attention run at the sustained {sc.precision} "
+            f"rate{also}; more GPUs or a lower-precision format raise throughput, a larger "
+            "batch would not."
         )
     if b == "interconnect":
         return (
