@@ -178,6 +178,20 @@ def test_unknown_precision_names_the_valid_ones():
         capacity(get_preset("qwen2.5-7b"), H100.gpu, Scenario(tp=14))
 
 
+def test_moe_fields_are_read_under_any_config_name_and_ep_needs_experts():
+    from types import SimpleNamespace
+
+    from llmopt.plan.serve.capacity import MoEShape, moe_shape
+
+    assert moe_shape(M8) == MoEShape() and not moe_shape(M8).is_moe
+    hf_style = SimpleNamespace(num_local_experts=8, num_experts_per_tok=2, intermediate_size=14336)
+    assert moe_shape(hf_style) == MoEShape(8, 2, 14336)
+    ds_style = SimpleNamespace(n_routed_experts=64, moe_top_k=6, moe_intermediate_size=1408)
+    assert moe_shape(ds_style) == MoEShape(64, 6, 1408)
+    with pytest.raises(ServeInputError, match="ep=2 needs an MoE model"):
+        capacity(M8, H100.gpu, Scenario(tp=2, ep=2))
+
+
 @pytest.mark.parametrize(
     "text, kind, value",
     [

@@ -128,6 +128,13 @@ class Capacity:
 
 def capacity(model: ModelConfig, gpu: GPUProfile, sc: Scenario) -> Capacity:
     """KV capacity and max batch of one replica (every rank holds the same share)."""
+    moe = moe_shape(model)
+    if sc.ep > 1 and not moe.is_moe:
+        raise ServeInputError(f"ep={sc.ep} needs an MoE model; {model.name} is dense (use ep=1)")
+    if moe.is_moe and moe.num_experts % sc.ep:
+        raise ServeInputError(
+            f"ep={sc.ep} does not divide the {moe.num_experts} experts of {model.name}"
+        )
     hbm = gpu.hbm_gib * GIB
     reserved = gpu.runtime_reserved_gib * GIB
     weights = weight_bytes(model, sc.tp, sc.precision)
