@@ -84,10 +84,32 @@ def test_request_rate_obeys_littles_law_and_reports_overload():
     est = estimate(M8, H100, Scenario(load=Load("rate", 5.0)))
     assert est.batch == pytest.approx(5.0 * 256 * est.itl_s, rel=1e-6)
     assert est.request_rate == pytest.approx(5.0, rel=1e-6)
+    busier = estimate(M8, H100, Scenario(load=Load("rate", 12.0)))
+    assert busier.ttft_s > est.ttft_s and busier.batch > est.batch  # M/D/1 wait grows with ρ
     hot = estimate(M8, H100, Scenario(load=Load("rate", 1e4)))
     assert (
         hot.overloaded and hot.to_dict()["ttft_ms"] is None and "OVERLOADED" in hot.explanation[1]
     )
+
+
+@pytest.mark.parametrize(
+    "argv, bound, words",
+    [
+        ([], "bandwidth", "Bound: HBM bandwidth — each iteration streams the weights"),
+        (["--offline", "--input-len", "2048", "--output-len", "128"], "compute", "Bound: compute"),
+        (["--offline", "--input-len", "128", "--output-len", "2048"], "KV capacity",
+         "Bound: KV capacity — the cache holds"),
+        (["--gpu", "h100-pcie", "--tp", "8", "--concurrency", "64"], "interconnect",
+         "Bound: interconnect — TP all-reduces take"),
+        (["--offline", "--max-num-seqs", "8"], "scheduler cap", "max_num_seqs=8 caps the batch"),
+        (["--model", "smollm2-135m", "--concurrency", "1"], "host overhead", "host overhead"),
+    ],
+)  # fmt: skip
+def test_the_bound_is_named_and_explained(argv, bound, words, capsys):
+    assert main(["plan", "serve", "--json", *argv]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["bound"] == bound and data["explanation"][-1].startswith("Bound:")
+    assert words in data["explanation"][-1]
 
 
 def test_speculative_decoding_follows_leviathan():
