@@ -180,8 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     with path.open(newline="") as fh:
         rows = list(csv.DictReader(fh))
     results, bad = evaluate(rows)
-    print(f"{'row':>4} {'model':<15} {'gpu':<14} {'tp':>2} {'prec':<8} {'kv':<4} {'ISL/OSL':<11} "
-          f"{'load':<14} {'metric':<20} {'measured':>10} {'predicted':>10} {'err':>7}  bound")  # fmt: skip
+    print(
+        f"{'row':>4} {'model':<15} {'gpu':<14} {'tp':>2} {'prec':<8} {'kv':<4} {'ISL/OSL':<11} "
+        f"{'load':<14} {'metric':<20} {'measured':>10} {'predicted':>10} {'err':>7}  bound"
+    )
     for r in results:
         print(
             f"{r['row_id']:>4} {r['model']:<15} {r['gpu']:<14} {r['tp']:>2} {r['precision']:<8} "

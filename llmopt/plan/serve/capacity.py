@@ -55,10 +55,12 @@ def moe_shape(model: ModelConfig) -> MoEShape:
 
 def kv_heads_per_rank(model: ModelConfig, tp: int) -> int:
     """KV heads one TP rank holds; tp and the KV-head count must divide one another."""
-    if model.num_heads % tp:
+    heads = model.num_heads
+    if heads % tp:
+        valid = ", ".join(str(t) for t in range(1, min(heads, 64) + 1) if heads % t == 0)
         raise ServeInputError(
-            f"tp={tp} does not divide the {model.num_heads} attention heads of {model.name}; "
-            f"valid tp: {', '.join(str(t) for t in range(1, model.num_heads + 1) if model.num_heads % t == 0 and t <= 64)}"
+            f"tp={tp} does not divide the {heads} attention heads of {model.name}; "
+            f"valid tp: {valid}"
         )
     kv = model.num_kv_heads
     if kv % tp and tp % kv:

@@ -7,9 +7,10 @@ prefilled in the same iterations (B·I/O prompt tokens per decode round, chunked
 max_num_tokens per iteration). The running batch B is capped by what the KV cache holds at
 full length and by max_num_seqs; below the cap, C closed-loop clients keep
 B = C·O·ITL / (TTFT + O·ITL) decoding (each spends its TTFT waiting), and a request rate R
-keeps B = R·O·ITL(B) (Little's law). A request's TTFT is half an iteration of alignment plus the iterations that
-carry its prompt, plus the queue: clients beyond B wait (C − B)/X for a slot (closed loop),
-and an open stream waits the M/D/1 time ρ/(2(1−ρ)) iterations at utilisation ρ.
+keeps B = R·O·ITL(B) (Little's law). A request's TTFT is half an iteration of alignment plus
+the iterations that carry its prompt, plus the queue: clients beyond the cap wait (C − B)/X
+for a slot (closed loop), and an open stream waits the M/D/1 time ρ/(2(1−ρ)) iterations at
+utilisation ρ.
 """
 
 from __future__ import annotations

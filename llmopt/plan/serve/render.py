@@ -22,11 +22,13 @@ def summary(est: ServeEstimate) -> list[str]:
         f"{est.model} on {est.num_gpus} x {est.gpu}: tp={sc.tp} ep={sc.ep} x{sc.replicas} "
         f"replica(s), {sc.precision} weights, {sc.kv_dtype} KV, {sc.input_len} in / "
         f"{sc.output_len} out, {sc.load}",
-        f"  KV capacity      {cap.kv_tokens:,} tokens per replica ({cap.kv_cache_bytes / 2**30:.1f} GiB per GPU)",
+        f"  KV capacity      {cap.kv_tokens:,} tokens per replica "
+        f"({cap.kv_cache_bytes / 2**30:.1f} GiB per GPU)",
         f"  max batch        {cap.max_batch:,} sequences (running: {est.batch:,.0f})",
         f"  TTFT             {_ms(est.ttft_s)}",
         f"  ITL / TPOT       {est.itl_s * 1e3:.2f} ms",
-        f"  output tokens/s  {est.output_tokens_per_s:,.0f} ({est.output_tokens_per_s / est.num_gpus:,.0f} per GPU)",
+        f"  output tokens/s  {est.output_tokens_per_s:,.0f} "
+        f"({est.output_tokens_per_s / est.num_gpus:,.0f} per GPU)",
         f"  bound            {est.bound}",
     ]
 
