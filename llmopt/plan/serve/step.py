@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from llmopt.models.config import ModelConfig
 from llmopt.plan.flops import head_flops_fwd_per_token, layer_flops_fwd_per_token
 from llmopt.plan.hardware import Cluster
-from llmopt.plan.serve.capacity import ACT_BYTES, kv_bytes_per_token, moe_shape, weight_bytes
+from llmopt.plan.serve.capacity import ACT_BYTES, gemm_weights, kv_bytes_per_token, moe_shape
 from llmopt.plan.serve.scenario import WEIGHT_BYTES, Scenario, ServeInputError
 
 # Host work per iteration (scheduler, sampling, detokenisation, CUDA-graph launch). In-flight
@@ -99,9 +99,11 @@ def allreduce_s(cluster: Cluster, tp: int, nbytes: float) -> float:
 
 
 def weights_read(model: ModelConfig, sc: Scenario, tokens: int) -> float:
-    """Weight bytes one rank reads in a step of `tokens` tokens: everything for a dense model;
-    for an MoE model only the experts some token was routed to (uniform routing)."""
-    full = weight_bytes(model, sc.tp, sc.precision)
+    """Weight bytes one rank reads in a step of `tokens` tokens: the GEMM weights and the output
+    head (the embedding is gathered row by row, not streamed); for an MoE model only the
+    experts some token was routed to (uniform routing)."""
+    head = model.vocab_size * model.hidden_size * ACT_BYTES / sc.tp
+    full = gemm_weights(model, sc.tp) * WEIGHT_BYTES[sc.precision] + head
     moe = moe_shape(model)
     if not moe.is_moe:
         return full
