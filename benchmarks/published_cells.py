@@ -43,7 +43,7 @@ def count(text: str, what: str, seq_len: int | None = None) -> int | None:
             )
         return int(n // seq_len)
     m = re.match(_NUMBER + r"(?![\d.])(.*)$", t)
-    if not m:
+    if not m or re.match(r"[a-z]", m.group(3)):  # "4h": a unit llmopt does not know
         raise RowError(f"{what}={text!r} is not a number")
     rest = m.group(3)
     if re.search(r"\d", rest) and not re.search(r"tokens", rest):

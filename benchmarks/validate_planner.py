@@ -86,7 +86,15 @@ def setup_row(row: dict[str, str]) -> RowSetup:
     llama = preset is not None or "llama" in name.lower()
     h = preset.hidden_size if preset else _int(row["hidden"], "hidden")
     heads = preset.num_heads if preset else _int(row["heads"], "heads")
-    ffn = preset.intermediate_size if preset else _int(row["ffn_hidden"], "ffn_hidden")
+    ffn_cell = row["ffn_hidden"]
+    times_h = re.match(r"\s*(\d+)\s*h\b", ffn_cell)  # "4h assumed (GPT)"
+    if preset:
+        ffn = preset.intermediate_size
+    elif times_h and h is not None:
+        ffn = int(times_h.group(1)) * h
+        notes.append(f"ffn={times_h.group(1)}h")
+    else:
+        ffn = _int(ffn_cell, "ffn_hidden")
     if h is None or heads is None:
         raise RowError("hidden and heads must be given (or a preset named)")
     if ffn is None:
