@@ -59,6 +59,7 @@ def test_expert_memory_is_sharded_by_ep():
     # optimizer states: experts sharded over edp = 64/8 ranks instead of 64: same bytes
     assert ep8.memory_bytes["optimizer"] == pytest.approx(ep1.memory_bytes["optimizer"], rel=1e-9)
     assert ep8.step_time_s["ep_comm_exposed"] > 0 == ep1.step_time_s["ep_comm_exposed"]
+    assert ep8.to_dict()["etp"] == 1 and ep8.parallel.ep == 8
 
 
 def test_relabelled_mixtral_is_not_planned_as_dense():
@@ -117,3 +118,24 @@ def test_search_explores_ep_and_refuses_ep_on_dense_models():
     assert any("need a MoE model" in r for r in dense.rejected)
     bad = estimate(model, WORK, CLUSTER, _plan(ep=16))
     assert any("ep=16 does not divide num_experts=8" in r for r in bad.rejected)
+
+
+def test_small_experts_at_micro_batch_1_are_host_bound(monkeypatch):
+    from llmopt.plan import experts
+
+    model, cluster = get_preset("qwen3-30b-a3b"), get_cluster("dgx-b200", 1)
+    work = Workload(seq_len=4096, global_batch=64, precision="fp8")
+    plan = ParallelPlan(
+        tp=1, pp=1, dp=8, ep=8, micro_batch=1, num_microbatches=8, zero_stage=1, precision="fp8"
+    )
+    bound = estimate(model, work, cluster, plan).step_time_s["moe_host_bound"]
+    assert bound > 0  # 16 local experts x 14 FP8 kernels per micro-batch outrun the GPU work
+    kernels = 128 / 8 * experts.KERNELS_PER_EXPERT["fp8"] + experts.KERNELS_PER_MOE_BLOCK
+    monkeypatch.setattr(experts, "LAUNCH_S", 2 * experts.LAUNCH_S)
+    doubled = estimate(model, work, cluster, plan).step_time_s["moe_host_bound"]
+    # 8 micro-batches x 48 blocks x kernels, each launch LAUNCH_S longer
+    assert doubled - bound == pytest.approx(8 * 48 * kernels * experts.LAUNCH_S / 2, rel=1e-9)
+    monkeypatch.setattr(experts, "LAUNCH_S", 0.0)
+    assert estimate(model, work, cluster, plan).step_time_s["moe_host_bound"] == 0
+    dense = estimate(get_preset("llama-3-8b"), work, cluster, plan.replace(ep=1))
+    assert "moe_host_bound" not in dense.step_time_s  # dense breakdowns carry no MoE parts

@@ -235,7 +235,8 @@ def build_grid(
                         continue
                     scheds = [(1, 1)]
                     if pp > 1:
-                        scheds = [(0, 1), (1, 1)] + [(2, v) for v in VIRTUAL_STAGES]
+                        vs = [c["v"]] if c.get("v", 1) > 1 else VIRTUAL_STAGES  # fixed: as given
+                        scheds = [(0, 1), (1, 1)] + [(2, v) for v in vs]
                     for sched, v in scheds:
                         if "sched" in c and c["sched"] != sched:
                             continue

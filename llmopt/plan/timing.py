@@ -33,6 +33,7 @@ from llmopt.plan.comm import Collectives, applies, collectives
 from llmopt.plan.experts import (
     a2a_calls_per_microbatch,
     a2a_seconds_per_call,
+    host_seconds_per_block,
     moe_elementwise,
     routed_gemm_params,
 )
@@ -138,7 +139,11 @@ def step_time(
     a2a = a2a_seconds_per_call(model, cluster, grid, tokens)
     a2a = n_layers * a2a_calls_per_microbatch(model, rc == RC_FULL) * a2a
     ep_exposed_mb = a2a * (1 - (gpu.comm_overlap_efficiency if work.ep_comm_overlap else 0.0))
+    # MoE blocks cannot run faster than the host launches their per-expert kernels
+    host_mb = n_layers * host_seconds_per_block(model, work, grid)
+    host_mb = np.maximum(0.0, host_mb - (compute_mb_layers + recompute_mb + ep_exposed_mb))
     tau_last = compute_mb_last + recompute_mb + tp_exposed_mb + cp_exposed_mb + ep_exposed_mb
+    tau_last = tau_last + host_mb
     tau_mean = tau_last - (3 * head_fwd + (1 - tp_hidden) * tp_last) * (1 - 1 / pp)
     bubble = (pp - 1) / v * tau_mean
     p2p = _sum_time(
@@ -177,12 +182,13 @@ def step_time(
         "recompute": m * recompute_mb,
         "tp_comm_exposed": m * tp_exposed_mb,
         "cp_comm_exposed": m * cp_exposed_mb,
-        "ep_comm_exposed": m * ep_exposed_mb,
         "pp_bubble": bubble,
         "pp_p2p": p2p,
         "dp_comm_exposed": dp_exposed,
         "optimizer": optimizer,
     }
+    if model.moe is not None:  # MoE-only parts (dense plans' breakdowns stay as they were)
+        out.update(ep_comm_exposed=m * ep_exposed_mb, moe_host_bound=m * host_mb)
     out["total"] = sum(out.values())
     return out
 
