@@ -23,7 +23,8 @@ class RowError(ValueError):
     """A CSV row (or one of its cells) that cannot be understood."""
 
 
-def _blank(text: str) -> bool:
+def is_blank(text: str) -> bool:
+    """The source left this cell open ("", "not stated", "n/a", ...)."""
     t = (text or "").strip().lower()
     return t in NOT_STATED or "not reported" in t or "not stated" in t
 
@@ -31,7 +32,7 @@ def _blank(text: str) -> bool:
 def count(text: str, what: str, seq_len: int | None = None) -> int | None:
     """An integer cell: "1024", "1,024", "32000 padded", "2K", "~2K (4M tokens)" (a token
     count in parentheses wins when `seq_len` converts it), or None if not stated."""
-    if _blank(text):
+    if is_blank(text):
         return None
     t = text.strip().lower()
     tokens = re.search(_NUMBER + r"\s*tokens", t)
@@ -56,7 +57,7 @@ def count(text: str, what: str, seq_len: int | None = None) -> int | None:
 
 def number(text: str, what: str) -> float | None:
     """A measured figure ("5,630", "5630 tok/s"); None if not stated."""
-    if _blank(text):
+    if is_blank(text):
         return None
     m = re.match(r"\s*(\d[\d,]*(?:\.\d+)?)(?![\d.])", text)
     if not m or re.search(r"\d", text[m.end() :].split("(")[0]):
@@ -67,7 +68,7 @@ def number(text: str, what: str) -> float | None:
 def zero_stage(text: str) -> int | None:
     """ZeRO stage of a sharding cell: "none", "FSDP: off", "DDP" -> 0; "ZeRO-1-like",
     "distributed optimizer" -> 1; "ZeRO-2" -> 2; "FSDP", "ZeRO-3" -> 3; None if not stated."""
-    if _blank(text):
+    if is_blank(text):
         return None
     t = text.strip().lower()
     m = re.search(r"zero[\s-]*(\d)", t)
@@ -84,7 +85,7 @@ def zero_stage(text: str) -> int | None:
 
 def flag(text: str, what: str) -> bool | None:
     """yes/no cell; None if not stated."""
-    if _blank(text):
+    if is_blank(text):
         return None
     t = text.strip().lower()
     if t.startswith(("yes", "true", "on")):
@@ -132,10 +133,3 @@ def moe_of_columns(row: dict[str, str], layers: int) -> MoEConfig | None:
     shared = count(row.get("shared_experts", ""), "shared_experts") or 0
     n_moe = count(row.get("moe_layers", ""), "moe_layers") or layers
     return MoEConfig(experts, top_k, ffn, moe_layers=n_moe, shared_experts=shared)
-
-
-def _float(value: str) -> float | None:
-    try:
-        return float((value or "").replace(",", ""))
-    except ValueError:
-        return None

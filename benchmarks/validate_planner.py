@@ -47,7 +47,14 @@ REQUIRED = (
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from published_cells import RowError, count, moe_of_columns, row_preset, zero_stage  # noqa: E402
+from published_cells import (  # noqa: E402
+    RowError,
+    count,
+    is_blank,
+    moe_of_columns,
+    row_preset,
+    zero_stage,
+)
 
 
 def _int(value: str, what: str = "cell", seq_len: int | None = None) -> int | None:
@@ -202,7 +209,7 @@ def setup_row(row: dict[str, str]) -> RowSetup:
         c["rc"] = RECOMPUTES.index("full")
     elif rec.startswith("selective"):
         c["rc"] = RECOMPUTES.index("selective")
-    elif rec.startswith(("none", "no")):
+    elif rec.startswith(("none", "no")) and not is_blank(rec):  # "not stated": planner's choice
         c["rc"] = RECOMPUTES.index("none")
     sp = row["sequence_parallel"].strip().lower()
     if sp in ("yes", "no"):
