@@ -16,7 +16,7 @@ from llmopt.models.presets import get_preset
 
 NOT_STATED = ("", "-", "?", "n/a", "na", "none given", "not stated", "not reported", "unknown")
 _SCALE = {"": 1, "k": 1024, "m": 1024**2, "b": 1024**3}
-_NUMBER = r"~?\s*(\d[\d,]*(?:\.\d+)?)\s*([kmb]?)"
+_NUMBER = r"~?\s*(\d[\d,]*(?:\.\d+)?)([kmb]?)(?![a-z])"
 
 
 class RowError(ValueError):
