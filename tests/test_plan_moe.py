@@ -139,3 +139,12 @@ def test_small_experts_at_micro_batch_1_are_host_bound(monkeypatch):
     assert estimate(model, work, cluster, plan).step_time_s["moe_host_bound"] == 0
     dense = estimate(get_preset("llama-3-8b"), work, cluster, plan.replace(ep=1))
     assert "moe_host_bound" not in dense.step_time_s  # dense breakdowns carry no MoE parts
+
+
+def test_the_dense_engine_refuses_moe_shapes():
+    from llmopt.models.llama import Transformer
+
+    with pytest.raises(ConfigError, match="mixtral-8x7b: experts/latent attention are planned"):
+        Transformer(get_preset("mixtral-8x7b").replace(num_layers=1, hidden_size=64,
+                                                       intermediate_size=64, num_heads=4,
+                                                       num_kv_heads=2, vocab_size=32))  # fmt: skip
