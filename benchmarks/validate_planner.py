@@ -69,6 +69,7 @@ def _float(value: str) -> float | None:
 
 
 GPU_KEYS = (
+    ("GB200", "gb200-nvl72"),  # before "B200": a GB200 row must not be read as a DGX-B200
     ("B200", "dgx-b200"),
     ("H200", "dgx-h200"),
     ("H100", "dgx-h100"),
@@ -134,9 +135,13 @@ def setup_row(row: dict[str, str]) -> RowSetup:
     key = next((k for tag, k in GPU_KEYS if tag in gpu), None)
     if key is None:
         raise ValueError(f"row {row['row_id']}: unknown gpu_type {gpu!r}")
-    if n_gpus > 8 and n_gpus % 8:
+    if n_gpus > 8 and n_gpus % 8 and key != "gb200-nvl72":
         raise ValueError(f"row {row['row_id']}: total_gpus={n_gpus} is not a multiple of 8")
-    cluster = get_cluster(key, max(n_gpus // 8, 1), min(n_gpus, 8))
+    per_node = min(n_gpus, 8)
+    if key == "gb200-nvl72":  # the run's GPUs per 72-GPU NVLink rack: largest divisor <= 72
+        per_node = max(d for d in range(1, 73) if n_gpus % d == 0)
+        notes.append(f"{per_node} GPUs per NVLink domain")
+    cluster = get_cluster(key, max(n_gpus // per_node, 1), per_node)
     peak = _float(row.get("peak_tflops_dense_16bit", ""))
     if peak:
         cluster = customize(cluster, **{"gpu.peak_bf16_tflops": peak})
