@@ -1,12 +1,18 @@
 """Validate the planner against published training runs.
 
     python benchmarks/validate_planner.py [--runs benchmarks/data/published_runs.csv]
+    python benchmarks/validate_planner.py --runs benchmarks/data/published_moe_runs.csv
 
 Each row's exact configuration is evaluated with `llmopt.plan` and the prediction is converted
 into the quantity and FLOP convention the source reported (Narayanan Eq. 3 TFLOP/s, which counts
 the recomputed forward; Megatron model TFLOP/s; iteration time; tokens/s), so like is compared
 with like. Fields the source left blank or "not reported" are chosen by the planner itself (the
 fastest plan that fits, with every reported field held fixed) and printed as assumptions.
+The `model` cell may name a preset (`llmopt.models.presets`) instead of giving shapes; optional
+MoE columns `experts, top_k, shared_experts, expert_ffn_hidden, moe_layers, ep, etp` describe
+or check the experts and fix the expert mapping. Free-text cells are read by
+`published_cells` ("~2K (4M tokens)", "FSDP: off", "not stated"); a row that cannot be
+understood is reported as such and left out of the statistics.
 The last line is `median_abs_rel_err=<x> p90_abs_rel_err=<y> n=<rows>`.
 """
 
@@ -40,9 +46,19 @@ REQUIRED = (
 )  # fmt: skip
 
 
-def _int(value: str) -> int | None:
-    m = re.fullmatch(r"\s*(\d+)\s*", value or "")
-    return int(m.group(1)) if m else None
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from published_cells import (  # noqa: E402
+    RowError,
+    count,
+    is_blank,
+    moe_of_columns,
+    row_preset,
+    zero_stage,
+)
+
+
+def _int(value: str, what: str = "cell", seq_len: int | None = None) -> int | None:
+    return count(value or "", what, seq_len)
 
 
 def _float(value: str) -> float | None:
@@ -53,6 +69,7 @@ def _float(value: str) -> float | None:
 
 
 GPU_KEYS = (
+    ("GB200", "gb200-nvl72"),  # before "B200": a GB200 row must not be read as a DGX-B200
     ("B200", "dgx-b200"),
     ("H200", "dgx-h200"),
     ("H100", "dgx-h100"),
@@ -73,33 +90,58 @@ def setup_row(row: dict[str, str]) -> RowSetup:
     """Model, workload, cluster and the reported parts of the mapping for one CSV row."""
     notes: list[str] = []
     name = row["model"]
-    h = int(row["hidden"])
-    heads = int(row["heads"])
-    llama = "llama" in name.lower()
-    ffn = _int(row["ffn_hidden"])
+    preset = row_preset(row, notes)
+    llama = preset is not None or "llama" in name.lower()
+    h = preset.hidden_size if preset else _int(row["hidden"], "hidden")
+    heads = preset.num_heads if preset else _int(row["heads"], "heads")
+    ffn_cell = row["ffn_hidden"]
+    times_h = re.match(r"\s*(\d+)\s*h\b", ffn_cell)  # "4h assumed (GPT)"
+    if preset:
+        ffn = preset.intermediate_size
+    elif times_h and h is not None:
+        ffn = int(times_h.group(1)) * h
+        notes.append(f"ffn={times_h.group(1)}h")
+    else:
+        ffn = _int(ffn_cell, "ffn_hidden")
+    if h is None or heads is None:
+        raise RowError("hidden and heads must be given (or a preset named)")
     if ffn is None:
         ffn = 4 * h
         notes.append("ffn=4h (GPT shape)")
-    model = ModelConfig(
-        name=name,
-        vocab_size=int(row["vocab"]),
-        hidden_size=h,
-        intermediate_size=ffn,
-        num_layers=int(row["layers"]),
-        num_heads=heads,
-        num_kv_heads=_int(row["kv_heads"]) or heads,
-        max_seq_len=int(row["seq_len"]),
-        mlp="swiglu" if llama else "gelu",
-        tie_embeddings=not llama,
+    seq = _int(row["seq_len"], "seq_len")
+    if seq is None:
+        raise RowError("seq_len must be stated")
+    model = (
+        preset.replace(max_seq_len=max(seq, preset.max_seq_len))
+        if preset
+        else ModelConfig(
+            name=name,
+            vocab_size=int(row["vocab"]),
+            hidden_size=h,
+            intermediate_size=ffn,
+            num_layers=int(row["layers"]),
+            num_heads=heads,
+            num_kv_heads=_int(row["kv_heads"], "kv_heads") or heads,
+            max_seq_len=seq,
+            mlp="swiglu" if llama else "gelu",
+            tie_embeddings=not llama,
+            moe=moe_of_columns(row, int(row["layers"])),
+        )
     )
     gpu = row["gpu_type"]
-    n_gpus = int(row["total_gpus"])
+    n_gpus = _int(row["total_gpus"], "total_gpus")
+    if n_gpus is None:
+        raise RowError("total_gpus must be stated")
     key = next((k for tag, k in GPU_KEYS if tag in gpu), None)
     if key is None:
         raise ValueError(f"row {row['row_id']}: unknown gpu_type {gpu!r}")
-    if n_gpus > 8 and n_gpus % 8:
+    if n_gpus > 8 and n_gpus % 8 and key != "gb200-nvl72":
         raise ValueError(f"row {row['row_id']}: total_gpus={n_gpus} is not a multiple of 8")
-    cluster = get_cluster(key, max(n_gpus // 8, 1), min(n_gpus, 8))
+    per_node = min(n_gpus, 8)
+    if key == "gb200-nvl72":  # the run's GPUs per 72-GPU NVLink rack: largest divisor <= 72
+        per_node = max(d for d in range(1, 73) if n_gpus % d == 0)
+        notes.append(f"{per_node} GPUs per NVLink domain")
+    cluster = get_cluster(key, max(n_gpus // per_node, 1), per_node)
     peak = _float(row.get("peak_tflops_dense_16bit", ""))
     if peak:
         cluster = customize(cluster, **{"gpu.peak_bf16_tflops": peak})
@@ -122,6 +164,7 @@ def setup_row(row: dict[str, str]) -> RowSetup:
     prec = row.get("precision", "").lower()
     rec = row["recompute"].lower()
     zero_txt = row["zero_fsdp"].lower()
+    zero = zero_stage(row["zero_fsdp"])
     sharded = "fsdp" in zero_txt or "zero-3" in zero_txt
     deepspeed = "zero-3" in zero_txt and "fsdp" not in zero_txt
     # fp16 mixed precision (2021): fp16 gradients all-reduced, fp32 master + Adam (16 B/param);
@@ -129,8 +172,8 @@ def setup_row(row: dict[str, str]) -> RowSetup:
     fp16 = prec.startswith("fp16 mixed")
     fp8 = "fp8" in prec.split("(")[0] or "float8" in prec
     work = Workload(
-        seq_len=int(row["seq_len"]),
-        global_batch=int(row["global_batch_seqs"]),
+        seq_len=seq,
+        global_batch=_int(row["global_batch_seqs"], "global_batch_seqs", seq) or 0,
         precision="fp8" if fp8 else "bf16",
         flash_attention=not early,
         dropout=not llama,
@@ -149,17 +192,19 @@ def setup_row(row: dict[str, str]) -> RowSetup:
         + (", fp8 GEMMs" if fp8 else "")
     )
     c: dict[str, int] = {}
-    for key in ("tp", "pp", "dp", "cp"):
-        v = _int(row[key])
+    for key in ("tp", "pp", "dp", "cp", "ep", "etp"):
+        v = _int(row.get(key, ""), key)
         if v is not None:
             c[key] = v
     if "cp" not in c:
         c["cp"] = 1
         notes.append("cp=1 (blank)")
-    mb = _int(row["micro_batch"])
+    if model.moe is None and c.get("ep", 1) > 1:
+        raise RowError(f"ep={c['ep']} but no experts (fill experts/top_k/... or name a preset)")
+    mb = _int(row["micro_batch"], "micro_batch")
     if mb is not None:
         c["mb"] = mb
-    v = _int(row["virtual_pp_stages"])
+    v = _int(row["virtual_pp_stages"], "virtual_pp_stages")
     if v is not None:
         c["v"] = v
         c["sched"] = SCHEDULES.index("interleaved" if v > 1 else "1f1b")
@@ -169,21 +214,15 @@ def setup_row(row: dict[str, str]) -> RowSetup:
         c["rc"] = RECOMPUTES.index("full")
     elif rec.startswith("selective"):
         c["rc"] = RECOMPUTES.index("selective")
-    elif rec.startswith(("none", "no")):
+    elif rec.startswith(("none", "no")) and not is_blank(rec):  # "not stated": planner's choice
         c["rc"] = RECOMPUTES.index("none")
     sp = row["sequence_parallel"].strip().lower()
     if sp in ("yes", "no"):
         c["sp"] = int(sp == "yes")
     elif c.get("tp", 1) == 1:
         c["sp"] = 0
-    if sharded:
-        c["zero"] = 3
-    elif "zero-2" in zero_txt:
-        c["zero"] = 2
-    elif "zero-1" in zero_txt or zero_txt.startswith("distributed optimizer"):
-        c["zero"] = 1
-    elif zero_txt.startswith("none"):
-        c["zero"] = 0
+    if zero is not None:
+        c["zero"] = zero
     return RowSetup(model, work, cluster, c, notes)
 
 
@@ -297,16 +336,15 @@ def main(argv: list[str] | None = None) -> int:
             plan, chosen = predict(setup)
             metric, meas, pred = measured_and_predicted(row, setup, plan.step_time_s["total"])
         except (ValueError, KeyError) as exc:  # one odd row must not hide the others
-            failed.append({"row_id": row.get("row_id"), "error": str(exc)})
+            what = "not understood" if isinstance(exc, RowError) else "not predicted"
+            failed.append({"row_id": row.get("row_id"), "error": f"{what}: {exc}"})
             table.add_row(row.get("row_id", "?"), row.get("model", "?"), row.get("total_gpus", "?"),
-                          "-", "-", "-", "-", "n/a", f"not predicted: {exc}")  # fmt: skip
+                          "-", "-", "-", "-", "n/a", f"{what}: {exc}")  # fmt: skip
             continue
-        ep = _int(row.get("ep", ""))
-        if ep is not None and ep > 1:
-            chosen.append(f"ep={ep}: experts not modelled (dense approximation)")
         err = pred / meas - 1
         p = plan.parallel
         mapping = f"t{p.tp} p{p.pp} d{p.dp} mb{p.micro_batch} v{p.virtual_stages} z{p.zero_stage} {p.recompute}"
+        mapping += f" e{p.ep}/{plan.expert_tp}" if p.ep > 1 else ""
         results.append(
             {
                 "row_id": row["row_id"],

@@ -37,8 +37,8 @@ def test_gpu_block_benchmark_smoke_on_cpu(tmp_path):
     assert by_mode["bf16"]["err"] == 0.0
     # FP8 error of the block's residual branch: E4M3 GEMMs give a few percent, not 0, not 100%
     assert 0.005 < by_mode["fp8-current"]["err"] < 0.15
-    # the planner's FLOP convention: 3 x (2 x GEMM weights + 4 x seq x q_size) per token
-    per_token = 2 * matmul_params_per_layer(bench.TINY) + 4 * 32 * bench.TINY.q_size
+    # the planner's FLOP convention (causal): 3 x (2 x GEMM weights + 2 x seq x q_size) per token
+    per_token = 2 * matmul_params_per_layer(bench.TINY) + 2 * 32 * bench.TINY.q_size
     assert data["flops_per_iter"] == 3 * per_token * 2 * 32
     assert data["threads"] >= 1 and data["date"].endswith("UTC")
 

@@ -26,7 +26,7 @@ WORK = Workload()
 
 def test_model_flops_reduce_to_megatron_formula_for_gpt():
     gpt = get_preset("gpt3-175b")
-    work = Workload(seq_len=2048, global_batch=1536)
+    work = Workload(seq_len=2048, global_batch=1536, flops_convention="megatron")
     expected = megatron_flops(1536, 2048, 96, 12288, 51200, recompute=False)
     assert model_flops_per_step(gpt, work) == pytest.approx(expected, rel=1e-12)
     full = model_flops_per_step(gpt, work) + recompute_flops_per_step(gpt, work, "full")
@@ -142,7 +142,9 @@ def test_parse_constraints_uses_parallel_plan_names():
     for old in ("zero=3", "sp=1", "vp=2", "mb=2"):
         with pytest.raises(ValueError, match=f"unknown mapping key '{old.split('=')[0]}'"):
             parse_constraints(old)
-    with pytest.raises(ValueError, match="valid: cp, dp, micro_batch, num_microbatches, pp"):
+    with pytest.raises(
+        ValueError, match="valid: cp, dp, ep, etp, micro_batch, num_microbatches, pp"
+    ):
         parse_constraints("tq=8")
     with pytest.raises(ValueError, match="zero_stage=4 is not a ZeRO stage"):
         parse_constraints("zero_stage=4")

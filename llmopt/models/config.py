@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from llmopt.models.moe import MLAConfig, MoEConfig, moe_keys, parameter_counts
 from llmopt.models.spec import (
     ModelSpec,
     UnknownArchitectureError,
@@ -41,7 +42,8 @@ class ModelConfig:
     `architecture` names the registered `ModelSpec` (module names every transformation
     reads); `sliding_window` (Mistral) limits each query to the last that many keys.
     `eos_token_ids` lists every id that ends generation when there are several (Llama 3's
-    generation_config.json); `stop_token_ids` is what decoding loops should read.
+    generation_config.json); `stop_token_ids` is what decoding loops should read. `moe`/`mla`
+    (planner only: llmopt's model is dense) describe routed experts and latent attention.
     """
 
     name: str
@@ -64,6 +66,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "llama"
     sliding_window: int | None = None
+    moe: MoEConfig | None = None
+    mla: MLAConfig | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -92,15 +96,8 @@ class ModelConfig:
                 f"{self.architecture!r}; architectures with sliding-window attention: "
                 + ", ".join(a for a in registered_architectures() if get_spec(a).sliding_window)
             )
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "max_seq_len",
-        ):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "max_seq_len"):  # fmt: skip
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
@@ -179,6 +176,8 @@ class ModelConfig:
 
     def num_parameters(self) -> int:
         """Total parameters, counting a tied embedding/head once."""
+        if self.moe is not None or self.mla is not None:
+            return parameter_counts(self)["total"]
         head = 0 if self.tie_embeddings else self.vocab_size * self.hidden_size
         return (
             self.embedding_parameters()
@@ -322,13 +321,14 @@ _MATH_KEYS: dict[str, tuple[Any, ...]] = {
     "query_pre_attn_scalar": (None,),
     "no_rope_layers": (None,),
     "use_qk_norm": (None, False),
-    "num_local_experts": (None, 0, 1),
-    "num_experts": (None, 0, 1),
 }
 
 
 def _refuse_math_keys(hf: dict[str, Any], spec: ModelSpec) -> None:
     """Raise on settings llmopt's model does not implement (instead of silently ignoring them)."""
+    if moe := moe_keys(hf):  # whatever `architectures` says: never read experts as a dense MLP
+        raise ConfigError(f"mixture-of-experts keys {moe} in a {spec.hf_architectures[0]} config: "
+                          "llmopt's model is dense (`llmopt plan` reads MoE configs)")  # fmt: skip
     for key, allowed in _MATH_KEYS.items():
         if key in hf and hf[key] not in allowed:
             raise ConfigError(

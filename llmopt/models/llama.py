@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmopt.models.config import ModelConfig
+from llmopt.models.config import ConfigError, ModelConfig
 
 # `enable_gqa` (torch >= 2.5) avoids materialising repeated KV heads.
 _SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
@@ -261,6 +261,9 @@ class Transformer(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        if config.moe is not None or config.mla is not None:  # planner-only shapes
+            raise ConfigError(f"{config.name}: experts/latent attention are planned, not built; "
+                              "llmopt's model is dense")  # fmt: skip
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary = RotaryEmbedding(config)

@@ -7,6 +7,7 @@ Llama-3.1-405B as freely as SmolLM2-135M.
 from __future__ import annotations
 
 from llmopt.models.config import ModelConfig
+from llmopt.models.moe import MLAConfig, MoEConfig
 
 _LLAMA3_ROPE_SCALING = {
     "rope_type": "llama3",
@@ -69,6 +70,46 @@ def _qwen25(name, hidden, ffn, layers, heads, kv, vocab, tied):
         eos_token_id=151643,
         architecture="qwen2",
     )
+
+
+def _moe(name, hidden, ffn, layers, heads, kv, vocab, ctx, moe, head_dim=None, mla=None):
+    """A MoE shape for the planner (llmopt's model does not build experts)."""
+    return ModelConfig(
+        name=name,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv,
+        max_seq_len=ctx,
+        head_dim=head_dim,
+        moe=moe,
+        mla=mla,
+    )
+
+
+# From each model's released config.json: Mixtral-8x7B/8x22B-v0.1, DeepSeek-V3, Qwen3-30B-A3B,
+# Qwen3-235B-A22B, gpt-oss-120b.
+MOE_PRESETS = [
+    _moe("mixtral-8x7b", 4096, 14336, 32, 32, 8, 32000, 32768, MoEConfig(8, 2, 14336)),
+    _moe("mixtral-8x22b", 6144, 16384, 56, 48, 8, 32768, 65536, MoEConfig(8, 2, 16384)),
+    _moe(
+        "deepseek-v3",
+        7168,
+        18432,
+        61,
+        128,
+        128,
+        129280,
+        163840,
+        MoEConfig(256, 8, 2048, moe_layers=58, shared_experts=1, mtp_layers=1),
+        mla=MLAConfig(512, 128, 64, 128, q_lora_rank=1536),
+    ),  # fmt: skip
+    _moe("qwen3-30b-a3b", 2048, 6144, 48, 32, 4, 151936, 40960, MoEConfig(128, 8, 768), 128),
+    _moe("qwen3-235b-a22b", 4096, 12288, 94, 64, 4, 151936, 40960, MoEConfig(128, 8, 1536), 128),
+    _moe("gpt-oss-120b", 2880, 2880, 36, 64, 8, 201088, 131072, MoEConfig(128, 4, 2880), 64),
+]
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -135,6 +176,7 @@ PRESETS: dict[str, ModelConfig] = {
             tie_embeddings=True,
             mlp="gelu",
         ),
+        *MOE_PRESETS,
     ]
 }
 
@@ -146,6 +188,10 @@ ALIASES = {
     "llama3-70b": "llama-3-70b",
     "llama3.1-405b": "llama-3.1-405b",
     "gpt-3-175b": "gpt3-175b",
+    "deepseekv3": "deepseek-v3",
+    "gpt-oss": "gpt-oss-120b",
+    "qwen3_30b_a3b": "qwen3-30b-a3b",
+    "qwen3_235b_a22b": "qwen3-235b-a22b",
 }
 
 

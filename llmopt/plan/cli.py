@@ -13,6 +13,7 @@ from typing import Any
 
 from llmopt.parallel.plan import FP8_RECIPES, RECOMPUTES, REDUCE_DTYPES, SCHEDULES
 from llmopt.plan.cli_inputs import DEFAULT_NODES
+from llmopt.plan.flops import FLOPS_CONVENTIONS
 from llmopt.plan.objectives import OBJECTIVES
 
 DEFAULT_MODEL = "llama-3-70b"
@@ -72,6 +73,11 @@ def _common(p: argparse.ArgumentParser, sub: bool) -> None:
         help="fp32: fp32 gradients (Megatron, 18 B/param); bf16: bf16 gradients (16 B/param)",
     )
     w.add_argument("--no-flash", action="store_true", default=d(False))
+    w.add_argument(
+        "--flops-convention", choices=FLOPS_CONVENTIONS, default=d("causal"),
+        help="how MFU counts attention: causal (default), megatron (full s^2), palm (6N+12LHQT)",
+    )  # fmt: skip
+    w.add_argument("--expert-imbalance", type=float, default=d(1.0), help="MoE busiest/mean load")
     w.add_argument("--tp-comm-overlap", action="store_true", default=d(False))
     w.add_argument("--no-dp-overlap", action="store_true", default=d(False))
     p.add_argument("--json", action="store_true", default=d(False), help="machine-readable output")
@@ -113,6 +119,8 @@ def _estimate_flags(est: argparse.ArgumentParser) -> None:
     for name in ("tp", "pp", "cp", "micro-batch"):
         est.add_argument(f"--{name}", type=int, default=1)
     est.add_argument("--dp", type=int, default=None, help="default: GPUs / (tp*pp*cp)")
+    est.add_argument("--ep", type=int, default=1, help="expert parallel (MoE), divides dp*cp")
+    est.add_argument("--etp", type=int, default=None, help="expert tensor parallel (default tp)")
     est.add_argument("--num-microbatches", type=int, default=None)
     est.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=False)
     est.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3))

@@ -44,7 +44,9 @@ def build_model(args: argparse.Namespace) -> ModelConfig:
     spec = args.model
     path = Path(spec)
     if spec.endswith(".json") or path.is_dir():
-        model = ModelConfig.from_hf_config(path, name=path.stem)
+        from llmopt.models.moe_hf import planner_config_from_hf
+
+        model = planner_config_from_hf(path, name=path.stem)  # MoE layouts planned as MoE
     else:
         model = get_preset(spec)
     changes = model_overrides(args)
@@ -96,6 +98,8 @@ def build_workload(args: argparse.Namespace) -> Workload:
         state_bytes=STATE_OF_REDUCE_DTYPE[args.reduce_dtype],
         tp_comm_overlap=args.tp_comm_overlap,
         dp_comm_overlap=not args.no_dp_overlap,
+        flops_convention=getattr(args, "flops_convention", "causal"),
+        expert_imbalance=getattr(args, "expert_imbalance", 1.0),
     )
 
 
@@ -106,7 +110,7 @@ def inputs(args: argparse.Namespace) -> tuple[ModelConfig, Workload, Cluster]:
 def build_plan(args: argparse.Namespace, work: Workload, cluster: Cluster) -> ParallelPlan:
     """`plan estimate`'s fully specified plan; dp and num_microbatches default to what the
     GPU count and the global batch leave."""
-    for flag in ("tp", "pp", "cp", "micro_batch", "virtual_stages", "dp", "num_microbatches"):
+    for flag in ("tp", "pp", "cp", "micro_batch", "virtual_stages", "dp", "num_microbatches", "ep"):
         value = getattr(args, flag)
         if value is not None and value <= 0:
             raise ValueError(f"--{flag.replace('_', '-')}={value} must be a positive integer")
@@ -127,7 +131,8 @@ def build_plan(args: argparse.Namespace, work: Workload, cluster: Cluster) -> Pa
             )
         m = work.global_batch // per
     return ParallelPlan(
-        tp=args.tp, pp=args.pp, dp=dp, cp=args.cp, sequence_parallel=bool(args.sequence_parallel),
+        tp=args.tp, pp=args.pp, dp=dp, cp=args.cp, ep=getattr(args, "ep", 1) or 1,
+        sequence_parallel=bool(args.sequence_parallel),
         zero_stage=args.zero_stage, micro_batch=args.micro_batch, num_microbatches=m,
         schedule=args.schedule, virtual_stages=args.virtual_stages, recompute=args.recompute,
         precision=work.precision, fp8_recipe=args.fp8_recipe, reduce_dtype=args.reduce_dtype,

@@ -15,22 +15,28 @@ def plans_table(plans: list[Plan], title: str):
     from rich.table import Table
 
     table = Table(title=title)
-    cols = ("#", "tp pp dp cp", "SP", "ZeRO", "mb x m", "schedule", "recomp")
-    cols += ("GiB", "step s", "tok/s", "MFU", "net GB")
-    for c in cols:
+    moe = any(p.parallel.ep > 1 for p in plans)
+    fp8 = any(p.mfu_bf16_peak is not None for p in plans)
+    cols = ("#", "tp pp dp cp" + (" ep/etp" if moe else ""), "SP", "ZeRO", "mb x m", "schedule")
+    cols += ("recomp", "GiB", "step s", "tok/s", "tok/s/GPU", "MFU (fp8 peak)" if fp8 else "MFU")
+    cols += ("MFU (bf16 peak)",) if fp8 else ()
+    for c in cols + ("net GB",):
         table.add_column(
-            c, justify="left" if c in ("schedule", "recomp", "tp pp dp cp") else "right"
+            c, justify="left" if c in ("schedule", "recomp") or c[:2] == "tp" else "right"
         )
     for i, plan in enumerate(plans):
         p = plan.parallel
         sched = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": f"int v{p.virtual_stages}"}
         mem = f"{plan.memory_bytes['total'] / 2**30:.1f}" + ("" if plan.fits else "!")
+        mapping = f"{p.tp} {p.pp} {p.dp} {p.cp}" + (f" {p.ep}/{plan.expert_tp}" if moe else "")
+        bf16 = (f"{plan.mfu_bf16_peak:.1%}",) if fp8 and plan.mfu_bf16_peak is not None else ()
         table.add_row(
-            str(plan.rank or i + 1), f"{p.tp} {p.pp} {p.dp} {p.cp}",
+            str(plan.rank or i + 1), mapping,
             "y" if p.sequence_parallel else "n", str(p.zero_stage),
             f"{p.micro_batch}x{p.num_microbatches}",
             sched[p.schedule] if p.pp > 1 else "-", p.recompute[:4], mem,
-            f"{plan.step_time_s['total']:.2f}", f"{plan.tokens_per_s:,.0f}", f"{plan.mfu:.1%}",
+            f"{plan.step_time_s['total']:.2f}", f"{plan.tokens_per_s:,.0f}",
+            f"{plan.tokens_per_s / p.world_size:,.0f}", f"{plan.mfu:.1%}", *bf16,
             f"{plan.comm_bytes.get('inter_node', 0.0) / 1e9:.1f}",
         )  # fmt: skip
     return table

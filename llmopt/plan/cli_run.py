@@ -204,7 +204,10 @@ def run_estimate(args: argparse.Namespace) -> int:
 
     model, work, cluster = inputs(args)
     par = build_plan(args, work, cluster)
-    plan = estimate(model, work, cluster, par)
+    etp = getattr(args, "etp", None)
+    if etp is not None and etp <= 0:
+        raise ValueError(f"--etp={etp} must be a positive integer")
+    plan = estimate(model, work, cluster, par, etp)
     work = workload_for(work, par)
     plan.explanation = explain(model, work, cluster, plan)
     links = link_report(model, work, cluster, par)

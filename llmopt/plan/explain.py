@@ -28,11 +28,23 @@ from llmopt.plan.search import (
 )
 from llmopt.plan.workload import Workload
 
-MFU_FORMULA = (
-    "MFU = model FLOPs per step / (step time x GPUs x dense bf16 peak), model FLOPs = "
-    "3 x tokens x (layers x (2 x matmul weights + 4 x s x heads x head_dim) + 2 x h x V) "
-    "(Megatron's 72Bslh^2(1+s/6h+V/12lh) generalised to GQA/SwiGLU); HFU adds recomputed FLOPs."
-)
+MFU_FORMULA = {
+    "causal": "3 x tokens x (layers x (2 x active matmul weights + 2 x s x heads x head_dim) + "
+    "2 x h x V): causal attention, the half flash attention computes",
+    "megatron": "3 x tokens x (layers x (2 x active matmul weights + 4 x s x heads x head_dim) + "
+    "2 x h x V): full s^2 attention, Megatron's 72Bslh^2(1+s/6h+V/12lh) generalised",
+    "palm": "6 x N(active, no embedding) + 12 x L x heads x head_dim x s per token (PaLM)",
+}
+
+
+def mfu_formula(work: Workload) -> str:
+    """How the printed MFU is counted (`--flops-convention`) and against which peak."""
+    peak = "dense FP8 peak" if work.precision == "fp8" else "dense bf16 peak"
+    return (
+        f"MFU = model FLOPs per step / (step time x GPUs x {peak}), model FLOPs "
+        f"({work.flops_convention}) = {MFU_FORMULA[work.flops_convention]}; HFU adds "
+        "recomputed FLOPs."
+    )
 
 
 def _gib(x: float) -> str:
@@ -168,9 +180,11 @@ def explain(
             f"Each GPU sends {cb['intra_node'] / 1e9:.1f} GB over {cluster.intra_node.name} and "
             f"{cb['inter_node'] / 1e9:.1f} GB over the network per step."
         )
+    per_gpu = plan.tokens_per_s / plan.parallel.world_size
+    bf16 = "" if plan.mfu_bf16_peak is None else f" ({plan.mfu_bf16_peak:.1%} of the bf16 peak)"
     out.append(
-        f"Predicted {plan.tokens_per_s:,.0f} tokens/s, MFU {plan.mfu:.1%}, HFU {plan.hfu:.1%}. "
-        + MFU_FORMULA
+        f"Predicted {plan.tokens_per_s:,.0f} tokens/s ({per_gpu:,.0f} per GPU), MFU "
+        f"{plan.mfu:.1%}{bf16}, HFU {plan.hfu:.1%}. " + mfu_formula(work)
     )
     if runner_up is not None:
         dt = runner_up.step_time_s["total"] - t["total"]

@@ -11,7 +11,8 @@ import numpy as np
 
 from llmopt.parallel.plan import RECOMPUTES, SCHEDULES, ParallelPlan
 
-# internal array key -> ParallelPlan field
+# internal array key -> ParallelPlan field (etp, expert tensor parallelism, is the planner's
+# own: ParallelPlan has no such field; `Plan.expert_tp` carries it)
 GRID_FIELDS: dict[str, str] = {
     "tp": "tp",
     "pp": "pp",
@@ -24,6 +25,8 @@ GRID_FIELDS: dict[str, str] = {
     "v": "virtual_stages",
     "sched": "schedule",
     "rc": "recompute",
+    "ep": "ep",
+    "etp": "etp",
 }
 GRID_KEYS: tuple[str, ...] = tuple(GRID_FIELDS)
 
@@ -35,8 +38,10 @@ REDUCE_DTYPE_OF_STATE = {"megatron": "fp32", "zero": "bf16"}
 STATE_OF_REDUCE_DTYPE = {v: k for k, v in REDUCE_DTYPE_OF_STATE.items()}
 
 
-def to_grid(plan: ParallelPlan) -> Grid:
-    """A one-plan grid."""
+def to_grid(plan: ParallelPlan, etp: int | None = None) -> Grid:
+    """A one-plan grid (expert TP defaults to Megatron's: tp when ep > 1)."""
+    if etp is None:
+        etp = plan.tp if plan.ep > 1 else 1
     return {
         "tp": np.array([plan.tp]),
         "pp": np.array([plan.pp]),
@@ -49,6 +54,8 @@ def to_grid(plan: ParallelPlan) -> Grid:
         "v": np.array([plan.virtual_stages]),
         "sched": np.array([SCHEDULES.index(plan.schedule)]),
         "rc": np.array([RECOMPUTES.index(plan.recompute)]),
+        "ep": np.array([plan.ep]),
+        "etp": np.array([etp]),
     }
 
 
@@ -61,6 +68,7 @@ def grid_row(
         pp=int(grid["pp"][i]),
         dp=int(grid["dp"][i]),
         cp=int(grid["cp"][i]),
+        ep=int(grid["ep"][i]) if "ep" in grid else 1,
         sequence_parallel=bool(grid["sp"][i]),
         zero_stage=int(grid["zero"][i]),
         micro_batch=int(grid["mb"][i]),

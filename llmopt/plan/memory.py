@@ -24,6 +24,8 @@ from __future__ import annotations
 import numpy as np
 
 from llmopt.models.config import ModelConfig
+from llmopt.models.moe import attention_params, mlp_params
+from llmopt.plan.experts import expert_dp, expert_params_per_rank, moe_activation_bytes
 from llmopt.plan.grid import Grid
 from llmopt.plan.hardware import GIB, Cluster
 from llmopt.plan.workload import STATE_BYTES, Workload
@@ -61,9 +63,13 @@ def kv_heads_per_rank(model: ModelConfig, tp: np.ndarray) -> np.ndarray:
 
 
 def layer_params_per_rank(model: ModelConfig, tp: np.ndarray) -> np.ndarray:
-    """Parameters of one block held by one TP rank (norm weights replicated)."""
+    """Parameters of one block held by one TP rank (norm weights replicated); for MoE blocks
+    the non-expert part (`llmopt.plan.experts.expert_params_per_rank` has the rest)."""
     h, hd = model.hidden_size, model.head_dim
     t = np.asarray(tp, dtype=np.float64)
+    if model.moe is not None or model.mla is not None:
+        mp = mlp_params(model)
+        return (attention_params(model) + mp["dense"] + mp["shared"]) / t + mp["router"] + 2 * h
     n_mlp = 3 if model.mlp_kind == "swiglu" else 2
     split = 2 * h * model.q_size + n_mlp * h * model.intermediate_size
     kv = 2 * h * hd * kv_heads_per_rank(model, t)
@@ -87,7 +93,8 @@ def stage_params(model: ModelConfig, grid: Grid) -> tuple[np.ndarray, np.ndarray
     """
     tp, pp = grid["tp"], grid["pp"]
     t = tp.astype(np.float64)
-    layers = layers_per_stage(model, pp, grid["v"]) * layer_params_per_rank(model, tp)
+    per_layer = layer_params_per_rank(model, tp) + expert_params_per_rank(model, grid)
+    layers = layers_per_stage(model, pp, grid["v"]) * per_layer
     emb = model.vocab_size * model.hidden_size / t
     head = np.where(model.tie_embeddings & (pp == 1), 0.0, emb) + model.hidden_size
     first = layers + emb + np.where(pp == 1, head, 0.0)
@@ -256,6 +263,18 @@ def microbatches_in_flight_on_rank(
     )
 
 
+def split_state_bytes(
+    model: ModelConfig, stage_p: np.ndarray, grid: Grid, state_bytes: str
+) -> dict[str, np.ndarray]:
+    """Model states of a stage's `stage_p` parameters per rank: dense parts ZeRO-sharded over
+    dp·cp, routed experts over their expert-data-parallel ranks (`experts.expert_dp`)."""
+    experts = layers_per_stage(model, grid["pp"], grid["v"]) * expert_params_per_rank(model, grid)
+    z = grid["zero"]
+    dense = model_state_bytes(stage_p - experts, z, grid["dp"] * grid["cp"], state_bytes)
+    routed = model_state_bytes(experts, z, expert_dp(grid), state_bytes)
+    return {k: dense[k] + routed[k] for k in dense}
+
+
 def memory_breakdown(
     model: ModelConfig, work: Workload, cluster: Cluster, grid: Grid
 ) -> dict[str, np.ndarray]:
@@ -268,17 +287,17 @@ def memory_breakdown(
     """
     tp, pp, cp, mb = grid["tp"], grid["pp"], grid["cp"], grid["mb"]
     t = tp.astype(np.float64)
-    shard = grid["dp"] * cp
     first_p, last_p = stage_params(model, grid)
     s = work.seq_len
+    moe_extra = moe_activation_bytes(model, mb * s / cp, tp)
     per_layer = activation_bytes_per_layer(
         model, s, mb, tp, grid["sp"], cp, grid["rc"], work.flash_attention, work.dropout
-    )
+    ) + np.where(grid["rc"] == RC_FULL, 0.0, moe_extra)
     n_layers = layers_per_stage(model, pp, grid["v"])
     inflight = microbatches_in_flight(pp, grid["m"], grid["v"], grid["sched"])
     act_first = per_layer * n_layers * inflight
     # Full recompute rebuilds one layer's activations at a time during backward.
-    working = activation_bytes_per_layer(
+    working = moe_extra + activation_bytes_per_layer(
         model, s, mb, tp, grid["sp"], cp, RC_NONE, work.flash_attention, work.dropout
     )
     act_first = act_first + np.where(grid["rc"] == RC_FULL, working, 0.0)
@@ -297,8 +316,8 @@ def memory_breakdown(
         0.0,
     )
     runtime = cluster.gpu.runtime_reserved_gib * GIB
-    states_first = model_state_bytes(first_p, grid["zero"], shard, work.state_bytes)
-    states_last = model_state_bytes(last_p, grid["zero"], shard, work.state_bytes)
+    states_first = split_state_bytes(model, first_p, grid, work.state_bytes)
+    states_last = split_state_bytes(model, last_p, grid, work.state_bytes)
     other_first = sp_buffer + zero3_buf + np.where(pp == 1, logits, 0.0)
     other_last = sp_buffer + zero3_buf + logits
     total_first = sum(states_first.values()) + act_first + other_first

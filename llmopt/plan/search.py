@@ -18,6 +18,7 @@ import numpy as np
 
 from llmopt.models.config import ModelConfig
 from llmopt.parallel.plan import RECOMPUTES, ParallelPlan
+from llmopt.plan.experts import expert_options, expert_reasons
 from llmopt.plan.frameworks import Numerics, framework_reasons
 from llmopt.plan.grid import GRID_KEYS, STATE_OF_REDUCE_DTYPE, Grid, grid_row, to_grid
 from llmopt.plan.hardware import GIB, Cluster
@@ -50,6 +51,8 @@ class Plan:
     rejected: list[str] = field(default_factory=list)
     explanation: list[str] = field(default_factory=list)
     rank: int | None = None
+    expert_tp: int = 1
+    mfu_bf16_peak: float | None = None  # FP8 runs: MFU against the bf16 peak, labelled so
 
     def to_dict(self) -> dict[str, Any]:
         """ParallelPlan's fields, then what the model predicts for them."""
@@ -60,7 +63,10 @@ class Plan:
             "memory_gib": {k: round(v, 3) for k, v in mem.items()},
             "step_time_s": {k: round(v, 6) for k, v in self.step_time_s.items()},
             "tokens_per_s": round(self.tokens_per_s, 1),
+            "etp": self.expert_tp,
+            "tokens_per_s_per_gpu": round(self.tokens_per_s / self.parallel.world_size, 1),
             "mfu": round(self.mfu, 4),
+            "mfu_bf16_peak": None if self.mfu_bf16_peak is None else round(self.mfu_bf16_peak, 4),
             "hfu": round(self.hfu, 4),
             "comm_bytes_per_gpu_per_step": {k: float(v) for k, v in self.comm_bytes.items()},
             "rejected": self.rejected,
@@ -84,6 +90,7 @@ class Evaluation:
     mfu: np.ndarray
     hfu: np.ndarray
     tokens_per_s: np.ndarray
+    mfu_bf16: np.ndarray | None = None  # FP8 workloads: MFU against the bf16 peak
     framework: str = "llmopt"
     objective: str = "time"
     requires: tuple[Requirement, ...] = ()
@@ -104,6 +111,8 @@ class Evaluation:
             mfu=float(self.mfu[i]),
             hfu=float(self.hfu[i]),
             comm_bytes={k: float(v[i]) for k, v in (self.comm or {}).items()},
+            expert_tp=int(self.grid["etp"][i]) if "etp" in self.grid else 1,
+            mfu_bf16_peak=None if self.mfu_bf16 is None else float(self.mfu_bf16[i]),
         )
 
 
@@ -123,6 +132,7 @@ def evaluate(
         cluster.gpu.peak_flops("fp8")  # raises when the GPU has no FP8
     reasons = structural_reasons(model, work, cluster, grid)
     reasons += framework_reasons(framework, model, Numerics.of_work(work), grid)
+    reasons += expert_reasons(model, grid)
     structural = np.ones(len(grid["tp"]), dtype=bool)
     for _, mask in reasons:
         structural &= ~mask
@@ -142,11 +152,12 @@ def evaluate(
     time = step_time(model, work, cluster, grid)
     total = time["total"]
     n = cluster.num_gpus
-    peak = cluster.gpu.peak_flops("bf16")
+    peak = cluster.gpu.peak_flops(work.precision)  # FP8 MFU against the FP8 peak
     mflops = model_flops_per_step(model, work)
     rc_flops = np.array([recompute_flops_per_step(model, work, r) for r in RECOMPUTES])
     mfu = mflops / (total * n * peak)
     hfu = (mflops + rc_flops[grid["rc"]]) / (total * n * peak)
+    bf16 = mfu * peak / cluster.gpu.peak_flops("bf16") if work.precision == "fp8" else None
     with_comm = with_comm or objective == "internode-bytes"
     comm = comm_bytes_per_gpu(model, work, cluster, grid) if with_comm else None
     return Evaluation(
@@ -161,6 +172,7 @@ def evaluate(
         mfu,
         hfu,
         work.tokens_per_step / total,
+        bf16,
         framework,
         objective,
         tuple(requires),
@@ -223,13 +235,15 @@ def build_grid(
                         continue
                     scheds = [(1, 1)]
                     if pp > 1:
-                        scheds = [(0, 1), (1, 1)] + [(2, v) for v in VIRTUAL_STAGES]
+                        vs = [c["v"]] if c.get("v", 1) > 1 else VIRTUAL_STAGES  # fixed: as given
+                        scheds = [(0, 1), (1, 1)] + [(2, v) for v in vs]
                     for sched, v in scheds:
                         if "sched" in c and c["sched"] != sched:
                             continue
                         if "v" in c and c["v"] != v:
                             continue
-                        outer.append((tp, pp, dp, cp, mb, m, v, sched))
+                        for ep, etp in expert_options(model, tp, dp * cp, options):
+                            outer.append((tp, pp, dp, cp, mb, m, v, sched, ep, etp))
     if not outer:
         return {k: np.zeros(0, dtype=np.int64) for k in GRID_KEYS}
     base = np.array(outer, dtype=np.int64)
@@ -250,6 +264,8 @@ def build_grid(
         "m": rep[:, 5],
         "v": rep[:, 6],
         "sched": rep[:, 7],
+        "ep": rep[:, 8],
+        "etp": rep[:, 9],
         "zero": tile[:, 0],
         "rc": tile[:, 1],
         "sp": tile[:, 2],
@@ -324,31 +340,28 @@ def search(
 
 
 def workload_for(work: Workload, plan: ParallelPlan) -> Workload:
-    """The workload with the plan's numerics: its precision and its gradient-reduce dtype
-    (fp32: the "megatron" state convention, bf16: "zero"). The planner prices dense bf16/fp8
-    training; fp32 and expert parallelism are refused."""
+    """The workload with the plan's precision (bf16/fp8; fp32 is refused) and gradient-reduce
+    dtype (fp32: the "megatron" state convention, bf16: "zero")."""
     if plan.precision not in ("bf16", "fp8"):
-        raise ValueError(
-            f"precision={plan.precision!r}: the planner prices bf16 or fp8 training (2-byte "
-            "activations); choose bf16 or fp8"
-        )
-    if plan.ep != 1:
-        raise ValueError(f"ep={plan.ep}: the planner models dense models only; use ep=1")
+        raise ValueError(f"precision={plan.precision!r}: the planner prices bf16 or fp8 training "
+                         "(2-byte activations); choose bf16 or fp8")  # fmt: skip
     return dataclasses.replace(
         work, precision=plan.precision, state_bytes=STATE_OF_REDUCE_DTYPE[plan.reduce_dtype]
     )
 
 
-def estimate(model: ModelConfig, work: Workload, cluster: Cluster, plan: ParallelPlan) -> Plan:
+def estimate(
+    model: ModelConfig, work: Workload, cluster: Cluster, plan: ParallelPlan, etp: int | None = None
+) -> Plan:
     """Evaluate one fully specified plan (even an invalid one: `rejected` says why). Precision
-    and reduce dtype come from the plan (`workload_for`)."""
+    and reduce dtype come from the plan (`workload_for`); `etp` is the expert TP (None: tp)."""
     if plan.world_size != cluster.num_gpus:
         raise ValueError(
             f"tp*pp*dp*cp={plan.world_size} but the cluster has {cluster.num_gpus} GPUs "
             f"({cluster.nodes} nodes x {cluster.gpus_per_node})"
         )
     work = workload_for(work, plan)
-    ev = evaluate(model, work, cluster, to_grid(plan))
+    ev = evaluate(model, work, cluster, to_grid(plan, etp))
     out = plan_at(ev, 0)
     out.parallel = plan  # the grid does not carry fp8_recipe: keep the plan as given
     return out

@@ -18,8 +18,9 @@ sends, plus the DP/ZeRO collectives not hidden behind backward (or forward, for 
 gathers), plus the optimizer step, a memory-bound pass over the local shard
 (`ADAM_BYTES_PER_PARAM`).
 
-MFU = model FLOPs per step / (step time · GPUs · dense bf16 peak); HFU adds recomputed FLOPs
-(see `llmopt.plan.workload`).
+MoE blocks (routed-expert GEMMs, EP all-to-alls, permutes): `llmopt.plan.experts`.
+MFU = model FLOPs per step (`Workload.flops_convention`) / (step time · GPUs · dense peak of the
+workload's precision); HFU adds recomputed FLOPs (see `llmopt.plan.flops`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,15 @@ from __future__ import annotations
 import numpy as np
 
 from llmopt.models.config import ModelConfig
+from llmopt.models.moe import attention_core_dim, attention_params, mlp_params
 from llmopt.plan.comm import Collectives, applies, collectives
+from llmopt.plan.experts import (
+    a2a_calls_per_microbatch,
+    a2a_seconds_per_call,
+    host_seconds_per_block,
+    moe_elementwise,
+    routed_gemm_params,
+)
 from llmopt.plan.grid import Grid
 from llmopt.plan.hardware import Cluster
 from llmopt.plan.memory import (
@@ -36,7 +45,7 @@ from llmopt.plan.memory import (
     RC_SELECTIVE,
     kv_heads_per_rank,
     layers_per_stage,
-    model_state_bytes,
+    split_state_bytes,
     stage_params,
 )
 from llmopt.plan.workload import Workload
@@ -74,8 +83,15 @@ def step_time(
 
     # Forward of one layer for one micro-batch.
     gemm_params = (2 * h * model.q_size + n_mlp * h * f) / t + 2 * h * kv_dim
+    moe_elem = 0.0
+    if model.moe is not None or model.mla is not None:
+        mp = mlp_params(model)
+        dense = attention_params(model) + mp["dense"] + mp["shared"]
+        gemm_params = (dense + routed_gemm_params(model, work)) / t + mp["router"]
+        moe_elem = moe_elementwise(model) / t
+        f = mp["dense"] / (n_mlp * h)  # the dense MLPs' width, averaged over blocks
     t_gemm = tokens * 2 * gemm_params / gemm_rate
-    attn_flops = tokens * 4.0 * s * model.q_size / t
+    attn_flops = tokens * 2.0 * s * attention_core_dim(model) / t
     if work.flash_attention:
         t_attn = 0.5 * attn_flops / (bf16 * gpu.attention_efficiency)
     else:
@@ -90,7 +106,7 @@ def step_time(
     act_fn = ((3 if work.fused_kernels else 5) if model.mlp_kind == "swiglu" else 4) * f / t
     rope = (2 if work.fused_kernels else 14) * (model.q_size / t + kv_dim)
     softmax = 0.0 if work.flash_attention else (2 + (2.5 if work.dropout else 0)) * a * s / t
-    elem_fwd = replicated / np.where(sp, t, 1.0) + act_fn + rope
+    elem_fwd = replicated / np.where(sp, t, 1.0) + act_fn + rope + moe_elem
     t_elem = tokens * ACT_BYTES * (elem_fwd + softmax) / hbm
     t_softmax = tokens * ACT_BYTES * softmax / hbm
     layer_fwd = t_gemm + t_attn + t_elem
@@ -120,7 +136,14 @@ def step_time(
     attn_mb = n_layers * 3 * t_attn * np.where(rc == RC_FULL, 4 / 3, 1.0)
     cp_exposed_mb = np.maximum(0.0, cp_mb - gpu.comm_overlap_efficiency * attn_mb)
 
-    tau_last = compute_mb_last + recompute_mb + tp_exposed_mb + cp_exposed_mb
+    a2a = a2a_seconds_per_call(model, cluster, grid, tokens)
+    a2a = n_layers * a2a_calls_per_microbatch(model, rc == RC_FULL) * a2a
+    ep_exposed_mb = a2a * (1 - (gpu.comm_overlap_efficiency if work.ep_comm_overlap else 0.0))
+    # MoE blocks cannot run faster than the host launches their per-expert kernels
+    host_mb = n_layers * host_seconds_per_block(model, work, grid)
+    host_mb = np.maximum(0.0, host_mb - (compute_mb_layers + recompute_mb + ep_exposed_mb))
+    tau_last = compute_mb_last + recompute_mb + tp_exposed_mb + cp_exposed_mb + ep_exposed_mb
+    tau_last = tau_last + host_mb
     tau_mean = tau_last - (3 * head_fwd + (1 - tp_hidden) * tp_last) * (1 - 1 / pp)
     bubble = (pp - 1) / v * tau_mean
     p2p = _sum_time(
@@ -151,7 +174,7 @@ def step_time(
     dp_exposed = np.where(z <= 1, dp01, np.where(z == 2, dp2, dp3))
 
     first_p, last_p = stage_params(model, grid)
-    opt_params = model_state_bytes(np.maximum(first_p, last_p), z, grid["dp"] * cp, "zero")
+    opt_params = split_state_bytes(model, np.maximum(first_p, last_p), grid, "zero")
     optimizer = opt_params["optimizer"] / 12 * ADAM_BYTES_PER_PARAM / hbm
 
     out = {
@@ -164,6 +187,8 @@ def step_time(
         "dp_comm_exposed": dp_exposed,
         "optimizer": optimizer,
     }
+    if model.moe is not None:  # MoE-only parts (dense plans' breakdowns stay as they were)
+        out.update(ep_comm_exposed=m * ep_exposed_mb, moe_host_bound=m * host_mb)
     out["total"] = sum(out.values())
     return out
 

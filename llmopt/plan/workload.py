@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
 from llmopt.models.config import ModelConfig  # noqa: F401  (re-exported for type hints)
 from llmopt.parallel.plan import RECOMPUTES, SCHEDULES  # noqa: F401  (re-exported)
 from llmopt.plan.flops import (  # noqa: F401  (re-exported)
+    FLOPS_CONVENTIONS,
     head_flops_fwd_per_token,
     layer_flops_fwd_per_token,
     matmul_params_per_layer,
@@ -45,6 +47,12 @@ class Workload:
     # Pipeline messages without SP split over the TP ranks and re-gathered over NVLink
     # (Narayanan et al. 2021 §4.1, Megatron-LM's default until Megatron-Core).
     pp_scatter_gather: bool = False
+    # How MFU counts the attention core (`llmopt.plan.flops.FLOPS_CONVENTIONS`).
+    flops_convention: str = "causal"
+    # MoE: the busiest expert's tokens over the mean (1.0 = balanced, as force-balanced
+    # benchmarks run); EP all-to-alls hidden behind compute (DeepEP / 1F1B A2A overlap).
+    expert_imbalance: float = 1.0
+    ep_comm_overlap: bool = False
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "global_batch"):
@@ -53,6 +61,16 @@ class Workload:
                 raise ValueError(f"{name}={v!r} must be a positive integer")
         if self.precision not in ("bf16", "fp8"):
             raise ValueError(f"precision={self.precision!r} is not supported; use bf16 or fp8")
+        if self.flops_convention not in FLOPS_CONVENTIONS:
+            raise ValueError(
+                f"flops_convention={self.flops_convention!r}; choose from "
+                + ", ".join(FLOPS_CONVENTIONS)
+            )
+        imb = self.expert_imbalance
+        if isinstance(imb, bool) or not isinstance(imb, int | float) or not math.isfinite(imb):
+            raise ValueError(f"expert_imbalance={imb!r} must be a finite number >= 1")
+        if imb < 1:
+            raise ValueError(f"expert_imbalance={imb!r} must be >= 1 (busiest over mean load)")
         if self.optimizer != "adam":
             raise ValueError(f"optimizer={self.optimizer!r} is not supported; use adam")
         if self.state_bytes not in STATE_BYTES:

@@ -1,0 +1,176 @@
+"""Expert parallelism in the cost model: what MoE blocks add to memory and step time.
+
+Layout (Megatron-Core "MoE parallel folding", arXiv:2504.14960): the dense parts are laid over
+tp·cp·dp per pipeline stage as for a dense model; the experts over the same ranks folded as
+etp (expert tensor parallel, fastest) × ep × edp, so edp = tp·cp·dp / (etp·ep). Each rank holds
+num_experts/ep experts, each split etp ways; its expert weights, gradients and optimizer states
+(ZeRO over edp) are `expert_params_per_rank`. ParallelPlan keeps Megatron's ep | dp·cp.
+
+Per MoE block and micro-batch on one rank:
+- routed GEMMs: every rank processes 1/(tp·cp) of the stage's token-expert pairs however ep
+  and etp fold them, 2·top_k·(expert weights)·tokens/t FLOPs forward, slowed by the load
+  imbalance factor (the busiest expert's share over the mean; 1.0 for force-balanced
+  benchmarks) and run at `GROUPED_GEMM_EFFICIENCY` × the dense GEMM efficiency;
+- all-to-all dispatch and combine of top_k copies of each local token's hidden state
+  (bf16), forward and backward (and again under full recomputation): each rank sends
+  (ep-1)/ep of them, over NVLink to the peers in its node and over the inter-node network to
+  the rest (an EP group spans etp·ep consecutive ranks), exposed unless `Workload.ep_comm_overlap`;
+- permute/unpermute copies of the dispatched tokens as memory-bound traffic;
+- a host-launch floor: the dispatcher's device-to-host sync of per-expert token counts keeps
+  the CPU from running ahead, and each local expert launches its own GEMM, activation (and FP8
+  quantisation) kernels, so a block cannot finish faster than the host launches them
+  (`host_seconds_per_block`). This is what makes small-expert models at micro-batch 1 slow:
+  Megatron-Bridge's Qwen3-30B-A3B runs at 9.3k tokens/s/GPU on B200 with MBS=1 but 29.5k on
+  B300 with MBS=8 (same table), a per-micro-batch cost rather than a per-token one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from llmopt.models.config import ModelConfig
+from llmopt.models.moe import mlp_params, n_mlp, num_moe_layers
+from llmopt.plan.grid import Grid
+from llmopt.plan.hardware import Cluster
+from llmopt.plan.workload import Workload
+
+# Grouped (per-expert) GEMMs reach this fraction of the large dense GEMMs' throughput: many
+# smaller matrices, ragged token counts per expert (TE / CUTLASS grouped GEMM).
+GROUPED_GEMM_EFFICIENCY = 0.8
+ACT_BYTES = 2
+# Host time to launch one kernel from eager PyTorch + Transformer Engine modules (~10 us of
+# PyTorch dispatch plus the module's Python): an engineering estimate, not fitted per row.
+LAUNCH_S = 25e-6
+# Kernels per local expert per micro-batch, forward + backward: fc1, activation, fc2 forward;
+# four weight/input-gradient GEMMs and the activation backward; FP8 adds a quantisation of each
+# GEMM input (2 forward, 4 backward).
+KERNELS_PER_EXPERT = {"bf16": 8, "fp8": 14}
+# Per MoE block and micro-batch, whatever the expert count: router GEMM, softmax/top-k, aux
+# loss, permute, dispatch, combine, unpermute, forward and backward.
+KERNELS_PER_MOE_BLOCK = 40
+
+
+def ep_of(grid: Grid) -> tuple[np.ndarray, np.ndarray]:
+    """(ep, etp) arrays of a grid; 1 where the grid has none (dense plans)."""
+    ones = np.ones_like(grid["tp"])
+    return grid.get("ep", ones), grid.get("etp", ones)
+
+
+def moe_fraction(model: ModelConfig) -> float:
+    return num_moe_layers(model) / model.num_layers
+
+
+def expert_params_per_rank(model: ModelConfig, grid: Grid) -> np.ndarray:
+    """Routed-expert weights of one block (averaged over the blocks) held by one rank."""
+    ep, etp = ep_of(grid)
+    return mlp_params(model)["experts"] / (ep * etp).astype(np.float64)
+
+
+def expert_dp(grid: Grid) -> np.ndarray:
+    """Ranks the expert weights are replicated over (ZeRO shards expert states over these)."""
+    ep, etp = ep_of(grid)
+    return np.maximum(grid["tp"] * grid["cp"] * grid["dp"] // (ep * etp), 1)
+
+
+def expert_reasons(model: ModelConfig, grid: Grid) -> list[tuple[str, np.ndarray]]:
+    """Structural rules of expert parallelism, each with its one-line reason."""
+    ep, etp = ep_of(grid)
+    tp, cp, dp = grid["tp"], grid["cp"], grid["dp"]
+    if model.moe is None:
+        return [(f"ep={{ep}} and etp={{etp}} need a MoE model; {model.name} is dense",
+                 (ep > 1) | (etp > 1))]  # fmt: skip
+    e = model.moe.num_experts
+    return [
+        (f"ep={{ep}} does not divide num_experts={e}", e % ep != 0),
+        (
+            "ep={ep} does not divide dp*cp (Megatron lays experts over the data-parallel ranks)",
+            (dp * cp) % ep != 0,
+        ),  # fmt: skip
+        ("etp={etp} must be 1 or tp={tp}", (etp != 1) & (etp != tp)),
+    ]
+
+
+def expert_options(model: ModelConfig, tp: int, dpcp: int, options) -> list[tuple[int, int]]:
+    """(ep, etp) candidates of the search: ep dividing dp·cp and the expert count, etp 1 or tp
+    (dense models: (1, 1)); `options(key, default)` applies the user's constraints."""
+    if model.moe is None:
+        eps = options("ep", [1])
+    else:
+        eps = options("ep", [e for e in _divisors(dpcp) if model.moe.num_experts % e == 0])
+    return [(e, t) for e in eps for t in options("etp", sorted({1, tp} if e > 1 else {1}))]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def routed_gemm_params(model: ModelConfig, work: Workload) -> float:
+    """Routed-expert weights one token's GEMMs use per block (averaged over blocks), in units
+    of dense-GEMM time: × load imbalance / grouped-GEMM efficiency."""
+    active = mlp_params(model)["active"]
+    return active * work.expert_imbalance / GROUPED_GEMM_EFFICIENCY
+
+
+def moe_elementwise(model: ModelConfig) -> float:
+    """bf16 elements per token moved by MoE-only memory-bound kernels per block (averaged):
+    permute and unpermute read and write top_k copies of h, the experts' SwiGLU (3 per f)."""
+    if model.moe is None:
+        return 0.0
+    m = model.moe
+    act = (3 if n_mlp(model) == 3 else 4) * (m.top_k * m.expert_ffn_hidden)
+    act += (3 if n_mlp(model) == 3 else 4) * m.shared_experts * m.shared_hidden
+    return moe_fraction(model) * (4 * m.top_k * model.hidden_size + act)
+
+
+def a2a_seconds_per_call(
+    model: ModelConfig, cluster: Cluster, grid: Grid, tokens: np.ndarray
+) -> np.ndarray:
+    """One dispatch (or combine) all-to-all of one MoE block for `tokens` tokens per rank."""
+    ep, etp = ep_of(grid)
+    if model.moe is None:
+        return np.zeros_like(tokens, dtype=np.float64)
+    e = ep.astype(np.float64)
+    payload = tokens / grid["tp"] * model.moe.top_k * model.hidden_size * ACT_BYTES
+    g = cluster.gpus_per_node
+    span = etp * ep
+    peers_in_node = np.where(span <= g, e - 1, np.maximum(g // etp - 1, 0))
+    peers_out = e - 1 - peers_in_node
+    per_peer = payload / e
+    intra, inter = cluster.intra_node, cluster.inter_node
+    t = per_peer * (peers_in_node / intra.bytes_per_s + peers_out / inter.bytes_per_s)
+    lat = np.where(peers_out > 0, inter.latency_us, intra.latency_us) * 1e-6
+    return np.where(ep > 1, t + 2 * lat, 0.0)
+
+
+def host_seconds_per_block(model: ModelConfig, work: Workload, grid: Grid) -> np.ndarray:
+    """Host time to launch one MoE block's expert kernels for one micro-batch, forward and
+    backward (averaged over blocks; 0 for dense models)."""
+    ep, _ = ep_of(grid)
+    if model.moe is None:
+        return np.zeros(len(grid["tp"]))
+    local = model.moe.num_experts / ep.astype(np.float64)
+    kernels = local * KERNELS_PER_EXPERT[work.precision] + KERNELS_PER_MOE_BLOCK
+    return moe_fraction(model) * kernels * LAUNCH_S
+
+
+def a2a_calls_per_microbatch(model: ModelConfig, rc_full: np.ndarray) -> np.ndarray:
+    """Dispatch + combine forward and backward per block (averaged), again under full
+    recomputation."""
+    return moe_fraction(model) * np.where(rc_full, 6.0, 4.0)
+
+
+def moe_activation_bytes(
+    model: ModelConfig, tokens: np.ndarray, tp: np.ndarray, act_bytes: int = ACT_BYTES
+) -> np.ndarray:
+    """Bytes a MoE block keeps for backward beyond a dense block of `intermediate_size`
+    (averaged over blocks): the experts' MLP intermediates for top_k (+ shared) experts
+    instead of the dense MLP's, the dispatched and the combined top_k copies of h."""
+    if model.moe is None:
+        return np.zeros_like(tokens, dtype=np.float64)
+    m = model.moe
+    per_f = 3 if n_mlp(model) == 3 else 2
+    experts = per_f * (m.top_k * m.expert_ffn_hidden + m.shared_experts * m.shared_hidden)
+    dense = per_f * model.intermediate_size
+    copies = 2 * m.top_k * model.hidden_size
+    t = np.asarray(tp, dtype=np.float64)
+    return moe_fraction(model) * tokens * act_bytes * ((experts - dense) / t + copies / t)
