@@ -96,6 +96,8 @@ def build_workload(args: argparse.Namespace) -> Workload:
         state_bytes=STATE_OF_REDUCE_DTYPE[args.reduce_dtype],
         tp_comm_overlap=args.tp_comm_overlap,
         dp_comm_overlap=not args.no_dp_overlap,
+        lora_rank=getattr(args, "lora_rank", 0),
+        qlora=getattr(args, "qlora", False),
     )
 
 

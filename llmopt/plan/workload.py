@@ -45,6 +45,10 @@ class Workload:
     # Pipeline messages without SP split over the TP ranks and re-gathered over NVLink
     # (Narayanan et al. 2021 §4.1, Megatron-LM's default until Megatron-Core).
     pp_scatter_gather: bool = False
+    # Fine-tuning (llmopt.plan.memory.lora_model_states): LoRA adapters of this rank on every
+    # block linear train; the frozen base is bf16, or packed INT4 with qlora.
+    lora_rank: int = 0
+    qlora: bool = False
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "global_batch"):
@@ -55,6 +59,14 @@ class Workload:
             raise ValueError(f"precision={self.precision!r} is not supported; use bf16 or fp8")
         if self.optimizer != "adam":
             raise ValueError(f"optimizer={self.optimizer!r} is not supported; use adam")
+        if (
+            isinstance(self.lora_rank, bool)
+            or not isinstance(self.lora_rank, int)
+            or (self.lora_rank < 0)
+        ):
+            raise ValueError(f"lora_rank={self.lora_rank!r} must be a non-negative integer")
+        if self.qlora and not self.lora_rank:
+            raise ValueError("qlora=True needs lora_rank > 0 (adapters on the INT4 base)")
         if self.state_bytes not in STATE_BYTES:
             raise ValueError(
                 f"state_bytes={self.state_bytes!r}; choose from {', '.join(STATE_BYTES)}"

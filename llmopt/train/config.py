@@ -95,7 +95,7 @@ class TrainConfig:
     lora_rank: int = 0  # 0: train every weight
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
-    lora_targets: str = "all"  # all | attention | mlp | comma-separated linear names
+    lora_targets: str = "all"  # all | attention | feed_forward | comma-separated linear names
     qlora: bool = False  # frozen base linears in INT4 (RTN, group 64)
     # bookkeeping
     save_format: str = "all"  # resume (rank shards) | hf | both (shards + hf) | all (+ full/)

@@ -1,7 +1,7 @@
 """LoRA (and QLoRA) adapters: y = base(x) + (alpha/r) * B(A(dropout(x))) on chosen linears.
 
 `apply_lora` wraps the targeted linears of every block (names come from the model spec:
-`all`, `attention`, `mlp` or a comma-separated list matched against the spec's block linears)
+`all`, `attention`, `feed_forward` or a comma-separated list matched against the spec's block linears)
 and turns every other parameter into a buffer of the frozen base dtype: the engine's data
 parallelism (DP, ZeRO 0-3) then buckets, reduces, shards and optimizes the adapters only, and
 the frozen base is never given gradients, masters or optimizer states. With `quantize_bits=4`
@@ -101,7 +101,7 @@ def resolve_targets(spec: ModelSpec, targets: str) -> tuple[str, ...]:
     groups = {
         "all": linears,
         "attention": tuple(n for n in linears if n.startswith(spec.attention + ".")),
-        "mlp": tuple(n for n in linears if n.startswith(spec.feed_forward + ".")),
+        "feed_forward": tuple(n for n in linears if n.startswith(spec.feed_forward + ".")),
     }
     if targets in groups:
         return groups[targets]
@@ -112,7 +112,7 @@ def resolve_targets(spec: ModelSpec, targets: str) -> tuple[str, ...]:
             short = sorted({n.rsplit(".", 1)[-1] for n in linears})
             raise LoraError(
                 f"lora target {item!r} matches no linear of a {spec.architecture} block; "
-                f"valid: all, attention, mlp or any of {', '.join(short)}"
+                f"valid: all, attention, feed_forward or any of {', '.join(short)}"
             )
         chosen += [h for h in hits if h not in chosen]
     if not chosen:
