@@ -131,7 +131,7 @@ def _rows(
         for tokens, mask in examples:
             ids += tokens
             keep += [False] + mask[1:]  # never predict a document's first token from the last
-        n = max(len(ids) // width, 1 if ids else 0)
+        n = -(-len(ids) // width)  # the last row is padded (ignored labels)
         ids += [pad] * (n * width - len(ids))
         keep += [False] * (n * width - len(keep))
         seqs = [ids[i * width : (i + 1) * width] for i in range(n)]

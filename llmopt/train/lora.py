@@ -65,6 +65,34 @@ class FrozenLinear(nn.Module):
         return self.weight.float()
 
 
+class _FrozenQuantMatmul(torch.autograd.Function):
+    """y = x W^T for a packed (frozen) QuantLinear that saves nothing but the module: backward
+    dequantizes W again, tile by tile, for dx = dy W. Autograd through the dequantizing matmul
+    would keep every dequantized tile for backward, as much memory as a bf16 base."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+        ctx.layer = layer
+        with torch.no_grad():
+            return layer(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        from llmopt.compress.quant.formats import dequantize_codes, unpack_codes
+
+        layer = ctx.layer
+        g2 = grad.reshape(-1, layer.out_features)
+        gx = g2.new_zeros(g2.shape[0], layer.in_features)
+        for r0 in range(0, layer.out_features, layer.tile_rows):
+            r1 = min(r0 + layer.tile_rows, layer.out_features)
+            codes = unpack_codes(layer.qweight[r0:r1], layer.bits, layer.in_features)
+            w = dequantize_codes(
+                codes, layer.scales[r0:r1], layer.zeros[r0:r1], layer.group_size, dtype=g2.dtype
+            )
+            gx += g2[:, r0:r1] @ w
+        return gx.reshape(*grad.shape[:-1], layer.in_features), None
+
+
 class LoraLinear(nn.Module):
     """A frozen base linear plus a trainable low-rank update (PEFT's parameterisation)."""
 
@@ -80,7 +108,8 @@ class LoraLinear(nn.Module):
         self.dropout = nn.Dropout(s.dropout) if s.dropout else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
+        quantized = hasattr(self.base, "qweight")
+        y = _FrozenQuantMatmul.apply(x, self.base) if quantized else self.base(x)
         a = self.lora_A.weight
         update = self.lora_B(self.lora_A(self.dropout(x.to(a.dtype)))) * self.scaling
         return y + update.to(y.dtype)
