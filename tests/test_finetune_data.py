@@ -130,3 +130,37 @@ def test_lora_starts_at_the_base_and_qlora_backward_recomputes_the_weight():
     got = dict(q.named_parameters())
     for name, p in dense.named_parameters():
         torch.testing.assert_close(got[name].grad, p.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_hf_datasets_source_reads_a_local_dataset_offline(tmp_path):
+    # `datasets` comes with the dev dependencies (lm-eval requires it)
+    (tmp_path / "train.jsonl").write_text(json.dumps(CHAT) + "\n" + json.dumps(CHAT) + "\n")
+    records = read_records(f"hf:{tmp_path}")
+    assert records == [CHAT, CHAT]
+    with pytest.raises(SFTDataError, match="could not be opened offline"):
+        read_records(f"hf:{tmp_path / 'missing'}")
+
+
+def test_finetune_config_errors_are_one_line(monkeypatch):
+    from llmopt.train import finetune_config
+    from llmopt.train.config import TrainConfig, TrainConfigError
+
+    cases = [
+        (dict(lora_rank=8, tp=2), "LoRA with tp=2 is not supported"),
+        (dict(qlora=True), "qlora=True needs adapters"),
+        (dict(format="messages"), "applies to --data"),
+        (dict(save_format="everything"), "save_format='everything' is not valid"),
+        (dict(eval_fraction=1.5), "eval_fraction=1.5 must be in"),
+        (dict(report_to="tensorboard,neptune"), "report_to target 'neptune' is not valid"),
+    ]
+    for changes, message in cases:
+        with pytest.raises(TrainConfigError, match=message):
+            TrainConfig(**changes)
+    real = finetune_config.importlib.util.find_spec
+    monkeypatch.setattr(
+        finetune_config.importlib.util,
+        "find_spec",
+        lambda name: None if name == "wandb" else real(name),
+    )
+    with pytest.raises(TrainConfigError, match="needs the 'wandb' package, which is not installed"):
+        TrainConfig(report_to="wandb")

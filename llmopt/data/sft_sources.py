@@ -70,6 +70,7 @@ def _file_records(path: Path) -> list[dict[str, Any]]:
 
 
 def _hf_records(name: str) -> list[dict[str, Any]]:
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # read when `datasets` is imported
     try:
         import datasets
     except ImportError:
@@ -77,7 +78,6 @@ def _hf_records(name: str) -> list[dict[str, Any]]:
             f"--data hf:{name} needs the `datasets` package (pip install datasets)"
         ) from None
     dataset, _, split = name.partition(":")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     try:
         data = datasets.load_dataset(dataset, split=split or "train")
     except Exception as exc:  # datasets raises many types for "not cached / not found"
