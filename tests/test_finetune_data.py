@@ -77,6 +77,18 @@ def test_packing_masks_the_document_boundary(tmp_path):
     assert data.targets[1, 2:].tolist() == [IGNORE_INDEX] * 2  # the padded tail
 
 
+def test_long_text_is_cut_into_rows_not_truncated(tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_text("In the beginning God created the heavens and the earth. " * 20)
+    data = SFTData.build(str(text), TOK, 16, seed=0, eval_fraction=0)
+    ids, _ = encode_record({"text": text.read_text()}, "text", TOK)
+    assert data.num_sequences == -(-(len(ids) - 1) // 16)
+    # every next-token transition of the file is trained exactly once
+    labels = data.targets[data.targets != IGNORE_INDEX]
+    assert labels.numel() == len(ids) - 1 and data.stats.truncated == 0
+    assert sorted(labels.tolist()) == sorted(ids[1:])
+
+
 def test_bad_data_is_a_clear_error(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\nnot json\n')
@@ -151,6 +163,7 @@ def test_finetune_config_errors_are_one_line(monkeypatch):
         (dict(format="messages"), "applies to --data"),
         (dict(save_format="everything"), "save_format='everything' is not valid"),
         (dict(eval_fraction=1.5), "eval_fraction=1.5 must be in"),
+        (dict(data="x.jsonl", pp=2), "held-out loss needs pp=1"),
         (dict(report_to="tensorboard,neptune"), "report_to target 'neptune' is not valid"),
     ]
     for changes, message in cases:

@@ -10,7 +10,8 @@ Formats (`fmt`, or "auto" from each record's keys):
   (`messages[:i]` with the generation prompt, `messages[:i+1]` without): a template whose
   renderings are not prefixes of each other is refused rather than mis-masked.
 
-Rows: without packing, each example is one row, truncated to seq_len+1 tokens and padded with
+Rows: without packing, each example is one row (a long ``text`` record several, cut every
+seq_len tokens), truncated to seq_len+1 tokens and padded with
 EOS whose labels are IGNORE_INDEX (right padding: causal attention never looks at it, so no
 attention mask is needed). With packing, examples are concatenated (EOS-separated) and cut into
 rows; the label that would predict a new document from the previous one is ignored, but
@@ -190,6 +191,11 @@ class SFTData(TokenData):
             kind = fmt if fmt != "auto" else detect_format(record)
             stats.formats[kind] = stats.formats.get(kind, 0) + 1
             ids, mask = encode_record(record, kind, tokenizer)
+            if kind == "text" and not packing:
+                # plain text is cut into rows (sharing one token), not truncated
+                pieces = [ids[i : i + seq_len + 1] for i in range(0, max(len(ids) - 1, 1), seq_len)]
+                encoded += [(p, [True] * len(p)) for p in pieces if len(p) > 1]
+                continue
             if not packing and len(ids) > seq_len + 1:
                 stats.truncated += 1
                 ids, mask = ids[: seq_len + 1], mask[: seq_len + 1]

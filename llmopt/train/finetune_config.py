@@ -30,6 +30,11 @@ def validate_finetune(cfg: Any, error: type[ValueError]) -> None:
         raise error(f"eval_fraction={fraction!r} must be a number in [0, 1)")
     if not (math.isfinite(fraction) and 0 <= fraction < 1):
         raise error(f"eval_fraction={fraction!r} must be in [0, 1)")
+    if cfg.data is not None and fraction > 0 and (cfg.pp > 1 or cfg.zero_stage == 3):
+        raise error(
+            f"the held-out loss needs pp=1 and zero_stage<=2 (got pp={cfg.pp}, zero_stage="
+            f"{cfg.zero_stage}); pass --eval-fraction 0 to train without it"
+        )
     if cfg.eval_every < 0:
         raise error(f"eval_every={cfg.eval_every} must be >= 0")
     if isinstance(cfg.lora_rank, bool) or cfg.lora_rank < 0:
