@@ -212,3 +212,27 @@ def test_vocabulary_mismatch_is_a_one_line_error(run, capsys, tmp_path):
     assert main([*args, "--init-from", str(other), "--tokenizer", "smollm2-135m"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "49152" in err and "293" in err
+
+
+def test_lora_resume_continues_the_trajectory_exactly(run):
+    cfg = TrainConfig(
+        init_from=str(run["base"]),
+        data=str(run["root"] / "chat.jsonl"),
+        format="messages",
+        lora_rank=4,
+        lora_alpha=8.0,
+        save_format="resume",
+        out_dir=str(run["root"] / "resumed"),
+        **RUN,
+    )
+    first = train(cfg.replace(save_every=2))
+    assert first.losses == run["result"].losses  # the same run as the fixture's
+    root = run["root"] / "resumed/checkpoints"
+    assert sorted(p.name for p in (root / "step_000002").iterdir()) == [
+        "manifest.json",
+        "rank00000.safetensors",
+    ]
+    (root / "latest").write_text("step_000002")  # as if the run had stopped after step 2
+    second = train(cfg.replace(resume=True))
+    assert second.start_step == 2
+    assert second.losses == first.losses[2:]  # bit for bit
