@@ -22,6 +22,7 @@ ORDER = [
     "export",
     "speculative",
     "fp8",
+    "finetune",
 ]
 HEADER = """# Benchmarks and validation results
 

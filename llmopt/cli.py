@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "profile": ("llmopt.profile.cli", "profile generation: trace, op table, launches, roofline"),
     "report": ("llmopt.report.cli", "one self-contained HTML page of optimization results"),
     "export": ("llmopt.export.cli", "export a model as GGUF, ONNX (KV cache) or HF safetensors"),
+    "merge": ("llmopt.train.merge_cli", "fold LoRA adapters into their base model"),
 }
 
 

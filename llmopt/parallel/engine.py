@@ -31,6 +31,7 @@ from llmopt.models.spec import spec_for
 from llmopt.parallel.data_parallel import DataParallel, clip_to
 from llmopt.parallel.grid import RankGrid
 from llmopt.parallel.pipeline.executor import (
+    IGNORE_INDEX,
     PipelineExecutor,
     StepResult,
     cross_entropy_sum,
@@ -148,8 +149,16 @@ class Engine:
         start = model.vocab_start
 
         def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            # vocab-parallel CE returns the token mean; the executor wants the sum.
-            return vocab_parallel_cross_entropy(logits, labels, group, start) * labels.numel()
+            # vocab-parallel CE returns the token mean; the executor wants the sum over the
+            # supervised tokens (TP peers hold the same labels, so they select the same rows).
+            keep = labels.reshape(-1) != IGNORE_INDEX
+            if not bool(keep.any()):
+                return logits.sum() * 0.0  # keeps the graph (and the TP collectives) alike
+            rows = logits.reshape(-1, logits.shape[-1])[keep]
+            return (
+                vocab_parallel_cross_entropy(rows, labels.reshape(-1)[keep], group, start)
+                * (rows.shape[0])
+            )
 
         return loss
 
@@ -163,22 +172,38 @@ class Engine:
         return self.dp.param_dtype
 
     # ---- one step ----
-    def forward_backward(self, tokens: torch.Tensor, labels: torch.Tensor) -> StepResult:
+    def forward_backward(
+        self, tokens: torch.Tensor, labels: torch.Tensor, num_tokens: int | None = None
+    ) -> StepResult:
         """Forward+backward of this DP replica's batch [micro_batch * num_microbatches, T];
-        gradients reduced (DP) into the masters' .grad."""
+        gradients reduced (DP) into the masters' .grad.
+
+        The loss is the mean over the supervised tokens (labels != IGNORE_INDEX) of the whole
+        global batch: `num_tokens` is their count over all DP replicas (computed with one
+        uncounted all-reduce when not given). DP averages gradients over its replicas, so each
+        replica divides its loss sum by num_tokens / dp."""
         rows = self.plan.micro_batch * self.plan.num_microbatches
         if tokens.shape[0] != rows:
             raise EngineError(
                 f"batch of {tokens.shape[0]} sequences per DP rank; the plan needs micro_batch "
                 f"{self.plan.micro_batch} x num_microbatches {self.plan.num_microbatches} = {rows}"
             )
+        if num_tokens is None:
+            num_tokens = self.supervised_tokens(labels)
         self.dp.prepare_forward()
-        result = self.executor.step(tokens, labels)
+        result = self.executor.step(tokens, labels, num_tokens / self.grid.dp.size)
         if self._tied:
             peer = self.last_rank if self.grid.pp.rank == 0 else 0
             exchange_tied_grad(self.grid.pp, self.dp.grad_buffer(self._tied[0]), peer)
         self.dp.finish_grad_sync()
         return result
+
+    def supervised_tokens(self, labels: torch.Tensor) -> int:
+        """Labels != IGNORE_INDEX summed over the DP replicas (uncounted: 8 bytes)."""
+        count = (labels != IGNORE_INDEX).sum().to(torch.float64).to(self.device)
+        with self.grid.counter.paused():
+            self.grid.dp.all_reduce(count)
+        return int(count.item())
 
     def step(
         self,
@@ -186,9 +211,11 @@ class Engine:
         labels: torch.Tensor,
         optimizer: torch.optim.Optimizer,
         max_norm: float | None = None,
+        num_tokens: int | None = None,
     ) -> StepOutput:
-        """One optimizer step on this DP replica's batch; the logged loss is the global mean."""
-        result = self.forward_backward(tokens, labels)
+        """One optimizer step on this DP replica's batch; the logged loss is the global mean
+        over supervised tokens (`forward_backward`)."""
+        result = self.forward_backward(tokens, labels, num_tokens)
         norm = self.clip_grad_norm_(max_norm)
         optimizer.step()
         self.update_params()

@@ -80,6 +80,8 @@ def _common(p: argparse.ArgumentParser, sub: bool) -> None:
     w.add_argument("--expert-imbalance", type=float, default=d(1.0), help="MoE busiest/mean load")
     w.add_argument("--tp-comm-overlap", action="store_true", default=d(False))
     w.add_argument("--no-dp-overlap", action="store_true", default=d(False))
+    w.add_argument("--lora-rank", type=int, default=d(0), help="LoRA fine-tuning: adapter rank")
+    w.add_argument("--qlora", action="store_true", default=d(False), help="frozen base in INT4")
     p.add_argument("--json", action="store_true", default=d(False), help="machine-readable output")
     p.add_argument("--plot", default=d(None), metavar="PNG", help="step-time breakdown chart")
 

@@ -100,6 +100,8 @@ def build_workload(args: argparse.Namespace) -> Workload:
         dp_comm_overlap=not args.no_dp_overlap,
         flops_convention=getattr(args, "flops_convention", "causal"),
         expert_imbalance=getattr(args, "expert_imbalance", 1.0),
+        lora_rank=getattr(args, "lora_rank", 0),
+        qlora=getattr(args, "qlora", False),
     )
 
 

@@ -316,8 +316,10 @@ def memory_breakdown(
         0.0,
     )
     runtime = cluster.gpu.runtime_reserved_gib * GIB
-    states_first = split_state_bytes(model, first_p, grid, work.state_bytes)
-    states_last = split_state_bytes(model, last_p, grid, work.state_bytes)
+    shard = grid["dp"] * grid["cp"]
+    states = lora_model_states if getattr(work, "lora_rank", 0) else _full_model_states
+    states_first = states(model, work, grid, first_p, shard, first=True)
+    states_last = states(model, work, grid, last_p, shard, first=False)
     other_first = sp_buffer + zero3_buf + np.where(pp == 1, logits, 0.0)
     other_last = sp_buffer + zero3_buf + logits
     total_first = sum(states_first.values()) + act_first + other_first
@@ -333,3 +335,38 @@ def memory_breakdown(
     out["usable"] = np.full_like(out["total"], usable)
     out["fits"] = out["total"] <= usable
     return out
+
+
+def _full_model_states(model, work, grid, stage_p, shard, first: bool) -> dict[str, np.ndarray]:
+    return split_state_bytes(model, stage_p, grid, work.state_bytes)
+
+
+QLORA_BYTES_PER_PARAM = 0.5 + 3 / 64  # INT4 codes + an fp16 scale and a uint8 zero per 64
+
+
+def adapter_params_per_layer(model: ModelConfig, rank: int, tp: np.ndarray) -> np.ndarray:
+    """LoRA parameters r·(in + out) of every linear of one block, on one TP rank."""
+    h, i, q = model.hidden_size, model.intermediate_size, model.q_size
+    kv = model.head_dim * kv_heads_per_rank(model, tp) * np.asarray(tp, dtype=np.float64)
+    n_mlp = 3 if model.mlp_kind == "swiglu" else 2
+    fan = 2 * (h + q) + 2 * (h + kv) + n_mlp * (h + i)
+    return rank * fan / np.asarray(tp, dtype=np.float64)
+
+
+def lora_model_states(model, work, grid, stage_p, shard, first: bool) -> dict[str, np.ndarray]:
+    """Model states of LoRA/QLoRA fine-tuning on one rank: only the adapters get gradients,
+    fp32 masters and Adam moments (ZeRO shards those); the frozen base weights are bf16 (or
+    packed INT4 for the block linears with QLoRA) and replicated (ZeRO-3 included)."""
+    w, g, o = STATE_BYTES[work.state_bytes]
+    tp, z = grid["tp"], np.asarray(grid["zero"])
+    d = np.asarray(shard, dtype=np.float64)
+    layers = layers_per_stage(model, grid["pp"], grid["v"])
+    n_adapt = layers * adapter_params_per_layer(model, work.lora_rank, tp)
+    linears = layers * (layer_params_per_rank(model, tp) - 2 * model.hidden_size)
+    base_linear_bytes = QLORA_BYTES_PER_PARAM if work.qlora else w
+    frozen = (stage_p - linears) * w + linears * base_linear_bytes
+    return {
+        "params": frozen + w * n_adapt / np.where(z >= 3, d, 1.0),
+        "grads": g * n_adapt / np.where(z >= 2, d, 1.0),
+        "optimizer": o * n_adapt / np.where(z >= 1, d, 1.0),
+    }

@@ -53,6 +53,10 @@ class Workload:
     # benchmarks run); EP all-to-alls hidden behind compute (DeepEP / 1F1B A2A overlap).
     expert_imbalance: float = 1.0
     ep_comm_overlap: bool = False
+    # Fine-tuning (llmopt.plan.memory.lora_model_states): LoRA adapters of this rank on every
+    # block linear train; the frozen base is bf16, or packed INT4 with qlora.
+    lora_rank: int = 0
+    qlora: bool = False
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "global_batch"):
@@ -73,6 +77,14 @@ class Workload:
             raise ValueError(f"expert_imbalance={imb!r} must be >= 1 (busiest over mean load)")
         if self.optimizer != "adam":
             raise ValueError(f"optimizer={self.optimizer!r} is not supported; use adam")
+        if (
+            isinstance(self.lora_rank, bool)
+            or not isinstance(self.lora_rank, int)
+            or (self.lora_rank < 0)
+        ):
+            raise ValueError(f"lora_rank={self.lora_rank!r} must be a non-negative integer")
+        if self.qlora and not self.lora_rank:
+            raise ValueError("qlora=True needs lora_rank > 0 (adapters on the INT4 base)")
         if self.state_bytes not in STATE_BYTES:
             raise ValueError(
                 f"state_bytes={self.state_bytes!r}; choose from {', '.join(STATE_BYTES)}"

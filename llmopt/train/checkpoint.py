@@ -9,7 +9,12 @@ Layout of `<out>/checkpoints/`::
                                      cuts them up for the new one
     step_000040/hf/                  (optional) consolidated weights, an HF directory that
                                      `--init-from` loads into any model/layout
+    step_000040/adapter/             (LoRA) the adapters in PEFT's layout
     latest                           the name of the newest complete checkpoint
+
+`save_format` keeps only what is needed: `resume` (rank shards: resume in the same layout),
+`hf` (hf/ only: not resumable), `both` (rank shards + hf/), `all` (also full/, for resuming in
+another TP/DP/ZeRO layout). Sizes per format are in docs/benchmarks/finetune.md.
 
 Atomicity: every rank writes into `step_N.partial/` (each file itself via temp + rename);
 after a barrier rank 0 writes the manifest, renames the directory to `step_N` and then
@@ -69,8 +74,10 @@ def save_checkpoint(
     keep: int = 2,
     consolidated: Callable[[Path], None] | None = None,
     fault: Callable[[str], None] | None = None,
+    save_format: str = "all",
 ) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint directory."""
+    shards, full, hf = checkpoint_parts(save_format)
     root = Path(root)
     final = _step_dir(root, step)
     partial = final.with_name(final.name + ".partial")
@@ -79,6 +86,55 @@ def save_checkpoint(
         partial.mkdir(parents=True)
     grid.world.barrier()
 
+    if shards:
+        _save_shard(partial, engine, optimizer, grid)
+    if fault is not None:
+        fault("save")
+    if full and grid.dims.pp == 1:
+        _save_full(partial / "full", engine, optimizer, grid)
+    if hf and consolidated is not None:
+        consolidated(partial / "hf")  # collective gather, rank 0 writes
+    grid.world.barrier()
+
+    if grid.rank == 0:
+        manifest = {
+            "step": step,
+            "layout": engine.layout(),
+            "world_size": grid.dims.world_size,
+            "files": [f"rank{r:05d}.safetensors" for r in range(grid.dims.world_size)]
+            if shards
+            else [],
+            "save_format": save_format,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            **extra,
+        }
+        atomic_write_text(partial / "manifest.json", json.dumps(manifest, indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        atomic_write_text(root / LATEST, final.name)
+        complete = sorted(p for p in root.glob("step_*") if not p.name.endswith(".partial"))
+        for old in complete[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    grid.world.barrier()
+    return final
+
+
+def checkpoint_parts(save_format: str) -> tuple[bool, bool, bool]:
+    """(rank shards, full/, hf/) that a save format writes."""
+    parts = {
+        "resume": (True, False, False),
+        "hf": (False, False, True),
+        "both": (True, False, True),
+        "all": (True, True, True),
+    }
+    if save_format not in parts:
+        raise ValueError(f"save_format={save_format!r} is not valid; choose one of {list(parts)}")
+    return parts[save_format]
+
+
+def _save_shard(partial: Path, engine: Engine, optimizer: AdamW, grid: RankGrid) -> None:
+    """This rank's masters, optimizer state and RNG."""
     tensors: dict[str, torch.Tensor] = {}
     for name, master in engine.state_dict().items():
         tensors[f"master/{name}"] = master.cpu().contiguous()
@@ -93,33 +149,6 @@ def save_checkpoint(
     meta = {"param_groups": json.dumps(state["param_groups"]), "rank": str(grid.rank)}
     name = f"rank{grid.rank:05d}.safetensors"
     atomic_write(partial / name, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
-    if fault is not None:
-        fault("save")
-    if grid.dims.pp == 1:
-        _save_full(partial / "full", engine, optimizer, grid)
-    if consolidated is not None:
-        consolidated(partial / "hf")  # collective gather, rank 0 writes
-    grid.world.barrier()
-
-    if grid.rank == 0:
-        manifest = {
-            "step": step,
-            "layout": engine.layout(),
-            "world_size": grid.dims.world_size,
-            "files": [f"rank{r:05d}.safetensors" for r in range(grid.dims.world_size)],
-            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            **extra,
-        }
-        atomic_write_text(partial / "manifest.json", json.dumps(manifest, indent=1))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(partial, final)
-        atomic_write_text(root / LATEST, final.name)
-        complete = sorted(p for p in root.glob("step_*") if not p.name.endswith(".partial"))
-        for old in complete[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    grid.world.barrier()
-    return final
 
 
 def _save_full(directory: Path, engine: Engine, optimizer: AdamW, grid: RankGrid) -> None:
@@ -191,6 +220,11 @@ def load_checkpoint(
     (pp=1) is cut from the checkpoint's full state."""
     path = Path(path)
     manifest = json.loads((path / "manifest.json").read_text())
+    if not checkpoint_parts(manifest.get("save_format", "all"))[0]:
+        raise ValueError(
+            f"checkpoint {path} was saved with save_format={manifest['save_format']} and holds "
+            f"no resumable state; start from its weights with --init-from {path / 'hf'}"
+        )
     saved, here = manifest["layout"], engine.layout()
     if saved != here:
         diff = {k: (saved.get(k), here[k]) for k in here if saved.get(k) != here[k]}

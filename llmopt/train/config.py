@@ -53,8 +53,13 @@ class TrainConfig:
     num_heads: int | None = None
     num_kv_heads: int | None = None
     # data
-    tokenizer: str = "smollm2-135m"
+    tokenizer: str | None = None  # None: the model's own (init_from, else the preset's)
     corpus: str = "corpus:web-bible"  # corpus:NAME, a text file, or random (synthetic tokens)
+    data: str | None = None  # fine-tuning data (replaces corpus): FILE.jsonl|.json|.txt|DIR|hf:NAME
+    format: str = "auto"  # text | prompt_completion | messages | auto (from each record's keys)
+    packing: bool = False  # concatenate examples into rows (no cross-document attention mask)
+    eval_fraction: float = 0.1  # held-out share of --data examples
+    eval_every: int = 0  # eval loss every N steps (0: before the first and after the last step)
     max_chars: int | None = None
     seq_len: int = 128
     global_batch: int = 8  # sequences per optimizer step, all DP ranks together
@@ -86,7 +91,15 @@ class TrainConfig:
     precision: str = "fp32"
     fp8_recipe: str = "current"
     reduce_dtype: str = "fp32"
+    # fine-tuning: LoRA / QLoRA adapters (llmopt.train.lora)
+    lora_rank: int = 0  # 0: train every weight
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_targets: str = "all"  # all | attention | feed_forward | comma-separated linear names
+    qlora: bool = False  # frozen base linears in INT4 (RTN, group 64)
     # bookkeeping
+    save_format: str = "all"  # resume (rank shards) | hf | both (shards + hf) | all (+ full/)
+    report_to: str = ""  # comma-separated: tensorboard, wandb, mlflow
     out_dir: str = "runs/train"
     log_every: int = 1
     save_every: int = 0  # 0: only at the end
@@ -161,6 +174,9 @@ class TrainConfig:
             raise TrainConfigError("log_every and keep_checkpoints must be >= 1, save_every >= 0")
         if self.timeout_s <= 0:
             raise TrainConfigError(f"timeout_s={self.timeout_s} must be positive")
+        from llmopt.train.finetune_config import validate_finetune
+
+        validate_finetune(self, TrainConfigError)
 
     # ---- derived ----
     def micro_steps(self, dp: int) -> int:

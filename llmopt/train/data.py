@@ -82,6 +82,10 @@ class TokenData:
         epochs, positions = flat // self.num_sequences, flat % self.num_sequences
         return torch.stack([self._order(int(e))[int(p)] for e, p in zip(epochs, positions)])
 
+    def supervised(self, step: int, global_batch: int) -> int:
+        """Supervised tokens of the global batch of `step`: all of them (raw text)."""
+        return global_batch * self.inputs.shape[1]
+
     def batch(
         self, step: int, global_batch: int, dp_rank: int, dp: int
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,9 +3,12 @@ logging, checkpoints and clean failure. The Engine (`llmopt.parallel.engine`) is
 to: one code path for every layout, pp=1 included.
 
 `train(config)` runs on every rank of a torchrun job (or alone). Rank 0 shows a rich progress
-bar and writes the JSON-lines log; every step record carries loss (mean over all tokens of the
-global batch), gradient norm, learning rate, tokens/s, MFU, memory and the counted
-communication of that step per group and op.
+bar, writes the JSON-lines log and feeds `--report-to` backends (`llmopt.train.reporting`);
+every step record carries loss (mean over the supervised tokens of the global batch), gradient
+norm, learning rate, tokens/s, MFU, memory and the counted communication of that step per
+group and op. With `--data` (chat / prompt-completion / text records, `llmopt.data.sft`) the
+held-out loss is measured before the first step, every `eval_every` steps and after the last;
+with `--lora-rank` only adapters train (`llmopt.train.lora`, `--qlora`: on an INT4 base).
 
 MFU is `llmopt.plan.flops.mfu` of `model_flops_per_token` (the planner's convention: model
 FLOPs with full s² attention and the output layer, no recompute), against a stated or
@@ -14,6 +17,7 @@ measured per-device peak. Logs before this change used 6N + 12·L·h·s (N count
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -27,18 +31,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from llmopt.artifacts import atomic_save_figure
 from llmopt.models.config import ModelConfig
 from llmopt.models.llama import Transformer, build_model
 from llmopt.models.presets import get_preset
 from llmopt.parallel.comm import CommCounter
-from llmopt.parallel.engine import Engine, parallelize
+from llmopt.parallel.engine import DTYPES, Engine, parallelize
 from llmopt.parallel.grid import ParallelDims, RankGrid, init_distributed
 from llmopt.parallel.optim import AdamW
 from llmopt.plan.flops import mfu, model_flops_per_token
 from llmopt.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from llmopt.train.config import TrainConfig, TrainConfigError
-from llmopt.train.data import TokenData
+from llmopt.train.evaluate import eval_loss
+from llmopt.train.export import hf_exporter
+from llmopt.train.finetune_config import report_targets
+from llmopt.train.finetune_data import build_data, own_tokenizer
+from llmopt.train.reporting import Progress, Reporter, plot_losses
 
 FAULT_ENV = "LLMOPT_FAULT"  # "kind:rank:step", kind in raise|kill|kill-in-save (tests)
 
@@ -51,6 +58,7 @@ class TrainResult:
     checkpoint: str | None = None
     comm_per_step: dict = field(default_factory=dict)
     log_file: str | None = None
+    eval_losses: dict[int, float] = field(default_factory=dict)  # step -> held-out loss
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -84,6 +92,15 @@ def build_initial_model(cfg: TrainConfig, device: torch.device) -> Transformer:
             )
         return model.train()
     return build_model(model_config(cfg), seed=cfg.seed, device=device).train()
+
+
+def lora_settings(cfg: TrainConfig):
+    """The run's LoRA settings, or None without adapters."""
+    if not cfg.lora_rank:
+        return None
+    from llmopt.train.lora import LoraSettings
+
+    return LoraSettings(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
 
 
 def _fault(point: str, step: int, rank: int) -> None:
@@ -152,9 +169,13 @@ def _train(cfg: TrainConfig, grid: RankGrid, device: torch.device) -> TrainResul
     model = build_initial_model(cfg, device)
     mcfg = model.config
     dims.validate_model(mcfg, cfg.seq_len, cfg.sequence_parallel)
-    data = TokenData.from_config(
-        cfg.corpus, cfg.tokenizer, cfg.max_chars, cfg.seq_len, cfg.seed, mcfg.vocab_size
-    )
+    data = build_data(cfg, mcfg.vocab_size)
+    lora = lora_settings(cfg)
+    if lora is not None:
+        from llmopt.train.lora import apply_lora
+
+        apply_lora(model, lora, DTYPES[plan.precision], 4 if cfg.qlora else None)
+    trainable = sum(p.numel() for p in model.parameters())  # after LoRA froze the base
     engine = parallelize(model, grid, plan)
     optimizer = AdamW(
         engine.master_params(),
@@ -180,6 +201,7 @@ def _train(cfg: TrainConfig, grid: RankGrid, device: torch.device) -> TrainResul
 
     peak = cfg.peak_tflops or _measured_peak_tflops(device, engine.param_dtype)
     log = None
+    reporter = None
     if rank0:
         out.mkdir(parents=True, exist_ok=True)
         result.log_file = str(out / "train_log.jsonl")
@@ -197,14 +219,33 @@ def _train(cfg: TrainConfig, grid: RankGrid, device: torch.device) -> TrainResul
             "peak_tflops_per_device": peak,
             "peak_source": "stated" if cfg.peak_tflops else "measured dense matmul",
             "device": str(device),
+            "trainable_parameters": trainable,
+            "data": dataclasses.asdict(data.stats) if hasattr(data, "stats") else None,
         }
         log.write(json.dumps(header) + "\n")
         log.flush()
+        reporter = Reporter(report_targets(cfg.report_to), out, cfg.to_dict())
 
-    progress = _progress(cfg, rank0, start)
+    progress = Progress.make(cfg.steps, cfg.log_every, rank0 and cfg.progress, start)
     tokens_per_step = cfg.global_batch * cfg.seq_len
     flops_step = model_flops_per_token(mcfg, cfg.seq_len) * tokens_per_step
+    held_out = data.eval_shard(grid.dp.rank, dims.dp) if hasattr(data, "eval_shard") else None
+    evaluating = held_out is not None and data.eval_inputs.shape[0] > 0
+
+    def evaluate(step: int) -> None:
+        value = eval_loss(engine, *held_out, cfg.micro_batch)
+        result.eval_losses[step] = value
+        if log is not None:
+            log.write(json.dumps({"event": "eval", "step": step, "eval_loss": value}) + "\n")
+            log.flush()
+        if reporter is not None:
+            reporter.eval(step, value)
+        if progress is not None:
+            progress.log(f"step {step}: held-out loss {value:.4f}")
+
     try:
+        if evaluating and start < cfg.steps:
+            evaluate(start)
         for step in range(start, cfg.steps):
             lr = lr_at(step, cfg)
             for group in optimizer.param_groups:
@@ -214,7 +255,8 @@ def _train(cfg: TrainConfig, grid: RankGrid, device: torch.device) -> TrainResul
             inputs, targets = data.batch(step, cfg.global_batch, grid.dp.rank, dims.dp)
             inputs, targets = inputs.to(device), targets.to(device)
             _fault("step", step, grid.rank)
-            stepped = engine.step(inputs, targets, optimizer, cfg.clip)
+            supervised = data.supervised(step, cfg.global_batch)
+            stepped = engine.step(inputs, targets, optimizer, cfg.clip, num_tokens=supervised)
             loss_value, grad_norm = stepped.loss, stepped.grad_norm
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -230,6 +272,7 @@ def _train(cfg: TrainConfig, grid: RankGrid, device: torch.device) -> TrainResul
                 "tokens_per_s": tokens_per_step / dt,
                 "mfu": mfu(flops_step, dt, dims.world_size, peak * 1e12),
                 "memory_bytes": _memory_bytes(device),
+                "supervised_tokens": supervised,
                 "comm": comm,
             }
             result.losses.append(loss_value)
@@ -240,11 +283,18 @@ def _train(cfg: TrainConfig, grid: RankGrid, device: torch.device) -> TrainResul
                 log.flush()
             if progress is not None:
                 progress.update(step + 1, record)
+            if reporter is not None:
+                reporter.step(record)
+            last = step + 1 == cfg.steps
+            if evaluating and (last or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)):
+                evaluate(step + 1)
             if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
                 result.checkpoint = str(_save(cfg, ckpt_root, step + 1, engine, optimizer, grid))
     finally:
         if progress is not None:
             progress.close()
+        if reporter is not None:
+            reporter.close()
         if log is not None:
             log.write(json.dumps({"event": "end", "steps_done": len(result.losses)}) + "\n")
             log.close()
@@ -253,41 +303,13 @@ def _train(cfg: TrainConfig, grid: RankGrid, device: torch.device) -> TrainResul
     return result
 
 
-def plot_losses(log_file: Path, png: Path) -> None:
-    """Loss curve of every step in a JSON-lines log (resumed segments included), atomically."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps: dict[int, float] = {}
-    for line in log_file.read_text().splitlines():
-        record = json.loads(line)
-        if record.get("event") == "step":
-            steps[record["step"]] = record["loss"]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    xs = sorted(steps)
-    ax.plot(xs, [steps[x] for x in xs])
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
-    ax.set_title(log_file.parent.name)
-    fig.tight_layout()
-    atomic_save_figure(fig, png)
-    plt.close(fig)
-
-
 def _save(
     cfg: TrainConfig, root: Path, step: int, engine: Engine, optimizer: AdamW, grid: RankGrid
 ) -> Path:
-    def consolidated(directory: Path) -> None:
-        state = engine.full_state_dict()
-        if grid.rank == 0:
-            from llmopt.models.loading import save_pretrained
-
-            model = build_model(engine.model.config, seed=None)
-            model.load_state_dict(state, strict=False)
-            save_pretrained(model, directory)
-
+    tokenizer = own_tokenizer(cfg) if cfg.tokenizer is None else cfg.tokenizer
+    if cfg.corpus == "random" and cfg.data is None and cfg.tokenizer is None and not cfg.init_from:
+        tokenizer = None  # synthetic tokens: no tokenizer belongs to the run
+    consolidated = hf_exporter(engine, grid, tokenizer, lora_settings(cfg), cfg.init_from)
     with grid.counter.paused():
         return save_checkpoint(
             root,
@@ -299,41 +321,5 @@ def _save(
             keep=cfg.keep_checkpoints,
             consolidated=consolidated,
             fault=lambda point: _fault(point, step, grid.rank),
+            save_format=cfg.save_format,
         )
-
-
-class _progress:
-    """Rich progress bar plus a per-step line on rank 0 (None elsewhere)."""
-
-    def __new__(cls, cfg: TrainConfig, rank0: bool, start: int):
-        if not (rank0 and cfg.progress):
-            return None
-        return super().__new__(cls)
-
-    def __init__(self, cfg: TrainConfig, rank0: bool, start: int) -> None:
-        from rich.console import Console
-        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
-        self.cfg = cfg
-        self.bar = Progress(
-            TextColumn("train"),
-            BarColumn(),
-            TextColumn("{task.completed}/{task.total}"),
-            TextColumn("{task.fields[info]}"),
-            TimeRemainingColumn(),
-            console=Console(stderr=True),  # stdout stays clean for --json
-        )
-        self.task = self.bar.add_task("train", total=cfg.steps, completed=start, info="")
-        self.bar.start()
-
-    def update(self, step: int, record: dict) -> None:
-        info = (
-            f"loss {record['loss']:.4f} | gnorm {record['grad_norm']:.3f} | "
-            f"{record['tokens_per_s']:.0f} tok/s | MFU {100 * record['mfu']:.1f}%"
-        )
-        self.bar.update(self.task, completed=step, info=info)
-        if step % self.cfg.log_every == 0:
-            self.bar.console.log(f"step {step}: {info}")
-
-    def close(self) -> None:
-        self.bar.stop()

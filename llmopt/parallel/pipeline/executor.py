@@ -5,11 +5,13 @@ go out as one `batch_isend_irecv` on the PP group (through `llmopt.parallel.comm
 byte is counted). A RECV is waited for before the next compute; a SEND is only waited for at the
 end of the step — the execution model the simulator checked for deadlocks.
 
-Loss scaling: each micro-batch's loss is its token-loss *sum* divided by the token count of the
-whole batch (all micro-batches, and all DP replicas when the caller passes `num_tokens`), so the
-accumulated gradient is exactly the gradient of the global-batch mean — not of the last
-micro-batch, not m times too large (the bug class of torchtitan #1733 and NeMo's "only the
-last micro-batch trained").
+Loss scaling: each micro-batch's loss is its token-loss *sum* divided by the number of
+*supervised* tokens (labels != IGNORE_INDEX) of the whole batch (all micro-batches, and all DP
+replicas when the caller passes `num_tokens`), so the accumulated gradient is exactly the
+gradient of the global-batch mean over supervised tokens — not of the last micro-batch, not m
+times too large (the bug class of torchtitan #1733 and NeMo's "only the last micro-batch
+trained"), and not a mean of per-micro-batch means when masks leave them unequal counts. A
+custom `loss_fn` keeps this for free by returning a *sum* over its supervised tokens.
 """
 
 from __future__ import annotations
@@ -105,12 +107,14 @@ class PipelineExecutor:
         self,
         tokens: torch.Tensor | None,
         labels: torch.Tensor | None,
-        num_tokens: int | None = None,
+        num_tokens: float | None = None,
     ) -> StepResult:
         """Forward and backward of the batch [B, T] split into m micro-batches of B/m rows.
 
         `tokens` is needed on the first stage's rank, `labels` on the last stage's; other
         ranks may pass None (they only need the shape, given by whichever is present).
+        `num_tokens`: the divisor of every micro-batch's loss sum (default: this batch's
+        supervised-token count); a batch with none supervised gets zero loss and gradient.
         """
         m = self.schedule.num_microbatches
         ref = tokens if tokens is not None else labels
@@ -131,6 +135,8 @@ class PipelineExecutor:
             raise ValueError("the rank holding the last stage needs labels")
         if holds_last and num_tokens is None:
             num_tokens = int((labels != IGNORE_INDEX).sum())
+        if num_tokens == 0:
+            num_tokens = 1  # all masked: the sums are 0, so are the loss and the gradient
         shape = self.activation_shape(mb_size, seq_len)
 
         def rows(t: torch.Tensor, mb: int) -> torch.Tensor:
