@@ -9,11 +9,14 @@ This module imports nothing from llmopt, so any reader can use it without an imp
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import shutil
 import tempfile
+import types
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -76,11 +79,17 @@ def expected_name(kinds: str | tuple[str, ...]) -> str:
     return " or ".join(_NAMES[k] for k in kinds)
 
 
-def check_value(where: str, key: str, value: Any, kinds: str | tuple[str, ...]) -> None:
+def check_value(
+    where: str,
+    key: str,
+    value: Any,
+    kinds: str | tuple[str, ...],
+    error: type[ValueError] = ConfigFileError,
+) -> None:
     """Refuse `value` unless it is one of `kinds`, naming where, the key and the value."""
     kinds = (kinds,) if isinstance(kinds, str) else kinds
     if not any(_matches(value, k) for k in kinds):
-        raise ConfigFileError(
+        raise error(
             f"{where}: {key} = {_show(value)} must be {expected_name(kinds)}"
             f" (got {_type_name(value)})"
         )
@@ -93,21 +102,45 @@ def check_fields(
     *,
     required: tuple[str, ...] = (),
     unknown: str = "refuse",
+    error: type[ValueError] = ConfigFileError,
 ) -> None:
     """Check every key of `data` that `schema` knows; `unknown="refuse"` refuses the others."""
     for key in required:
         if key not in data:
-            raise ConfigFileError(f"{where}: missing required key {key!r}")
+            raise error(f"{where}: missing required key {key!r}")
     if unknown == "refuse":
         extra = sorted(set(data) - set(schema))
         if extra:
-            raise ConfigFileError(
+            raise error(
                 f"{where}: unknown key{'s' if len(extra) > 1 else ''} {', '.join(extra)}; "
                 f"valid keys: {', '.join(sorted(schema))}"
             )
     for key, kinds in schema.items():
         if key in data:
-            check_value(where, key, data[key], kinds)
+            check_value(where, key, data[key], kinds, error)
+
+
+_HINTS = {int: INT, float: FLOAT, str: STR, bool: BOOL, type(None): NONE, list: LIST, dict: TABLE}
+
+
+def dataclass_schema(cls: type) -> dict[str, tuple[str, ...]]:
+    """The schema of a dataclass's fields from its type hints (`int | None` -> INT or NONE;
+    `Literal[...]` -> STR: the dataclass checks the choice itself)."""
+    schema: dict[str, tuple[str, ...]] = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        parts = typing.get_args(hint) if _is_union(hint) else (hint,)
+        kinds = []
+        for part in parts:
+            origin = typing.get_origin(part) or part
+            kinds.append(STR if origin is typing.Literal else _HINTS.get(origin, TABLE))
+        schema[f.name] = tuple(dict.fromkeys(kinds))
+    return schema
+
+
+def _is_union(hint: Any) -> bool:
+    return typing.get_origin(hint) in (typing.Union, types.UnionType)
 
 
 def _show(value: Any) -> str:
@@ -227,3 +260,36 @@ def check_output(path: str | Path, flag: str, kind: str = "dir") -> None:
     free = shutil.disk_usage(target).free
     if free < MIN_FREE_BYTES:
         raise ConfigFileError(f"{flag} {path}: {target} has only {free} bytes free")
+
+
+# a training checkpoint's manifest.json (versioned by its writer: unknown keys are kept)
+CHECKPOINT_MANIFEST = {
+    "step": INT,
+    "layout": TABLE,
+    "world_size": INT,
+    "files": STR_LIST,
+    "time": STR,
+    "config": TABLE,
+}
+
+
+def read_manifest(directory: str | Path) -> dict[str, Any]:
+    """A checkpoint's manifest, typed; every file it lists must lie inside the checkpoint."""
+    directory = Path(directory)
+    path = directory / "manifest.json"
+    data = read_json(path, "checkpoint manifest")
+    check_fields(str(path), data, CHECKPOINT_MANIFEST, required=("step", "layout"), unknown="keep")
+    for i, name in enumerate(data.get("files", [])):
+        inside(directory, name, str(path), f"files[{i}]")
+    return data
+
+
+def read_pointer(root: str | Path, name: str) -> Path:
+    """The entry of `root` that the pointer file `root/name` names (e.g. a checkpoint's
+    `latest`), refused if the pointer is empty or leads outside `root`."""
+    root = Path(root)
+    pointer = root / name
+    target = read_text(pointer, "pointer file").strip()
+    if not target:
+        raise ConfigFileError(f"{pointer} is empty; it should name an entry of {root}")
+    return inside(root, target, str(pointer), "target")

@@ -36,6 +36,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from llmopt.artifacts import atomic_write, atomic_write_text
+from llmopt.config_files import read_manifest, read_pointer
 from llmopt.parallel.engine import Engine
 from llmopt.parallel.grid import RankGrid
 from llmopt.parallel.optim import AdamW
@@ -53,7 +54,7 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     pointer = root / LATEST
     if not pointer.is_file():
         return None
-    path = root / pointer.read_text().strip()
+    path = read_pointer(root, LATEST)
     if not (path / "manifest.json").is_file():
         raise FileNotFoundError(f"{pointer} names {path}, which has no manifest.json")
     return path
@@ -190,7 +191,7 @@ def load_checkpoint(
     The same layout restores each rank's own shard bit for bit; another TP/DP/ZeRO layout
     (pp=1) is cut from the checkpoint's full state."""
     path = Path(path)
-    manifest = json.loads((path / "manifest.json").read_text())
+    manifest = read_manifest(path)
     saved, here = manifest["layout"], engine.layout()
     if saved != here:
         diff = {k: (saved.get(k), here[k]) for k in here if saved.get(k) != here[k]}
