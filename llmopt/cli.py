@@ -29,6 +29,17 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# output flags checked (parent writable, a file where a file goes) before any work is done
+OUTPUTS: dict[str, tuple[tuple[str, str], ...]] = {
+    "quantize": (("out", "dir"),),
+    "prune": (("out", "dir"),),
+    "profile": (("out", "dir"),),
+    "report": (("out", "file"),),
+    "export": (("out", "format"),),  # a file for --format gguf, else a directory
+    "train": (("out_dir", "dir"),),
+    "bench": (("out", "file"), ("plot", "file")),
+    "plan": (("emit", "file"), ("plot", "file")),
+}
 EXIT_USAGE = 2  # bad input: one line on stderr naming the value, the file or the path
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), quietly
 EXIT_PIPE_CLOSED = 0  # the reader stopped early (`llmopt plan --json | head`): not a failure
@@ -76,9 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown command {argv[0]!r}; choose from {', '.join(COMMANDS)}")
     try:
         args = build_parser(argv[0]).parse_args(argv)
-        check = getattr(args, "check", None)
-        if check is not None:  # the command's argument checks, before any heavy work
-            check(args)
+        check_arguments(argv[0], args)
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print(file=sys.stderr)  # end the line the terminal echoed ^C on
@@ -92,6 +101,22 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"llmopt {argv[0]}: error: {message}", file=sys.stderr)
         return EXIT_USAGE
+
+
+def check_arguments(command: str, args: argparse.Namespace) -> None:
+    """The command's own argument checks and its outputs' writability, before any work."""
+    from llmopt.config_files import check_output
+
+    check = getattr(args, "check", None)
+    if check is not None:
+        check(args)
+    for dest, kind in OUTPUTS.get(command, ()):
+        value = getattr(args, dest, None)
+        if value is None:  # not given (train: the config file's out_dir is checked by train)
+            continue
+        if kind == "format":
+            kind = "file" if args.format == "gguf" else "dir"
+        check_output(value, "--" + dest.replace("_", "-"), kind)
 
 
 def error_message(exc: BaseException) -> str | None:
