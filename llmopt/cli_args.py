@@ -9,7 +9,9 @@ naming the flag, instead of the value being silently reinterpreted (`--threads 0
 from __future__ import annotations
 
 import argparse
+import codecs
 import math
+from pathlib import Path
 from typing import Any
 
 
@@ -68,3 +70,19 @@ def text(args: argparse.Namespace, dest: str, *, empty: bool = False) -> None:
         ) from None
     if not empty and not value.strip():
         raise ArgumentError(f"{flag(dest)} is empty; give a value or leave the flag out")
+
+
+def text_file(args: argparse.Namespace, dest: str, head_bytes: int = 1 << 16) -> None:
+    """`--dest` names a file whose first `head_bytes` are UTF-8 (the reader checks the rest)."""
+    path = Path(getattr(args, dest))
+    if not path.is_file():
+        raise ArgumentError(f"{flag(dest)}: text file not found: {path}")
+    with open(path, "rb") as handle:
+        head = handle.read(head_bytes)
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+    except UnicodeDecodeError as exc:
+        raise ArgumentError(
+            f"{flag(dest)} {path} is not UTF-8 text (byte {head[exc.start]:#04x} at offset "
+            f"{exc.start})"
+        ) from None

@@ -84,6 +84,8 @@ def check_args(args: argparse.Namespace) -> None:
     """What `eval` can refuse before loading: `--stride 0` is not "the default stride"."""
     check_model_args(args)
     cli_args.text(args, "text")
+    if not args.text.startswith("corpus:"):  # before the tokenizer and model load
+        cli_args.text_file(args, "text")
     cli_args.text(args, "ref")
     cli_args.integer(args, "ctx", 2)
     cli_args.integer(args, "stride", 1, args.ctx)

@@ -102,4 +102,7 @@ def load_cluster_toml(path: str | Path, nodes: int | None = None) -> Cluster:
     overrides.update(data)
     if nodes is not None:
         overrides["nodes"] = nodes
-    return customize(base, **overrides)
+    try:
+        return customize(base, **overrides)
+    except ValueError as exc:  # a value of the right type the profile refuses: name the file
+        raise ValueError(f"{p}: {exc}") from None
