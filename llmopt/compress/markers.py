@@ -55,8 +55,13 @@ def read_marker(
         meta = read_json(path, "marker", top="")
     except ConfigFileError as exc:
         raise error(str(exc)) from None
-    if not isinstance(meta, dict) or meta.get("format") != format_name:
-        raise error(f"{path} is not an {format_name} file")
+    if not isinstance(meta, dict):
+        raise error(f"{path} is not an {format_name} file: its top level is not an object")
+    if meta.get("format") != format_name:
+        raise error(
+            f"{path} is not an {format_name} file: format = {meta.get('format')!r}, "
+            f"expected {format_name!r}"
+        )
     if meta.get("version") != version or isinstance(meta.get("version"), bool):
         raise error(
             f"{path} has format version {meta.get('version')!r}; this llmopt reads "

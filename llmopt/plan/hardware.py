@@ -94,7 +94,10 @@ def load_cluster_toml(path: str | Path, nodes: int | None = None) -> Cluster:
     sections = {"gpu": GPUProfile, "intra_node": LinkProfile, "inter_node": LinkProfile}
     for section, cls in sections.items():
         check_fields(f"{p} [{section}]", data.get(section, {}), dataclass_schema(cls))
-    base = get_cluster(data.pop("base", "dgx-h100"))
+    try:
+        base = get_cluster(data.pop("base", "dgx-h100"))
+    except ValueError as exc:
+        raise ValueError(f"{p}: base: {exc}") from None
     overrides: dict[str, Any] = {}
     for section in ("gpu", "intra_node", "inter_node"):
         for k, v in dict(data.pop(section, {})).items():
