@@ -120,7 +120,16 @@ def check_fields(
             check_value(where, key, data[key], kinds, error)
 
 
-_HINTS = {int: INT, float: FLOAT, str: STR, bool: BOOL, type(None): NONE, list: LIST, tuple: LIST, dict: TABLE}
+_HINTS = {
+    int: INT,
+    float: FLOAT,
+    str: STR,
+    bool: BOOL,
+    type(None): NONE,
+    list: LIST,
+    tuple: LIST,
+    dict: TABLE,
+}
 
 
 def dataclass_schema(cls: type) -> dict[str, tuple[str, ...]]:
