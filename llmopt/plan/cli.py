@@ -122,6 +122,29 @@ def _estimate_flags(est: argparse.ArgumentParser) -> None:
     est.add_argument("--fp8-recipe", choices=FP8_RECIPES, default="current")
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Every flag of `plan`, `plan estimate` and `plan compare` checked before the search."""
+    from llmopt.plan.cli_inputs import build_plan, inputs
+    from llmopt.plan.objectives import parse_require
+    from llmopt.plan.rules import parse_constraints
+
+    _, work, cluster = inputs(args)
+    command = getattr(args, "plan_command", None)
+    if command == "estimate":
+        build_plan(args, work, cluster)
+    elif command is None:
+        for flag in ("top_k", "pick"):
+            if getattr(args, flag) <= 0:
+                raise ValueError(
+                    f"--{flag.replace('_', '-')}={getattr(args, flag)} must be positive"
+                )
+        for spec in (args.why_not, args.where):
+            if spec is not None:
+                parse_constraints(spec)
+        for expr in args.require:
+            parse_require(expr)
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     from llmopt.plan import cli_run
 
@@ -133,7 +156,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     _common(plan, sub=False)
     _plan_flags(plan)
-    plan.set_defaults(func=cli_run.run_plan)
+    plan.set_defaults(func=cli_run.run_plan, check=check_args)
     sub = plan.add_subparsers(dest="plan_command", metavar="{estimate,compare}")
     est = sub.add_parser("estimate", help="evaluate one fully specified mapping")
     _common(est, sub=True)
