@@ -138,11 +138,20 @@ def check_args(args: argparse.Namespace) -> None:
                 raise ValueError(
                     f"--{flag.replace('_', '-')}={getattr(args, flag)} must be positive"
                 )
-        for spec in (args.why_not, args.where):
-            if spec is not None:
-                parse_constraints(spec)
-        for expr in args.require:
-            parse_require(expr)
+        given = [
+            ("--why-not", args.why_not, parse_constraints),
+            ("--where", args.where, parse_constraints),
+        ]
+        given += [("--require", expr, parse_require) for expr in args.require]
+        for flag, spec, parse in given:
+            if spec is None:
+                continue
+            try:
+                parse(spec)
+            except ValueError as exc:  # name the flag unless the parser's message does
+                if flag in str(exc):
+                    raise
+                raise ValueError(f"{flag} {spec!r}: {exc}") from None
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
