@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 Build = Callable[[Path], list[str]]
@@ -24,7 +24,7 @@ class Case:
     names: tuple[str, ...] = ()  # what the error line must mention
     expect: int = 2  # exit status of a clean refusal
     needs_model: bool = False  # builds a tiny HF model directory (slower)
-    files: tuple[str, ...] = field(default=())  # inputs that must survive unchanged
+    local: bool = True  # touches only its scratch directory (the tests run only these)
 
 
 def write(path: Path, text: str | bytes) -> Path:
@@ -510,5 +510,6 @@ CASES: list[Case] = [
         "output paths",
         lambda t: ["profile", "--out", "/proc/llmopt-probe/out"],
         ("--out",),
+        local=False,
     ),
 ]

@@ -94,7 +94,8 @@ def _llmopt(*args: str) -> list[str]:
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    # the llmopt under test: $PYTHONPATH when set (e.g. another checkout), else this one
+    return {"PYTHONPATH": str(ROOT), **os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def probe_interrupt(timeout: float = 120.0) -> dict:
