@@ -139,6 +139,7 @@ def _one(flag: str, value: str, command: str = "generate") -> Build:
 
 
 _TRAIN_SMALL = "num_layers = 1\nhidden_size = 16\n"
+# fmt: off
 CASES: list[Case] = [
     # --- numeric flags whose falsy or non-finite value used to be reinterpreted ---
     Case("plan estimate --tp 0", "numeric flags", _one("--tp", "0", "estimate"), ("--tp",)),
@@ -147,369 +148,78 @@ CASES: list[Case] = [
     Case("generate --threads 0", "numeric flags", _one("--threads", "0"), ("--threads",)),
     Case("generate --top-p 0", "numeric flags", _one("--top-p", "0"), ("--top-p",)),
     Case("generate --temperature nan", "numeric flags", _one("--temperature", "nan"), ("--temp",)),
-    Case(
-        "generate --max-new-tokens -1", "numeric flags", _one("--max-new-tokens", "-1"), ("--max",)
-    ),
-    Case(
-        "generate --gamma 0",
-        "numeric flags",
-        lambda t: _gen("x", "--draft", "ngram", "--gamma", "0"),
-        ("--gamma",),
-    ),
+    Case("generate --max-new-tokens -1", "numeric flags", _one("--max-new-tokens", "-1"), ("--max",)),
+    Case("generate --gamma 0", "numeric flags", lambda t: _gen("x", "--draft", "ngram", "--gamma", "0"), ("--gamma",)),
     Case("eval ppl --stride 0", "numeric flags", _one("--stride", "0", "eval"), ("--stride",)),
     Case("eval ppl --ctx 0", "numeric flags", _one("--ctx", "0", "eval"), ("--ctx",)),
     Case("serve --port 70000", "numeric flags", _one("--port", "70000", "serve"), ("--port",)),
-    Case(
-        "serve --max-num-seqs 0",
-        "numeric flags",
-        _one("--max-num-seqs", "0", "serve"),
-        ("--max-num-seqs",),
-    ),
-    Case(
-        "serve --drain-timeout inf",
-        "numeric flags",
-        _one("--drain-timeout", "inf", "serve"),
-        ("--drain",),
-    ),
-    Case(
-        "profile --new-tokens 0",
-        "numeric flags",
-        _one("--new-tokens", "0", "profile"),
-        ("--new-tokens",),
-    ),
-    Case(
-        "plan --peak-tflops nan", "numeric flags", _one("--peak-tflops", "nan", "plan"), ("peak",)
-    ),
+    Case("serve --max-num-seqs 0", "numeric flags", _one("--max-num-seqs", "0", "serve"), ("--max-num-seqs",)),
+    Case("serve --drain-timeout inf", "numeric flags", _one("--drain-timeout", "inf", "serve"), ("--drain",)),
+    Case("profile --new-tokens 0", "numeric flags", _one("--new-tokens", "0", "profile"), ("--new-tokens",)),
+    Case("plan --peak-tflops nan", "numeric flags", _one("--peak-tflops", "nan", "plan"), ("peak",)),
     Case("plan --hbm-gib -80", "numeric flags", _one("--hbm-gib", "-80", "plan"), ("hbm",)),
-    Case(
-        "plan --global-batch 0",
-        "numeric flags",
-        _one("--global-batch", "0", "plan"),
-        ("global_batch",),
-    ),
+    Case("plan --global-batch 0", "numeric flags", _one("--global-batch", "0", "plan"), ("global_batch",)),
     Case("train --steps -1", "numeric flags", _one("--steps", "-1", "train"), ("steps",)),
     Case("train --lr nan", "numeric flags", _one("--lr", "nan", "train"), ("lr",)),
     # --- empty strings and abbreviations ---
     Case("generate --draft ''", "empty and abbreviated flags", _one("--draft", ""), ("--draft",)),
     Case("generate --model ''", "empty and abbreviated flags", _one("--model", ""), ("--model",)),
-    Case(
-        "plan --gpus 8 (abbreviation)",
-        "empty and abbreviated flags",
-        _one("--gpus", "8", "plan"),
-        ("8",),
-    ),
-    Case(
-        "train --zero 1 (old name)",
-        "empty and abbreviated flags",
-        _one("--zero", "1", "train"),
-        ("--zero-stage",),
-    ),
+    Case("plan --gpus 8 (abbreviation)", "empty and abbreviated flags", _one("--gpus", "8", "plan"), ("8",)),
+    Case("train --zero 1 (old name)", "empty and abbreviated flags", _one("--zero", "1", "train"), ("--zero-stage",)),
     # --- text that is not UTF-8 ---
-    Case(
-        "generate --prompt <0xff byte>",
-        "non-UTF-8 text",
-        lambda t: ["generate", "--prompt", "a\udcffb"],
-        ("--prompt",),
-    ),
-    Case(
-        "eval --text latin-1 file",
-        "non-UTF-8 text",
-        lambda t: ["eval", "ppl", "--text", str(write(t / "latin1.txt", b"caf\xe9 " * 50))],
-        ("latin1.txt",),
-    ),
-    Case(
-        "cluster TOML in UTF-16",
-        "non-UTF-8 text",
-        lambda t: _cluster(t, "nodes = 2\n".encode("utf-16")),
-        ("cluster.toml",),
-    ),
+    Case("generate --prompt <0xff byte>", "non-UTF-8 text", lambda t: ["generate", "--prompt", "a\udcffb"], ("--prompt",)),
+    Case("eval --text latin-1 file", "non-UTF-8 text", lambda t: ["eval", "ppl", "--text", str(write(t / "latin1.txt", b"caf\xe9 " * 50))], ("latin1.txt",)),
+    Case("cluster TOML in UTF-16", "non-UTF-8 text", lambda t: _cluster(t, "nodes = 2\n".encode("utf-16")), ("cluster.toml",)),
     # --- cluster TOML ---
-    Case(
-        'cluster nodes = "eight"',
-        "cluster TOML",
-        lambda t: _cluster(t, 'nodes = "eight"\n'),
-        ("cluster.toml", "nodes"),
-    ),
-    Case(
-        "cluster nodes = true",
-        "cluster TOML",
-        lambda t: _cluster(t, "nodes = true\n"),
-        ("cluster.toml", "nodes"),
-    ),
-    Case(
-        "cluster nodes = 0",
-        "cluster TOML",
-        lambda t: _cluster(t, "nodes = 0\n"),
-        ("cluster.toml", "nodes"),
-    ),
-    Case(
-        'cluster [gpu] hbm_gib = "80"',
-        "cluster TOML",
-        lambda t: _cluster(t, '[gpu]\nhbm_gib = "80"\n'),
-        ("cluster.toml", "hbm_gib"),
-    ),
-    Case(
-        "cluster [gpu] hbm_gib = nan",
-        "cluster TOML",
-        lambda t: _cluster(t, "[gpu]\nhbm_gib = nan\n"),
-        ("cluster.toml", "hbm_gib"),
-    ),
-    Case(
-        "cluster unknown key",
-        "cluster TOML",
-        lambda t: _cluster(t, "nodez = 2\n"),
-        ("cluster.toml", "nodez"),
-    ),
-    Case(
-        "cluster gpu = 3 (not a table)",
-        "cluster TOML",
-        lambda t: _cluster(t, "gpu = 3\n"),
-        ("cluster.toml", "gpu"),
-    ),
-    Case(
-        "cluster invalid TOML",
-        "cluster TOML",
-        lambda t: _cluster(t, "nodes = = 2\n"),
-        ("cluster.toml",),
-    ),
-    Case(
-        "cluster file missing",
-        "cluster TOML",
-        lambda t: ["plan", "--cluster", str(t / "none.toml")],
-        ("none.toml",),
-    ),
+    Case('cluster nodes = "eight"', "cluster TOML", lambda t: _cluster(t, 'nodes = "eight"\n'), ("cluster.toml", "nodes")),
+    Case("cluster nodes = true", "cluster TOML", lambda t: _cluster(t, "nodes = true\n"), ("cluster.toml", "nodes")),
+    Case("cluster nodes = 0", "cluster TOML", lambda t: _cluster(t, "nodes = 0\n"), ("cluster.toml", "nodes")),
+    Case('cluster [gpu] hbm_gib = "80"', "cluster TOML", lambda t: _cluster(t, '[gpu]\nhbm_gib = "80"\n'), ("cluster.toml", "hbm_gib")),
+    Case("cluster [gpu] hbm_gib = nan", "cluster TOML", lambda t: _cluster(t, "[gpu]\nhbm_gib = nan\n"), ("cluster.toml", "hbm_gib")),
+    Case("cluster unknown key", "cluster TOML", lambda t: _cluster(t, "nodez = 2\n"), ("cluster.toml", "nodez")),
+    Case("cluster gpu = 3 (not a table)", "cluster TOML", lambda t: _cluster(t, "gpu = 3\n"), ("cluster.toml", "gpu")),
+    Case("cluster invalid TOML", "cluster TOML", lambda t: _cluster(t, "nodes = = 2\n"), ("cluster.toml",)),
+    Case("cluster file missing", "cluster TOML", lambda t: ["plan", "--cluster", str(t / "none.toml")], ("none.toml",)),
     # --- training config TOML ---
-    Case(
-        'train steps = "5"',
-        "training config",
-        lambda t: _train(t, 'steps = "5"\n'),
-        ("run.toml", "steps"),
-    ),
-    Case(
-        "train zero_stage = true",
-        "training config",
-        lambda t: _train(t, "zero_stage = true\n"),
-        ("run.toml", "zero_stage"),
-    ),
-    Case(
-        "train zero = true (old key)",
-        "training config",
-        lambda t: _train(t, "zero = true\n"),
-        ("run.toml", "zero_stage"),
-    ),
-    Case(
-        "train lr = inf", "training config", lambda t: _train(t, "lr = inf\n"), ("run.toml", "lr")
-    ),
-    Case(
-        "train [parallel] tp = 1.5",
-        "training config",
-        lambda t: _train(t, "[parallel]\ntp = 1.5\n"),
-        ("run.toml", "tp"),
-    ),
-    Case(
-        "train unknown key",
-        "training config",
-        lambda t: _train(t, _TRAIN_SMALL + "stepz = 3\n"),
-        ("run.toml", "stepz"),
-    ),
-    Case(
-        "train JSON config with NaN",
-        "training config",
-        lambda t: ["train", "--config", str(write(t / "run.json", '{"lr": NaN}'))],
-        ("run.json",),
-    ),
+    Case('train steps = "5"', "training config", lambda t: _train(t, 'steps = "5"\n'), ("run.toml", "steps")),
+    Case("train zero_stage = true", "training config", lambda t: _train(t, "zero_stage = true\n"), ("run.toml", "zero_stage")),
+    Case("train zero = true (old key)", "training config", lambda t: _train(t, "zero = true\n"), ("run.toml", "zero_stage")),
+    Case("train lr = inf", "training config", lambda t: _train(t, "lr = inf\n"), ("run.toml", "lr")),
+    Case("train [parallel] tp = 1.5", "training config", lambda t: _train(t, "[parallel]\ntp = 1.5\n"), ("run.toml", "tp")),
+    Case("train unknown key", "training config", lambda t: _train(t, _TRAIN_SMALL + "stepz = 3\n"), ("run.toml", "stepz")),
+    Case("train JSON config with NaN", "training config", lambda t: ["train", "--config", str(write(t / "run.json", '{"lr": NaN}'))], ("run.json",)),
     # --- HF config.json ---
-    Case(
-        "config.json lacks num_attention_heads",
-        "HF config.json",
-        lambda t: _hf_config(t, num_attention_heads=...),
-        ("config.json", "num_attention_heads"),
-    ),
-    Case(
-        'config.json hidden_size = "64"',
-        "HF config.json",
-        lambda t: _hf_config(t, hidden_size="64"),
-        ("config.json", "hidden_size"),
-    ),
-    Case(
-        "config.json num_hidden_layers = true",
-        "HF config.json",
-        lambda t: _hf_config(t, num_hidden_layers=True),
-        ("config.json", "num_hidden_layers"),
-    ),
-    Case(
-        'config.json rms_norm_eps = "1e-5"',
-        "HF config.json",
-        lambda t: _hf_config(t, rms_norm_eps="1e-5"),
-        ("config.json", "rms_norm_eps"),
-    ),
-    Case(
-        "config.json is a list",
-        "HF config.json",
-        lambda t: ["plan", "--model", str(write(t / "c" / "config.json", "[1, 2]"))],
-        ("config.json",),
-    ),
-    Case(
-        "config.json truncated",
-        "HF config.json",
-        lambda t: ["plan", "--model", str(write(t / "c" / "config.json", '{"vocab_size": 12'))],
-        ("config.json",),
-    ),
-    Case(
-        "config.json hidden_act = gelu (changes the math)",
-        "HF config.json",
-        lambda t: _hf_config(t, hidden_act="gelu"),
-        ("hidden_act",),
-    ),
+    Case("config.json lacks num_attention_heads", "HF config.json", lambda t: _hf_config(t, num_attention_heads=...), ("config.json", "num_attention_heads")),
+    Case('config.json hidden_size = "64"', "HF config.json", lambda t: _hf_config(t, hidden_size="64"), ("config.json", "hidden_size")),
+    Case("config.json num_hidden_layers = true", "HF config.json", lambda t: _hf_config(t, num_hidden_layers=True), ("config.json", "num_hidden_layers")),
+    Case('config.json rms_norm_eps = "1e-5"', "HF config.json", lambda t: _hf_config(t, rms_norm_eps="1e-5"), ("config.json", "rms_norm_eps")),
+    Case("config.json is a list", "HF config.json", lambda t: ["plan", "--model", str(write(t / "c" / "config.json", "[1, 2]"))], ("config.json",)),
+    Case("config.json truncated", "HF config.json", lambda t: ["plan", "--model", str(write(t / "c" / "config.json", '{"vocab_size": 12'))], ("config.json",)),
+    Case("config.json hidden_act = gelu (changes the math)", "HF config.json", lambda t: _hf_config(t, hidden_act="gelu"), ("hidden_act",)),
     # --- model directories: tokenizer config, shards, index, template ---
-    Case(
-        'tokenizer_config add_bos_token = "yes"',
-        "model directory",
-        lambda t: _model_dir(
-            t, lambda d: _edit_json(d / "tokenizer_config.json", add_bos_token="yes")
-        ),
-        ("tokenizer_config.json", "add_bos_token"),
-        needs_model=True,
-    ),
-    Case(
-        "tokenizer_config not JSON",
-        "model directory",
-        lambda t: _model_dir(t, lambda d: write(d / "tokenizer_config.json", "{oops")),
-        ("tokenizer_config.json",),
-        needs_model=True,
-    ),
-    Case(
-        "truncated safetensors shard",
-        "model directory",
-        lambda t: _model_dir(t, _truncate),
-        ("model.safetensors",),
-        needs_model=True,
-    ),
-    Case(
-        "index points outside the directory",
-        "model directory",
-        lambda t: _model_dir(t, _index_outside),
-        ("index.json", "outside"),
-        needs_model=True,
-    ),
-    Case(
-        'generation_config eos_token_id = "2"',
-        "model directory",
-        lambda t: _model_dir(
-            t, lambda d: write(d / "generation_config.json", '{"eos_token_id": "2"}')
-        ),
-        ("generation_config.json", "eos_token_id"),
-        needs_model=True,
-    ),
-    Case(
-        "chat template does not compile",
-        "model directory",
-        lambda t: _model_dir(
-            t,
-            lambda d: _edit_json(d / "tokenizer_config.json", chat_template="{% for %}"),
-            "--chat",
-        ),
-        ("chat template",),
-        needs_model=True,
-    ),
-    Case(
-        "chat template raises",
-        "model directory",
-        lambda t: _model_dir(
-            t,
-            lambda d: _edit_json(
-                d / "tokenizer_config.json", chat_template="{{ raise_exception('no system role') }}"
-            ),
-            "--chat",
-        ),
-        ("chat template", "no system role"),
-        needs_model=True,
-    ),
-    Case(
-        "index weight_map entry = 5",
-        "model directory",
-        lambda t: _model_dir(
-            t, lambda d: write(d / "model.safetensors.index.json", '{"weight_map": {"a": 5}}')
-        ),
-        ("index.json", "weight_map"),
-        needs_model=True,
-    ),
-    Case(
-        "export --out is the input directory",
-        "model directory",
-        lambda t: _export(str(tiny_hf(t)), t)[:-1] + [str(t / "tiny")],
-        ("--out",),
-        needs_model=True,
-    ),
+    Case('tokenizer_config add_bos_token = "yes"', "model directory", lambda t: _model_dir(t, lambda d: _edit_json(d / "tokenizer_config.json", add_bos_token="yes")), ("tokenizer_config.json", "add_bos_token"), needs_model=True),
+    Case("tokenizer_config not JSON", "model directory", lambda t: _model_dir(t, lambda d: write(d / "tokenizer_config.json", "{oops")), ("tokenizer_config.json",), needs_model=True),
+    Case("truncated safetensors shard", "model directory", lambda t: _model_dir(t, _truncate), ("model.safetensors",), needs_model=True),
+    Case("index points outside the directory", "model directory", lambda t: _model_dir(t, _index_outside), ("index.json", "outside"), needs_model=True),
+    Case('generation_config eos_token_id = "2"', "model directory", lambda t: _model_dir(t, lambda d: write(d / "generation_config.json", '{"eos_token_id": "2"}')), ("generation_config.json", "eos_token_id"), needs_model=True),
+    Case("chat template does not compile", "model directory", lambda t: _model_dir(t, lambda d: _edit_json(d / "tokenizer_config.json", chat_template="{% for %}"), "--chat",), ("chat template",), needs_model=True),
+    Case("chat template raises", "model directory", lambda t: _model_dir(t, lambda d: _edit_json(d / "tokenizer_config.json", chat_template="{{ raise_exception('no system role') }}"), "--chat",), ("chat template", "no system role"), needs_model=True),
+    Case("index weight_map entry = 5", "model directory", lambda t: _model_dir(t, lambda d: write(d / "model.safetensors.index.json", '{"weight_map": {"a": 5}}')), ("index.json", "weight_map"), needs_model=True),
+    Case("export --out is the input directory", "model directory", lambda t: _export(str(tiny_hf(t)), t)[:-1] + [str(t / "tiny")], ("--out",), needs_model=True),
     # --- GGUF ---
     Case("GGUF with a bad magic", "GGUF", lambda t: _gguf(t, b"GGUX"), ("bad.gguf", "magic")),
-    Case(
-        "GGUF truncated after the magic",
-        "GGUF",
-        lambda t: _gguf(t, b"GGUF" + struct.pack("<I", 3)),
-        ("bad.gguf",),
-    ),
+    Case("GGUF truncated after the magic", "GGUF", lambda t: _gguf(t, b"GGUF" + struct.pack("<I", 3)), ("bad.gguf",)),
     # --- compression markers ---
-    Case(
-        'quant marker version = "1"',
-        "compression marker",
-        lambda t: _marker(t, version="1"),
-        ("llmopt_quant.json", "version"),
-    ),
-    Case(
-        "quant marker modules = []",
-        "compression marker",
-        lambda t: _marker(t, modules=[]),
-        ("llmopt_quant.json", "modules"),
-    ),
-    Case(
-        "quant marker weights_sha256 = 5",
-        "compression marker",
-        lambda t: _marker(t, weights_sha256=5),
-        ("llmopt_quant.json", "weights_sha256"),
-    ),
-    Case(
-        "quant marker not JSON",
-        "compression marker",
-        lambda t: _export(str(write(t / "q" / "llmopt_quant.json", "{").parent), t),
-        ("llmopt_quant.json",),
-    ),
+    Case('quant marker version = "1"', "compression marker", lambda t: _marker(t, version="1"), ("llmopt_quant.json", "version")),
+    Case("quant marker modules = []", "compression marker", lambda t: _marker(t, modules=[]), ("llmopt_quant.json", "modules")),
+    Case("quant marker weights_sha256 = 5", "compression marker", lambda t: _marker(t, weights_sha256=5), ("llmopt_quant.json", "weights_sha256")),
+    Case("quant marker not JSON", "compression marker", lambda t: _export(str(write(t / "q" / "llmopt_quant.json", "{").parent), t), ("llmopt_quant.json",)),
     # --- output paths, refused before any work ---
-    Case(
-        "quantize --out under a file",
-        "output paths",
-        lambda t: ["quantize", "--out", str(write(t / "f", "x") / "out")],
-        ("--out", "is a file"),
-    ),
-    Case(
-        "quantize --out is a file",
-        "output paths",
-        lambda t: ["quantize", "--out", str(write(t / "f", "x"))],
-        ("--out", "is a file"),
-    ),
-    Case(
-        "export gguf --out is a directory",
-        "output paths",
-        lambda t: ["export", "--model", "x", "--format", "gguf", "--out", str(t)],
-        ("--out", "directory"),
-    ),
-    Case(
-        "report --out under a file",
-        "output paths",
-        lambda t: ["report", str(t), "--out", str(write(t / "f", "x") / "r.html")],
-        ("--out",),
-    ),
-    Case(
-        "plan --emit under a file",
-        "output paths",
-        lambda t: ["plan", "--emit", str(write(t / "f", "x") / "run.toml")],
-        ("--emit",),
-    ),
-    Case(
-        "profile --out in an unwritable place",
-        "output paths",
-        lambda t: ["profile", "--out", "/proc/llmopt-probe/out"],
-        ("--out",),
-        local=False,
-    ),
+    Case("quantize --out under a file", "output paths", lambda t: ["quantize", "--out", str(write(t / "f", "x") / "out")], ("--out", "is a file")),
+    Case("quantize --out is a file", "output paths", lambda t: ["quantize", "--out", str(write(t / "f", "x"))], ("--out", "is a file")),
+    Case("export gguf --out is a directory", "output paths", lambda t: ["export", "--model", "x", "--format", "gguf", "--out", str(t)], ("--out", "directory")),
+    Case("report --out under a file", "output paths", lambda t: ["report", str(t), "--out", str(write(t / "f", "x") / "r.html")], ("--out",)),
+    Case("plan --emit under a file", "output paths", lambda t: ["plan", "--emit", str(write(t / "f", "x") / "run.toml")], ("--emit",)),
+    Case("profile --out in an unwritable place", "output paths", lambda t: ["profile", "--out", "/proc/llmopt-probe/out"], ("--out",), local=False),
 ]
+# fmt: on
