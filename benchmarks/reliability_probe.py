@@ -144,11 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="runs/reliability_probe.json", help="JSON results")
     parser.add_argument("--no-models", action="store_true", help="skip cases that build a model")
     parser.add_argument("--no-subprocess", action="store_true", help="skip Ctrl-C and pipe runs")
+    parser.add_argument("--skip-kind", action="append", default=[], help="skip a class (repeat)")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     results = []
     for case in CASES:
-        if args.no_models and case.needs_model:
+        if (args.no_models and case.needs_model) or case.kind in args.skip_kind:
             continue
         with tempfile.TemporaryDirectory(prefix="llmopt-probe-") as tmp:
             results.append(run_case(case, Path(tmp)))
