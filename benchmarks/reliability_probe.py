@@ -7,7 +7,8 @@ with stderr captured; Ctrl-C and a closed stdout pipe run as real subprocesses. 
   clean      the expected exit status, no traceback, one error line naming what the case lists
   vague      a one-line error that does not name the flag / file / key
   traceback  an exception escaped, or stderr holds a traceback
-  silent     exit 0 (or another status) where a refusal was expected
+  silent     exit 0 (or another status) where a refusal was expected, or still running
+             after --case-limit seconds (it did the work instead of refusing)
   data lost  a file that existed before the run was changed or removed
 Prints a table by input class and writes the JSON the docs quote (docs/reliability.md).
 """
@@ -54,8 +55,17 @@ def classify(case: Case, code: int | None, stderr: str, crashed: bool) -> str:
     return "clean"
 
 
-def run_case(case: Case, scratch: Path) -> dict:
-    """Build the case's files under `scratch`, run it in-process, classify the outcome."""
+class RanOn(Exception):
+    """A case still running after its time limit: it did the work instead of refusing."""
+
+
+def _alarm(signum, frame):
+    raise RanOn
+
+
+def run_case(case: Case, scratch: Path, limit_s: int = 0) -> dict:
+    """Build the case's files under `scratch`, run it in-process, classify the outcome;
+    a case still running after `limit_s` seconds (0: no limit) is stopped and counts as silent."""
     from llmopt.cli import main
 
     cwd = Path.cwd()
@@ -66,13 +76,21 @@ def run_case(case: Case, scratch: Path) -> dict:
         err, out = io.StringIO(), io.StringIO()
         crashed, code = False, None
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            previous = signal.signal(signal.SIGALRM, _alarm)
+            signal.alarm(limit_s)
             try:
                 code = main(argv)
             except SystemExit as exc:  # argparse's own refusals
                 code = exc.code if isinstance(exc.code, int) else 1
+            except RanOn:
+                code = "ran on"
+                err.write(f"still running after {limit_s} s\n")
             except BaseException as exc:  # noqa: BLE001 - an escaped exception is the finding
                 crashed = True
                 err.write(f"Traceback (most recent call last):\n{type(exc).__name__}: {exc}\n")
+            finally:
+                signal.alarm(0)
+                signal.signal(signal.SIGALRM, previous)
         after = _snapshot(scratch)
     finally:
         os.chdir(cwd)
@@ -144,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="runs/reliability_probe.json", help="JSON results")
     parser.add_argument("--no-models", action="store_true", help="skip cases that build a model")
     parser.add_argument("--no-subprocess", action="store_true", help="skip Ctrl-C and pipe runs")
+    parser.add_argument(
+        "--case-limit", type=int, default=60, help="seconds before a case counts as silent"
+    )
     parser.add_argument("--skip-kind", action="append", default=[], help="skip a class (repeat)")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
@@ -152,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         if (args.no_models and case.needs_model) or case.kind in args.skip_kind:
             continue
         with tempfile.TemporaryDirectory(prefix="llmopt-probe-") as tmp:
-            results.append(run_case(case, Path(tmp)))
+            results.append(run_case(case, Path(tmp), args.case_limit))
     if not args.no_subprocess:
         results += [probe_interrupt(), probe_closed_pipe()]
     rows = table(results)
