@@ -128,8 +128,10 @@ def check_args(args: argparse.Namespace) -> None:
     from llmopt.plan.objectives import parse_require
     from llmopt.plan.rules import parse_constraints
 
-    _, work, cluster = inputs(args)
     command = getattr(args, "plan_command", None)
+    if command not in (None, "estimate", "compare"):  # e.g. `plan serve`: its own checks
+        return
+    _, work, cluster = inputs(args)
     if command == "estimate":
         build_plan(args, work, cluster)
     elif command is None:
