@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+from typing import Any
 
 # name -> (module with `register(subparsers)`, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -28,12 +30,37 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# output flags checked (parent writable, a file where a file goes) before any work is done
+OUTPUTS: dict[str, tuple[tuple[str, str], ...]] = {
+    "quantize": (("out", "dir"),),
+    "prune": (("out", "dir"),),
+    "profile": (("out", "dir"),),
+    "report": (("out", "file"),),
+    "export": (("out", "format"),),  # a file for --format gguf, else a directory
+    "train": (("out_dir", "dir"),),
+    "bench": (("out", "file"), ("plot", "file")),
+    "plan": (("emit", "file"), ("plot", "file")),
+}
+EXIT_USAGE = 2  # bad input: one line on stderr naming the value, the file or the path
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), quietly
+EXIT_PIPE_CLOSED = 0  # the reader stopped early (`llmopt plan --json | head`): not a failure
+
+
 class CliError(Exception):
     """An error to print as one line (no traceback) with exit status 2."""
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse without prefix matching: `--gpus 8` must not silently mean `--gpus-per-node`.
+    Subparsers inherit the class, so every `llmopt` parser refuses abbreviations."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
 def _top_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="llmopt",
         description="Plan, apply and measure LLM training and inference optimizations.",
     )
@@ -44,7 +71,7 @@ def _top_parser() -> argparse.ArgumentParser:
 
 
 def build_parser(command: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="llmopt")
+    parser = Parser(prog="llmopt")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     module = importlib.import_module(COMMANDS[command][0])
     module.register(sub)
@@ -59,14 +86,69 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help()
             return 0 if argv else 2
         parser.error(f"unknown command {argv[0]!r}; choose from {', '.join(COMMANDS)}")
-    args = build_parser(argv[0]).parse_args(argv)
     try:
-        result = args.func(args)
-    except (CliError, FileNotFoundError, ValueError, KeyError) as exc:
-        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        args = build_parser(argv[0]).parse_args(argv)
+        check_arguments(argv[0], args)
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)  # end the line the terminal echoed ^C on
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_PIPE_CLOSED
+    except Exception as exc:
+        message = error_message(exc)
+        if message is None:
+            raise
         print(f"llmopt {argv[0]}: error: {message}", file=sys.stderr)
-        return 2
-    return int(result or 0)
+        return EXIT_USAGE
+
+
+def check_arguments(command: str, args: argparse.Namespace) -> None:
+    """The command's own argument checks and its outputs' writability, before any work."""
+    from llmopt.config_files import check_output
+
+    check = getattr(args, "check", None)
+    if check is not None:
+        check(args)
+    for dest, kind in OUTPUTS.get(command, ()):
+        value = getattr(args, dest, None)
+        if value is None:  # not given (train: the config file's out_dir is checked by train)
+            continue
+        if kind == "format":
+            kind = "file" if args.format == "gguf" else "dir"
+        check_output(value, "--" + dest.replace("_", "-"), kind)
+
+
+def error_message(exc: BaseException) -> str | None:
+    """The one line to print for an input error, or None for a bug (shown as a traceback)."""
+    if isinstance(exc, KeyError):  # a lookup's message, or a bare missing key
+        text = str(exc.args[0]) if exc.args else ""
+        return text if " " in text else f"missing key {text!r}"
+    if isinstance(exc, UnicodeDecodeError):
+        return f"input is not UTF-8 text ({exc.reason} at byte {exc.start})"
+    if isinstance(exc, OSError):
+        if exc.filename is not None and exc.strerror:
+            return f"{exc.filename}: {exc.strerror}"
+        return str(exc)
+    if isinstance(exc, (CliError, ValueError)) or _is_library_input_error(exc):
+        return " ".join(str(exc).split()) or type(exc).__name__
+    return None
+
+
+def _is_library_input_error(exc: BaseException) -> bool:
+    """safetensors' and jinja's errors are about the user's file or template, not our code."""
+    kind = type(exc)
+    module = kind.__module__ or ""
+    return kind.__name__ == "SafetensorError" or module.startswith("jinja2")
+
+
+def _silence_stdout() -> None:
+    # point stdout at /dev/null so the interpreter's final flush does not fail again
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout replaced by an object without a descriptor
+        pass
 
 
 if __name__ == "__main__":

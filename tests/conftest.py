@@ -30,3 +30,13 @@ def tiny_config() -> ModelConfig:
 def tiny_model(tiny_config):
     torch.manual_seed(0)
     return build_model(tiny_config, seed=0).eval()
+
+
+# Hypothesis budgets (tests/test_fuzz_*.py): the default keeps the fuzz suite within CI's
+# minutes on 2 cores; `pytest --hypothesis-profile llmopt-long tests/test_fuzz_*.py` digs deeper.
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+_FUZZ = {"deadline": None, "database": None, "suppress_health_check": [HealthCheck.too_slow]}
+settings.register_profile("llmopt-ci", max_examples=60, derandomize=True, **_FUZZ)
+settings.register_profile("llmopt-long", max_examples=2000, **_FUZZ)
+settings.load_profile("llmopt-ci")

@@ -92,7 +92,7 @@ def test_generate_streams_text(small_dir, capsys):
         (["--max-new-tokens", "-2"], "--max-new-tokens -2 must be >= 0"),
         (["--prompt", "word " * 80], "prompt of 81 tokens is longer than the model context"),
         (["--max-new-tokens", "100"], "prompt of 2 tokens \\+ max_new_tokens=100 exceeds"),
-        (["--top-p", "0"], "top_p=0.0 must be in \\(0, 1\\]"),
+        (["--top-p", "0"], "--top-p 0 must be > 0 and <= 1"),
         (["--system", "x"], "--system only applies with --chat"),
     ],
 )

@@ -90,7 +90,7 @@ def test_why_not(capsys):
         (["plan", "--nodes", "0"], "--nodes=0 must be a positive integer"),
         (["plan", "--model", "llama-3.1-405b", "--nodes", "1"], "GiB more than"),
         (["plan", "--model", "nope"], "unknown model preset 'nope'"),
-        (["plan", "--ib-gbs", "-1"], "bandwidth_gbs=-1.0 must be a positive number"),
+        (["plan", "--ib-gbs", "-1"], "--ib-gbs=-1.0 must be a positive number"),
         (["plan", "--num-heads", "60"], "num_kv_heads=8 does not divide num_heads=60"),
         (["plan", "--num-layers", "0"], "--num-layers=0 must be a positive integer"),
         (["plan", "--why-not", "zero=3"], "unknown mapping key 'zero'"),

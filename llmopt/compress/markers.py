@@ -4,9 +4,35 @@ one reader, so every format validates its marker the same way and names the file
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 from typing import Any
+
+from llmopt.config_files import (
+    INT,
+    STR,
+    TABLE,
+    ConfigFileError,
+    check_fields,
+    check_value,
+    read_json,
+)
+
+# the keys the quant and prune markers share or hold (both are versioned formats: a newer
+# writer may add keys, so unknown ones are kept; a known key of the wrong type is refused)
+MARKER_FIELDS = {
+    "format": STR,
+    "version": INT,
+    "model_config": TABLE,
+    "quant_config": TABLE,
+    "prune_config": TABLE,
+    "modules": TABLE,
+    "weights_file": STR,
+    "weights_sha256": STR,
+    "float_dtype": STR,
+    "report": TABLE,
+    "pruned_linear_bytes": INT,
+    "pruned_linear_fp16_bytes": INT,
+}
 
 
 def read_marker(
@@ -26,19 +52,27 @@ def read_marker(
     if not path.is_file():
         raise FileNotFoundError(f"{directory} is not {what} (no {marker})")
     try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise error(f"{path} is not valid JSON ({exc})") from exc
-    if not isinstance(meta, dict) or meta.get("format") != format_name:
-        raise error(f"{path} is not an {format_name} file")
-    if meta.get("version") != version:
+        meta = read_json(path, "marker", top="")
+    except ConfigFileError as exc:
+        raise error(str(exc)) from None
+    if not isinstance(meta, dict):
+        raise error(f"{path} is not an {format_name} file: its top level is not an object")
+    if meta.get("format") != format_name:
+        raise error(
+            f"{path} is not an {format_name} file: format = {meta.get('format')!r}, "
+            f"expected {format_name!r}"
+        )
+    if meta.get("version") != version or isinstance(meta.get("version"), bool):
         raise error(
             f"{path} has format version {meta.get('version')!r}; this llmopt reads "
             f"version {version}"
         )
-    for key in required:
-        if key not in meta:
-            raise error(f"{path} lacks the key {key!r}")
+    try:
+        check_fields(str(path), meta, MARKER_FIELDS, required=required, unknown="keep")
+        for name, entry in meta.get("modules", {}).items():
+            check_value(str(path), f"modules[{name!r}]", entry, TABLE)
+    except ConfigFileError as exc:
+        raise error(str(exc)) from None
     return meta
 
 

@@ -16,6 +16,7 @@ import functools
 import importlib.util
 from pathlib import Path
 
+from llmopt.config_files import read_text
 from llmopt.data.python_texts import BUILDERS
 
 PACKAGED = {
@@ -65,7 +66,7 @@ def load_text(spec: str, max_chars: int | None = None) -> str:
         path = Path(spec)
         if not path.is_file():
             raise CorpusError(f"text file not found: {spec} (or use corpus:web-bible)")
-        text = path.read_text(encoding="utf-8")
+        text = read_text(path, "text file")  # one error naming a non-UTF-8 file
     if max_chars is not None:
         text = text[:max_chars]
     return text

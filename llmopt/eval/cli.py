@@ -12,7 +12,8 @@ import math
 import sys
 from contextlib import contextmanager
 
-from llmopt.infer.cli import add_model_arguments, torch_dtype
+from llmopt import cli_args
+from llmopt.infer.cli import add_model_arguments, check_model_args, torch_dtype
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -30,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "is scored once, with at least ctx - stride tokens of context (HF's convention).",
     )
     _common(ppl, default_ctx=1024)
-    ppl.set_defaults(func=run_ppl)
+    ppl.set_defaults(func=run_ppl, check=check_args)
     kl = sub.add_parser(
         "kl",
         help="KL divergence of --model from --ref",
@@ -40,7 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _common(kl, default_ctx=512)
     kl.add_argument("--ref", required=True, help="reference model (same tokenizer)")
     kl.add_argument("--ref-dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    kl.set_defaults(func=run_kl)
+    kl.set_defaults(func=run_kl, check=check_args)
     gate = sub.add_parser(
         "gate",
         help="pass/fail --model against --ref on KL, perplexity increase and top-1",
@@ -63,7 +64,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="min top-1 agreement, a fraction (0.9) or a percent (90%%)",
     )
-    gate.set_defaults(func=run_gate)
+    gate.set_defaults(func=run_gate, check=check_args)
 
 
 def _common(parser: argparse.ArgumentParser, default_ctx: int) -> None:
@@ -77,6 +78,21 @@ def _common(parser: argparse.ArgumentParser, default_ctx: int) -> None:
     parser.add_argument("--stride", type=int, default=None, help="window step (default ctx/2)")
     parser.add_argument("--max-tokens", type=int, default=None, help="evaluate the first N tokens")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """What `eval` can refuse before loading: `--stride 0` is not "the default stride"."""
+    check_model_args(args)
+    cli_args.text(args, "text")
+    if not args.text.startswith("corpus:"):  # before the tokenizer and model load
+        cli_args.text_file(args, "text")
+    cli_args.text(args, "ref")
+    cli_args.integer(args, "ctx", 2)
+    cli_args.integer(args, "stride", 1, args.ctx)
+    cli_args.integer(args, "max_tokens", 2)
+    cli_args.number(args, "max_kl", 0.0)
+    cli_args.number(args, "max_ppl_increase", 0.0)
+    cli_args.number(args, "min_top1", 0.0, 1.0)
 
 
 def _number(text: str) -> float:

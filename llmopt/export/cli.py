@@ -24,7 +24,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--gguf-type", default="f16", choices=GGUF_TYPES, help="GGUF weight type")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "fp16"), help="ONNX/HF dtype")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, check=check_args)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """What `export` can refuse before loading the model (the output path: `llmopt.cli`)."""
+    if args.format != "gguf" and args.gguf_type != "f16":
+        raise ValueError(f"--gguf-type applies to --format gguf only, not {args.format}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -32,8 +38,7 @@ def run(args: argparse.Namespace) -> int:
 
     from llmopt.models.loading import load_model, load_tokenizer
 
-    if args.format != "gguf" and args.gguf_type != "f16":
-        raise ValueError(f"--gguf-type applies to --format gguf only, not {args.format}")
+    check_args(args)
     model = load_model(args.model, dtype=torch.float32)
     tokenizer = load_tokenizer(args.model)
     common = {"tokenizer": tokenizer, "source": args.model}

@@ -8,6 +8,8 @@ import sys
 import time
 from typing import Any
 
+from llmopt import cli_args
+
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -55,7 +57,34 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         pass
     else:
         add_speculative_arguments(parser)
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, check=check_args)
+
+
+def check_model_args(args: argparse.Namespace) -> None:
+    """--model/--threads (shared with eval and profile): `--threads 0` is not "the default"."""
+    cli_args.text(args, "model")
+    cli_args.integer(args, "threads", 1)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Everything `generate` can refuse before loading a model."""
+    from llmopt.infer.sampling import SamplingConfig
+
+    check_model_args(args)
+    cli_args.text(args, "prompt", empty=True)
+    cli_args.text(args, "system", empty=True)
+    cli_args.integer(args, "max_new_tokens", 0)
+    cli_args.number(args, "temperature", 0.0)
+    cli_args.number(args, "top_p", 0.0, 1.0, above=True)
+    cli_args.integer(args, "top_k", 0)
+    SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    if args.system is not None and not args.chat:
+        raise cli_args.ArgumentError("--system only applies with --chat")
+    if args.eager and args.int8_head:
+        raise cli_args.ArgumentError("--int8-head applies to the fast decode path; drop --eager")
+    if getattr(args, "draft", None) is not None:
+        cli_args.text(args, "draft")
+        cli_args.integer(args, "gamma", 1)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -117,10 +146,7 @@ def run(args: argparse.Namespace) -> int:
     from llmopt.infer.sampling import SamplingConfig
     from llmopt.models.loading import load_model, load_tokenizer
 
-    if args.max_new_tokens < 0:
-        raise ValueError(f"--max-new-tokens {args.max_new_tokens} must be >= 0")
-    if args.system is not None and not args.chat:
-        raise ValueError("--system only applies with --chat")
+    check_args(args)  # also run by `llmopt.cli.main`; here for callers of run() itself
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -141,8 +167,6 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     stats: dict[str, Any] = {}
     timing: dict[str, Any] = {}
-    if args.eager and args.int8_head:
-        raise ValueError("--int8-head applies to the fast decode path; drop --eager")
     if speculative:
         from llmopt.infer.speculative import run_speculative_from_args
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from llmopt.config_files import read_json
+from llmopt.models.hf_schema import check_hf_config
 from llmopt.models.moe import MLAConfig, MoEConfig, moe_keys, parameter_counts
 from llmopt.models.spec import (
     ModelSpec,
@@ -211,18 +213,12 @@ class ModelConfig:
         cls, path_or_dict: str | Path | dict[str, Any], name: str = ""
     ) -> ModelConfig:
         """Build from a HF `config.json` (Llama, Mistral, Qwen2, SmolLM families)."""
-        if isinstance(path_or_dict, dict):
-            hf = path_or_dict
-        else:
+        where, hf = "HF config", path_or_dict
+        if not isinstance(path_or_dict, dict):
             path = Path(path_or_dict)
-            if path.is_dir():
-                path = path / "config.json"
-            if not path.is_file():
-                raise FileNotFoundError(f"no HF config at {path}")
-            try:
-                hf = json.loads(path.read_text())
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{path} is not valid JSON: {exc}") from exc
+            path = path / "config.json" if path.is_dir() else path
+            where, hf = str(path), read_json(path, "HF config")
+        check_hf_config(hf, where)
         spec = _hf_spec(hf)
         _refuse_math_keys(hf, spec)
         num_heads = hf["num_attention_heads"]

@@ -14,6 +14,13 @@ import torch
 
 from llmopt.artifacts import atomic_write, atomic_write_text
 from llmopt.models.config import ConfigError, ModelConfig
+from llmopt.models.hf_schema import (
+    GENERATION_CONFIG,
+    HF_CONFIG,
+    INDEX_FILE,
+    read_hf_json,
+    read_index,
+)
 
 _PREFIX = "model."
 _ROTARY_BUFFERS = ("inv_freq", "original_inv_freq")
@@ -34,10 +41,9 @@ def ours_to_hf(name: str) -> str:
 
 def weight_files(directory: Path) -> list[Path]:
     """The safetensors files of a directory, in the shard order the index gives (if any)."""
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = [directory / f for f in dict.fromkeys(weight_map.values())]
+    files = read_index(directory)
+    if files is not None:
+        index = directory / INDEX_FILE
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
             raise FileNotFoundError(f"shards listed in {index} are missing: {', '.join(missing)}")
@@ -55,12 +61,7 @@ def weight_files(directory: Path) -> list[Path]:
 
 def quant_method(directory: Path) -> str | None:
     """config.json's `quantization_config.quant_method` (lower case), or None if unquantized."""
-    try:
-        qc = json.loads((directory / "config.json").read_text()).get("quantization_config")
-    except (json.JSONDecodeError, AttributeError) as exc:
-        raise ConfigError(
-            f"{directory / 'config.json'} is not a valid JSON object: {exc}"
-        ) from None
+    qc = read_hf_json(directory / "config.json", "HF config", HF_CONFIG).get("quantization_config")
     if qc is None:
         return None
     if not isinstance(qc, dict) or not isinstance(qc.get("quant_method"), str):
@@ -74,10 +75,7 @@ def read_config(directory: Path) -> ModelConfig:
     gen_path = directory / "generation_config.json"
     if not gen_path.is_file():
         return config
-    try:
-        eos = json.loads(gen_path.read_text()).get("eos_token_id")
-    except (json.JSONDecodeError, AttributeError) as exc:
-        raise ConfigError(f"{gen_path} is not a valid JSON object: {exc}") from None
+    eos = read_hf_json(gen_path, "generation config", GENERATION_CONFIG).get("eos_token_id")
     if eos is None:
         return config
     ids = eos if isinstance(eos, list) else [eos]

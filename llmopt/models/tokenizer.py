@@ -15,6 +15,8 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
 from llmopt.artifacts import atomic_write_text
+from llmopt.config_files import read_text
+from llmopt.models.hf_schema import HF_CONFIG, TOKENIZER_CONFIG, read_hf_json
 
 # GGUF token types (llama.cpp's llama_token_type)
 _CONTROL, _USER_DEFINED = 3, 4
@@ -60,6 +62,10 @@ def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
+
+
+class ChatTemplateError(ValueError):
+    """A chat template (the model's, not ours) that does not compile or render."""
 
 
 class Tokenizer:
@@ -111,13 +117,21 @@ class Tokenizer:
         for message in messages:
             if not isinstance(message, dict) or not {"role", "content"} <= set(message):
                 raise ValueError(f"chat message {message!r} needs 'role' and 'content' keys")
-        template = _compile_template(self.chat_template)
-        return template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self._token_text(self.bos_token_id),
-            eos_token=self._token_text(self.eos_token_id),
-        )
+        from jinja2.exceptions import TemplateError
+
+        try:
+            return _compile_template(self.chat_template).render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self._token_text(self.bos_token_id),
+                eos_token=self._token_text(self.eos_token_id),
+            )
+        except (TemplateError, TypeError, AttributeError, IndexError) as exc:
+            line = getattr(exc, "lineno", None)
+            where = f" (line {line})" if line else ""
+            raise ChatTemplateError(
+                f"the tokenizer's chat template fails{where}: {type(exc).__name__}: {exc}"
+            ) from None
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else self.backend.id_to_token(token_id) or ""
@@ -150,10 +164,10 @@ class Tokenizer:
         config: dict[str, Any] = {}
         config_path = directory / "tokenizer_config.json"
         if config_path.is_file():
-            config = json.loads(config_path.read_text())
+            config = read_hf_json(config_path, "tokenizer config", TOKENIZER_CONFIG)
         model_config: dict[str, Any] = {}
         if (directory / "config.json").is_file():
-            model_config = json.loads((directory / "config.json").read_text())
+            model_config = read_hf_json(directory / "config.json", "HF config", HF_CONFIG)
 
         def special(name: str) -> int | None:
             token = config.get(name)
@@ -166,7 +180,7 @@ class Tokenizer:
 
         template = config.get("chat_template")
         if template is None and (directory / "chat_template.jinja").is_file():
-            template = (directory / "chat_template.jinja").read_text()
+            template = read_text(directory / "chat_template.jinja", "chat template")
         return cls(
             backend,
             bos_token_id=special("bos_token"),

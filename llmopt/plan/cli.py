@@ -132,6 +132,40 @@ def _estimate_flags(est: argparse.ArgumentParser) -> None:
     est.add_argument("--fp8-recipe", choices=FP8_RECIPES, default="current")
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Every flag of `plan`, `plan estimate` and `plan compare` checked before the search."""
+    from llmopt.plan.cli_inputs import build_plan, inputs
+    from llmopt.plan.objectives import parse_require
+    from llmopt.plan.rules import parse_constraints
+
+    command = getattr(args, "plan_command", None)
+    if command not in (None, "estimate", "compare"):  # e.g. `plan serve`: its own checks
+        return
+    _, work, cluster = inputs(args)
+    if command == "estimate":
+        build_plan(args, work, cluster)
+    elif command is None:
+        for flag in ("top_k", "pick"):
+            if getattr(args, flag) <= 0:
+                raise ValueError(
+                    f"--{flag.replace('_', '-')}={getattr(args, flag)} must be positive"
+                )
+        given = [
+            ("--why-not", args.why_not, parse_constraints),
+            ("--where", args.where, parse_constraints),
+        ]
+        given += [("--require", expr, parse_require) for expr in args.require]
+        for flag, spec, parse in given:
+            if spec is None:
+                continue
+            try:
+                parse(spec)
+            except ValueError as exc:  # name the flag unless the parser's message does
+                if flag in str(exc):
+                    raise
+                raise ValueError(f"{flag} {spec!r}: {exc}") from None
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     from llmopt.plan import cli_run
 
@@ -143,7 +177,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     _common(plan, sub=False)
     _plan_flags(plan)
-    plan.set_defaults(func=cli_run.run_plan)
+    plan.set_defaults(func=cli_run.run_plan, check=check_args)
     sub = plan.add_subparsers(dest="plan_command", metavar="{estimate,compare,serve}")
     est = sub.add_parser("estimate", help="evaluate one fully specified mapping")
     _common(est, sub=True)

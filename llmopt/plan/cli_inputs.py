@@ -4,6 +4,7 @@ Flag names are the trainer's (`--num-layers`, `--zero-stage`, `--num-microbatche
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 from typing import Any
 
@@ -68,17 +69,21 @@ def build_cluster(args: argparse.Namespace) -> Cluster:
         cluster = load_cluster_toml(args.cluster, nodes=args.nodes)
     else:
         cluster = get_cluster(args.cluster, DEFAULT_NODES if args.nodes is None else args.nodes)
-    overrides = {
-        "gpus_per_node": args.gpus_per_node,
-        "gpu.peak_bf16_tflops": args.peak_tflops,
-        "gpu.peak_fp8_tflops": args.fp8_tflops,
-        "gpu.hbm_gib": args.hbm_gib,
-        "gpu.hbm_bandwidth_gbs": args.hbm_gbs,
-        "gpu.gemm_efficiency": args.gemm_efficiency,
-        "intra_node.bandwidth_gbs": args.nvlink_gbs,
-        "inter_node.bandwidth_gbs": args.ib_gbs,
+    flags = {  # flag dest -> the cluster field it overrides
+        "gpus_per_node": "gpus_per_node",
+        "peak_tflops": "gpu.peak_bf16_tflops",
+        "fp8_tflops": "gpu.peak_fp8_tflops",
+        "hbm_gib": "gpu.hbm_gib",
+        "hbm_gbs": "gpu.hbm_bandwidth_gbs",
+        "gemm_efficiency": "gpu.gemm_efficiency",
+        "nvlink_gbs": "intra_node.bandwidth_gbs",
+        "ib_gbs": "inter_node.bandwidth_gbs",
     }
-    return customize(cluster, **overrides)
+    for dest in flags:  # named by its flag: the profile's own message says peak_bf16_tflops
+        value = getattr(args, dest)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"--{dest.replace('_', '-')}={value} must be a positive number")
+    return customize(cluster, **{field: getattr(args, dest) for dest, field in flags.items()})
 
 
 def build_workload(args: argparse.Namespace) -> Workload:

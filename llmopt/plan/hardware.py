@@ -7,8 +7,20 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from llmopt.config_files import INT, STR, TABLE, check_fields, dataclass_schema, read_toml
 from llmopt.plan.catalog import CLUSTER_ALIASES, CLUSTER_PRESETS
 from llmopt.plan.profiles import GIB, Cluster, GPUProfile, LinkProfile
+
+# the top level of a cluster TOML (ours: unknown keys are refused)
+CLUSTER_FILE = {
+    "base": STR,
+    "name": STR,
+    "nodes": INT,
+    "gpus_per_node": INT,
+    "gpu": TABLE,
+    "intra_node": TABLE,
+    "inter_node": TABLE,
+}
 
 __all__ = [
     "CLUSTER_ALIASES",
@@ -76,18 +88,16 @@ def customize(cluster: Cluster, **overrides: Any) -> Cluster:
 def load_cluster_toml(path: str | Path, nodes: int | None = None) -> Cluster:
     """A cluster from TOML: `base = "dgx-h100"`, `nodes = 8`, and `[gpu]`, `[intra_node]`,
     `[inter_node]` tables overriding any profile field."""
-    try:
-        import tomllib  # Python >= 3.11
-    except ModuleNotFoundError:  # pragma: no cover - Python 3.10
-        import tomli as tomllib  # type: ignore[no-redef]
     p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"no cluster file at {p}")
+    data = read_toml(p, "cluster file")
+    check_fields(str(p), data, CLUSTER_FILE)
+    sections = {"gpu": GPUProfile, "intra_node": LinkProfile, "inter_node": LinkProfile}
+    for section, cls in sections.items():
+        check_fields(f"{p} [{section}]", data.get(section, {}), dataclass_schema(cls))
     try:
-        data = tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"{p} is not valid TOML: {exc}") from exc
-    base = get_cluster(str(data.pop("base", "dgx-h100")))
+        base = get_cluster(data.pop("base", "dgx-h100"))
+    except ValueError as exc:
+        raise ValueError(f"{p}: base: {exc}") from None
     overrides: dict[str, Any] = {}
     for section in ("gpu", "intra_node", "inter_node"):
         for k, v in dict(data.pop(section, {})).items():
@@ -95,4 +105,7 @@ def load_cluster_toml(path: str | Path, nodes: int | None = None) -> Cluster:
     overrides.update(data)
     if nodes is not None:
         overrides["nodes"] = nodes
-    return customize(base, **overrides)
+    try:
+        return customize(base, **overrides)
+    except ValueError as exc:  # a value of the right type the profile refuses: name the file
+        raise ValueError(f"{p}: {exc}") from None

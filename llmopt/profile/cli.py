@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from llmopt.infer.cli import add_model_arguments, torch_dtype
+from llmopt import cli_args
+from llmopt.infer.cli import add_model_arguments, check_model_args, torch_dtype
 
 DEFAULT_PROMPT = "The history of the printing press begins with"
 
@@ -33,7 +34,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="profile the fused C++ decode step (generate's default path: one op per step) "
         "instead of the eager model op by op",
     )
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, check=check_args)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """What `profile` can refuse before loading the model."""
+    check_model_args(args)
+    cli_args.text(args, "prompt")
+    cli_args.text(args, "device")
+    cli_args.integer(args, "new_tokens", 2)
+    cli_args.integer(args, "top", 1)
 
 
 def _thin(points: list, limit: int = 2000) -> list:
@@ -55,10 +65,7 @@ def run(args: argparse.Namespace) -> int:
     from llmopt.profile.plots import plot_memory, plot_roofline
     from llmopt.profile.session import profile_generate
 
-    if args.new_tokens < 2:
-        raise ValueError(
-            f"--new-tokens {args.new_tokens} must be >= 2 (one prefill + decode steps)"
-        )
+    check_args(args)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: CUDA is not available here; use --device cpu")

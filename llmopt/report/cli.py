@@ -16,7 +16,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("dir", help="directory to gather (e.g. docs/benchmarks or a runs/ dir)")
     parser.add_argument("--out", required=True, help="HTML file to write")
     parser.add_argument("--title", default="llmopt optimization report", help="page title")
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, check=check_args)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """What `report` can refuse before reading the directory."""
+    from pathlib import Path
+
+    if not args.out.endswith((".html", ".htm")):
+        raise ValueError(f"--out {args.out} must end in .html or .htm")
+    if not Path(args.dir).is_dir():
+        raise FileNotFoundError(f"{args.dir} is not a directory")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -25,8 +35,7 @@ def run(args: argparse.Namespace) -> int:
     from llmopt.report.html import render
     from llmopt.report.tradeoff import tradeoff_rows
 
-    if not args.out.endswith((".html", ".htm")):
-        raise ValueError(f"--out {args.out} must end in .html or .htm")
+    check_args(args)
     results = collect(args.dir)
     atomic_write_text(args.out, render(results, args.title))
     n_images = len({p for w in results.writeups for p in w.images} | set(results.images))

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import socket
 
+from llmopt import cli_args
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -34,14 +36,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--drain-timeout", type=float, default=60.0, help="seconds to finish on exit")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, check=check_args)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """What `serve` can refuse before loading the model or binding the port."""
+    cli_args.text(args, "model")
+    cli_args.text(args, "served_model_name")
+    cli_args.text(args, "host")
+    cli_args.integer(args, "port", 0, 65535)
+    cli_args.integer(args, "ngram", 0)
+    for dest in ("max_num_seqs", "kv_blocks", "block_size", "max_batched_tokens", "max_queue"):
+        cli_args.integer(args, dest, 1)
+    cli_args.number(args, "drain_timeout", 0.0)
 
 
 def run(args: argparse.Namespace) -> int:
-    if not 0 <= args.port <= 65535:
-        raise ValueError(f"--port {args.port} must be in [0, 65535]")
-    if args.ngram < 0:
-        raise ValueError(f"--ngram {args.ngram} must be >= 0")
+    check_args(args)
     import torch
     import uvicorn
 

@@ -41,6 +41,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from llmopt.artifacts import atomic_write, atomic_write_text
+from llmopt.config_files import read_manifest, read_pointer
 from llmopt.parallel.engine import Engine
 from llmopt.parallel.grid import RankGrid
 from llmopt.parallel.optim import AdamW
@@ -58,7 +59,7 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     pointer = root / LATEST
     if not pointer.is_file():
         return None
-    path = root / pointer.read_text().strip()
+    path = read_pointer(root, LATEST)
     if not (path / "manifest.json").is_file():
         raise FileNotFoundError(f"{pointer} names {path}, which has no manifest.json")
     return path
@@ -219,7 +220,7 @@ def load_checkpoint(
     The same layout restores each rank's own shard bit for bit; another TP/DP/ZeRO layout
     (pp=1) is cut from the checkpoint's full state."""
     path = Path(path)
-    manifest = json.loads((path / "manifest.json").read_text())
+    manifest = read_manifest(path)
     if not checkpoint_parts(manifest.get("save_format", "all"))[0]:
         raise ValueError(
             f"checkpoint {path} was saved with save_format={manifest['save_format']} and holds "

@@ -23,6 +23,7 @@ from llmopt.train.launch import launch_env, torchrun_command
 def _worker_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m llmopt.train",
+        allow_abbrev=False,
         description="One training worker (run it through torchrun).",
     )
     add_config_arguments(parser)

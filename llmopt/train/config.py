@@ -17,19 +17,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llmopt.config_files import ConfigFileError, check_fields, dataclass_schema, read_config
 from llmopt.parallel.plan import FP8_RECIPES, PRECISIONS, RECOMPUTES, SCHEDULES, ParallelPlan
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
 
 # Old spellings -> ParallelPlan's names (refused with a message naming the new one).
 RENAMED = {"zero": "zero_stage", "microbatches": "num_microbatches"}
@@ -261,19 +256,19 @@ class TrainConfig:
             raise TrainConfigError(
                 f"unknown training config keys {sorted(unknown)}; valid keys: {sorted(known)}"
             )
+        check_fields("training config", flat, dataclass_schema(cls), error=TrainConfigError)
         return cls(**flat)
 
     @classmethod
     def from_file(cls, path: str | Path) -> TrainConfig:
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"training config not found: {path}")
-        text = path.read_text()
         try:
-            data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
-        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
-            raise TrainConfigError(f"{path} is not valid {path.suffix[1:].upper()}: {exc}") from exc
-        return cls.from_dict(data)
+            return cls.from_dict(read_config(path, "training config"))
+        except ConfigFileError as exc:
+            raise TrainConfigError(str(exc)) from None
+        except TrainConfigError as exc:  # name the file the bad value came from
+            raise TrainConfigError(
+                f"{path}: {str(exc).removeprefix('training config: ')}"
+            ) from None
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)

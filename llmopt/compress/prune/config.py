@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmopt.config_files import FLOAT, STR, check_fields, dataclass_schema
+
 METHODS = ("magnitude", "wanda", "sparsegpt")
 
 
@@ -152,5 +154,7 @@ class PruneConfig:
         if unknown:
             raise PruneConfigError(f"unknown pruning options {unknown}; known: {sorted(known)}")
         values = dict(data)
+        schema = {**dataclass_schema(cls), "sparsity": (STR, FLOAT)}  # "2:4" or 0.5
+        check_fields("pruning config", values, schema, error=PruneConfigError)
         values["sparsity"] = Sparsity.parse(values.get("sparsity", "0.5"))
         return cls(**values)

@@ -8,6 +8,7 @@ from typing import Any
 
 from llmopt.compress.quant.formats import check_bits_group
 from llmopt.compress.quant.linear import BACKENDS
+from llmopt.config_files import check_fields, dataclass_schema
 
 METHODS = ("rtn", "awq", "gptq")
 
@@ -85,6 +86,7 @@ class QuantConfig:
         unknown = set(data) - known
         if unknown:
             raise ValueError(f"unknown quantization keys {sorted(unknown)}; valid: {sorted(known)}")
+        check_fields("quantization config", data, dataclass_schema(cls))  # as read from a file
         return cls(**data)
 
     def replace(self, **changes: Any) -> QuantConfig:

@@ -21,6 +21,7 @@ from llmopt.parallel.pipeline.timeline import render_png, render_text
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m llmopt.parallel.pipeline",
+        allow_abbrev=False,
         description="Show a pipeline schedule: programs, simulated timeline, bubble, memory.",
     )
     parser.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULES)}")

@@ -1,0 +1,262 @@
+"""Bad input through the real CLI: one line naming the flag / file / key, exit 2, never a
+traceback (issue 18, findings 7, 9 and 10). The corpus of bad files is built by
+benchmarks/reliability_cases.py, the same list `benchmarks/reliability_probe.py` counts."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmopt import cli
+from llmopt.config_files import ConfigFileError, check_output, read_manifest, read_pointer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str):
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+probe = _load("reliability_probe")
+cases = sys.modules["reliability_cases"]
+LOCAL = [c for c in cases.CASES if c.local]  # the probe also writes to /proc; tests do not
+FAST = [c for c in LOCAL if not c.needs_model]
+MODEL = [c for c in LOCAL if c.needs_model]
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str]:
+    try:
+        code = cli.main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case", FAST, ids=[c.name for c in FAST])
+def test_bad_input_is_one_clean_line(case, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = probe.run_case(case, tmp_path)
+    assert result["outcome"] == "clean", result
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    return cases.tiny_hf(tmp_path_factory.mktemp("model"))
+
+
+@pytest.mark.parametrize("case", MODEL, ids=[c.name for c in MODEL])
+def test_bad_model_directory_is_one_clean_line(case, tiny_dir, tmp_path, monkeypatch):
+    # the case's own tiny_hf call copies the module's directory instead of building again
+    monkeypatch.setattr(
+        cases, "tiny_hf", lambda root, name="tiny": Path(shutil.copytree(tiny_dir, root / name))
+    )
+    result = probe.run_case(case, tmp_path)
+    assert result["outcome"] == "clean", result
+
+
+def test_classify_tells_vague_traceback_and_silent_apart():
+    case = cases.Case("x", "k", lambda t: [], names=("--stride",))
+    assert (
+        probe.classify(case, 2, "llmopt eval: error: --stride 0 must be >= 1\n", False) == "clean"
+    )
+    assert probe.classify(case, 2, "llmopt eval: error: 0\n", False) == "vague"
+    assert probe.classify(case, 0, "", False) == "silent"
+    assert probe.classify(case, 2, "Traceback (most recent call last):\n", False) == "traceback"
+    assert probe.classify(case, None, "", True) == "traceback"
+
+
+# ---- finding 7: a cluster TOML's nodes stands unless --nodes is given ----
+def _cluster_args(path: Path, *extra: str):
+    return cli.build_parser("plan").parse_args(["plan", "--cluster", str(path), *extra])
+
+
+def test_cluster_toml_nodes_is_not_overwritten_by_the_default(tmp_path):
+    from llmopt.plan.cli_inputs import DEFAULT_NODES, build_cluster
+
+    path = tmp_path / "c.toml"
+    path.write_text('base = "dgx-h100"\nnodes = 3\n')
+    assert DEFAULT_NODES != 3
+    assert build_cluster(_cluster_args(path)).nodes == 3
+    assert build_cluster(_cluster_args(path, "--nodes", "5")).nodes == 5
+
+
+# ---- finding 9: tracebacks ----
+def test_plan_estimate_tp_zero(capsys):
+    code, err = run_cli(["plan", "estimate", "--tp", "0"], capsys)
+    assert code == 2 and err.strip() == "llmopt plan: error: --tp=0 must be a positive integer"
+
+
+def test_output_is_checked_before_any_model_is_loaded(tmp_path, capsys, monkeypatch):
+    import llmopt.models.loading as loading
+
+    def never(*a, **k):
+        raise AssertionError("the model was loaded before --out was checked")
+
+    monkeypatch.setattr(loading, "load_model", never)
+    blocker = tmp_path / "file"
+    blocker.write_text("keep me")
+    code, err = run_cli(
+        ["quantize", "--model", "smollm2-135m", "--out", str(blocker / "o")], capsys
+    )
+    assert code == 2 and f"{blocker} is a file" in err and err.count("\n") == 1
+    assert blocker.read_text() == "keep me"
+
+
+def test_unwritable_output_parent_is_refused(tmp_path, monkeypatch):
+    import tempfile
+
+    def read_only(*a, **k):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    with pytest.raises(ConfigFileError, match=r"--out .*cannot write in .*Read-only file system"):
+        check_output(tmp_path / "out", "--out")
+
+
+def test_full_disk_is_refused_before_work(tmp_path, monkeypatch):
+    import shutil as shutil_module
+
+    usage = shutil_module.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil_module, "disk_usage", lambda p: usage._replace(free=4096))
+    with pytest.raises(ConfigFileError, match="has only 4096 bytes free"):
+        check_output(tmp_path / "out", "--out")
+
+
+def test_output_of_the_wrong_kind(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ConfigFileError, match="is a file; it must be a directory"):
+        check_output(tmp_path / "f", "--out", "dir")
+    with pytest.raises(ConfigFileError, match="is a directory; it must be a file path"):
+        check_output(tmp_path, "--emit", "file")
+    check_output(tmp_path / "new" / "deeper", "--out", "dir")  # missing parents are fine
+    assert not (tmp_path / "new").exists()  # ... and the check creates nothing
+
+
+def test_ctrl_c_exits_130_quietly(capsys, monkeypatch):
+    import llmopt.report.cli as report_cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(report_cli, "run", interrupted)
+    code, err = run_cli(["report", str(ROOT / "docs"), "--out", "unused.html"], capsys)
+    assert code == cli.EXIT_INTERRUPTED == 130
+    assert "Traceback" not in err and err.strip() == ""
+
+
+def test_closed_pipe_exits_quietly(capsys, monkeypatch):
+    import llmopt.report.cli as report_cli
+
+    def closed(args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(report_cli, "run", closed)
+    code, err = run_cli(["report", str(ROOT / "docs"), "--out", "unused.html"], capsys)
+    assert code == cli.EXIT_PIPE_CLOSED == 0 and err == ""
+
+
+def test_plan_json_into_head_is_quiet():
+    cmd = [sys.executable, "-m", "llmopt", "plan", "--json", "--top-k", "100"]
+    env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert proc.stdout.read(100)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0 and err == ""
+
+
+def test_a_bug_still_shows_its_traceback(monkeypatch):
+    import llmopt.report.cli as report_cli
+
+    def bug(args):
+        raise ZeroDivisionError("a bug, not an input error")
+
+    monkeypatch.setattr(report_cli, "run", bug)
+    with pytest.raises(ZeroDivisionError):
+        cli.main(["report", str(ROOT / "docs"), "--out", "unused.html"])
+
+
+# ---- finding 10: vague messages, silently reinterpreted values, escaping paths ----
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["plan", "--gpus", "8"], "--gpus"),  # no longer --gpus-per-node
+        (["plan", "estimate", "--zero", "1"], "--zero"),  # no longer --zero-stage
+        (["generate", "--prompt", "x", "--max-new", "3"], "--max-new"),
+        (["eval", "ppl", "--str", "4"], "--str"),
+    ],
+)
+def test_abbreviations_are_refused(argv, flag, capsys):
+    code, err = run_cli(argv, capsys)
+    assert code == 2 and "error:" in err
+    assert flag in err or "invalid choice" in err
+
+
+def test_every_parser_refuses_abbreviations():
+    seen = 0
+    for command in cli.COMMANDS:
+        stack = [cli.build_parser(command)]
+        while stack:
+            parser = stack.pop()
+            seen += 1
+            assert parser.allow_abbrev is False, parser.prog
+            for action in parser._actions:
+                if isinstance(action, argparse._SubParsersAction):
+                    stack.extend(action.choices.values())
+    assert seen >= 2 * len(cli.COMMANDS)  # each command's parser and the top one, at least
+
+
+def test_latest_pointer_outside_the_directory(tmp_path):
+    from llmopt.train.checkpoint import latest_checkpoint
+
+    root = tmp_path / "ckpt"
+    (root / "step_000001").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "manifest.json").write_text('{"step": 1, "layout": {}}')
+    (root / "latest").write_text("../elsewhere\n")
+    with pytest.raises(ConfigFileError, match=r"latest: target = '\.\./elsewhere' points outside"):
+        latest_checkpoint(root)
+    (root / "latest").write_text("")
+    with pytest.raises(ConfigFileError, match="latest is empty"):
+        read_pointer(root, "latest")
+    (root / "latest").write_text("step_000001")
+    assert read_pointer(root, "latest") == root / "step_000001"
+
+
+def test_manifest_types_and_files(tmp_path):
+    path = tmp_path / "manifest.json"
+    path.write_text(json.dumps({"step": "3", "layout": {}}))
+    with pytest.raises(ConfigFileError, match=r"manifest.json: step = '3' must be an integer"):
+        read_manifest(tmp_path)
+    path.write_text(json.dumps({"step": 3, "layout": {}, "files": ["/etc/passwd"]}))
+    with pytest.raises(ConfigFileError, match=r"files\[0\] = '/etc/passwd' points outside"):
+        read_manifest(tmp_path)
+    path.write_text(json.dumps({"step": 3}))
+    with pytest.raises(ConfigFileError, match="missing required key 'layout'"):
+        read_manifest(tmp_path)
+    path.write_text(json.dumps({"step": 3, "layout": {"tp": 1}, "files": ["rank00000.st"]}))
+    assert read_manifest(tmp_path)["step"] == 3
+
+
+def test_truncated_checkpoint_shard_names_the_file(tmp_path, capsys, tiny_dir):
+    import torch
+
+    from llmopt.models.hf import SafetensorsError, iter_tensors
+
+    directory = Path(shutil.copytree(tiny_dir, tmp_path / "m"))
+    shard = directory / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(SafetensorsError, match=r"m/model.safetensors \(100 bytes\) is truncated"):
+        list(iter_tensors(directory, torch.float32))
