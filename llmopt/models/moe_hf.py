@@ -16,11 +16,11 @@ Any other combination of MoE keys is refused with the keys named: never planned 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from llmopt.models.config import ConfigError, ModelConfig
+from llmopt.config_files import read_json
+from llmopt.models.config import ModelConfig
 from llmopt.models.moe import MLAConfig, MoEConfig, MoEConfigError, moe_keys
 
 _MLA_KEYS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
@@ -121,14 +121,9 @@ def planner_config_from_hf(
     if not isinstance(hf, dict):
         path = Path(path_or_dict)
         path = path / "config.json" if path.is_dir() else path
-        if not path.is_file():
-            raise FileNotFoundError(f"no HF config at {path}")
-        try:
-            hf = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path} is not valid JSON: {exc}") from None
-        if not isinstance(hf, dict):
-            raise ConfigError(f"{path} holds {type(hf).__name__}, not a JSON object")
+        hf = read_json(path, "HF config")  # names the file on every error
+        if not moe_keys(hf):
+            return ModelConfig.from_hf_config(path, name=name)
     if moe_keys(hf):
         return moe_from_hf(hf, name)
     return ModelConfig.from_hf_config(hf, name=name)
