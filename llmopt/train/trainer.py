@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from llmopt.artifacts import atomic_save_figure
+from llmopt.jsonout import dumps
 from llmopt.models.config import ModelConfig
 from llmopt.models.llama import Transformer, build_model
 from llmopt.models.presets import get_preset
@@ -39,6 +40,9 @@ from llmopt.plan.flops import mfu, model_flops_per_token
 from llmopt.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from llmopt.train.config import TrainConfig, TrainConfigError
 from llmopt.train.data import TokenData
+from llmopt.train.nonfinite import NonFiniteGuard
+from llmopt.train.rundir import prepare_run_dir
+from llmopt.train.shapes import check_shape_flags
 
 FAULT_ENV = "LLMOPT_FAULT"  # "kind:rank:step", kind in raise|kill|kill-in-save (tests)
 
@@ -78,6 +82,7 @@ def build_initial_model(cfg: TrainConfig, device: torch.device) -> Transformer:
         from llmopt.models.loading import load_model
 
         model = load_model(cfg.init_from, dtype=torch.float32, device=device)
+        check_shape_flags(cfg.to_dict(), model.config.to_dict(), cfg.init_from)
         if cfg.seq_len > model.config.max_seq_len:
             raise TrainConfigError(
                 f"seq_len={cfg.seq_len} exceeds the model context {model.config.max_seq_len}"
@@ -148,6 +153,7 @@ def train(cfg: TrainConfig) -> TrainResult:
 def _train(cfg: TrainConfig, grid: RankGrid, device: torch.device) -> TrainResult:
     dims = grid.dims
     plan = cfg.parallel_plan(dims.world_size)
+    prepare_run_dir(cfg.out_dir, cfg.resume, cfg.overwrite, grid)  # one run per out_dir
     torch.manual_seed(cfg.seed)
     model = build_initial_model(cfg, device)
     mcfg = model.config
@@ -204,6 +210,7 @@ def _train(cfg: TrainConfig, grid: RankGrid, device: torch.device) -> TrainResul
     progress = _progress(cfg, rank0, start)
     tokens_per_step = cfg.global_batch * cfg.seq_len
     flops_step = model_flops_per_token(mcfg, cfg.seq_len) * tokens_per_step
+    guard = NonFiniteGuard(cfg.skip_nonfinite_steps)
     try:
         for step in range(start, cfg.steps):
             lr = lr_at(step, cfg)
@@ -214,7 +221,7 @@ def _train(cfg: TrainConfig, grid: RankGrid, device: torch.device) -> TrainResul
             inputs, targets = data.batch(step, cfg.global_batch, grid.dp.rank, dims.dp)
             inputs, targets = inputs.to(device), targets.to(device)
             _fault("step", step, grid.rank)
-            stepped = engine.step(inputs, targets, optimizer, cfg.clip)
+            stepped = guard.step(engine, inputs, targets, optimizer, cfg.clip, step)
             loss_value, grad_norm = stepped.loss, stepped.grad_norm
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -231,12 +238,13 @@ def _train(cfg: TrainConfig, grid: RankGrid, device: torch.device) -> TrainResul
                 "mfu": mfu(flops_step, dt, dims.world_size, peak * 1e12),
                 "memory_bytes": _memory_bytes(device),
                 "comm": comm,
+                **({"skipped": "non-finite loss or gradient norm"} if stepped.skipped else {}),
             }
             result.losses.append(loss_value)
             result.steps.append(record)
             result.comm_per_step = comm
             if rank0 and log is not None:
-                log.write(json.dumps(record) + "\n")
+                log.write(dumps(record) + "\n")
                 log.flush()
             if progress is not None:
                 progress.update(step + 1, record)
@@ -263,7 +271,7 @@ def plot_losses(log_file: Path, png: Path) -> None:
     steps: dict[int, float] = {}
     for line in log_file.read_text().splitlines():
         record = json.loads(line)
-        if record.get("event") == "step":
+        if record.get("event") == "step" and record.get("loss") is not None:
             steps[record["step"]] = record["loss"]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     xs = sorted(steps)
