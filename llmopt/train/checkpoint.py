@@ -89,11 +89,6 @@ def save_checkpoint(
     root = Path(root)
     final = _step_dir(root, step)
     partial = final.with_name(final.name + ".partial")
-    if grid.rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-    grid.world.barrier()
-
     tensors: dict[str, torch.Tensor] = {}
     for name, master in engine.state_dict().items():
         tensors[f"master/{name}"] = master.cpu().contiguous()
@@ -102,7 +97,11 @@ def save_checkpoint(
         for key, value in per_param.items():
             if torch.is_tensor(value):
                 tensors[f"optim/{idx}/{key}"] = value.detach().cpu().contiguous().clone()
-    check_finite_state(tensors.items(), grid.world, engine.device)  # collective
+    check_finite_state(tensors.items(), grid.world, engine.device)  # collective, before any file
+    if grid.rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    grid.world.barrier()
     tensors["rng/cpu"] = torch.get_rng_state()
     if torch.cuda.is_available():
         tensors["rng/cuda"] = torch.cuda.get_rng_state()

@@ -14,16 +14,9 @@ from llmopt.train.config import TrainConfigError
 
 # TrainConfig's shape flags (all ModelConfig fields of the same name).
 SHAPE_FLAGS = ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads")
-# What a checkpoint's tensors depend on (max_seq_len is not one: RoPE tables are recomputed).
-SHAPE_KEYS = (
-    *SHAPE_FLAGS,
-    "vocab_size",
-    "head_dim",
-    "mlp",
-    "tie_embeddings",
-    "attention_bias",
-    "architecture",
-)
+# ModelConfig fields a checkpoint's tensors (and their meaning) do not depend on: every other
+# field must agree on resume (max_seq_len only sizes the recomputed RoPE tables).
+NOT_SHAPE = ("name", "max_seq_len", "extra", "bos_token_id", "eos_token_id", "eos_token_ids")
 
 
 class ShapeMismatchError(TrainConfigError):
@@ -53,7 +46,8 @@ def check_shape_flags(flags: Mapping[str, Any], model: Mapping[str, Any], source
 
 def check_same_model(saved: Mapping[str, Any], here: Mapping[str, Any], source: str) -> None:
     """A resumed run's model (`here`) must have the checkpoint's (`saved`) shape."""
-    bad = [(k, saved.get(k), here.get(k)) for k in SHAPE_KEYS if saved.get(k) != here.get(k)]
+    keys = [k for k in dict.fromkeys([*saved, *here]) if k not in NOT_SHAPE]
+    bad = [(k, saved.get(k), here.get(k)) for k in keys if saved.get(k) != here.get(k)]
     if bad:
         shown = ", ".join(f"{k}: checkpoint {a} vs this run {b}" for k, a, b in bad)
         raise ShapeMismatchError(
