@@ -10,7 +10,8 @@ raises, dies or overruns the timeout fails the call with a `SpawnError` naming i
 `run_job(cmd)` runs the torchrun command and owns its processes: SIGINT/SIGTERM/SIGHUP to the
 launcher are forwarded to torchrun's process group and to every worker (torchrun starts each
 in a session of its own), and whatever is still alive `grace_s` later is killed, so stopping
-`llmopt train` never leaves workers training on.
+`llmopt train` never leaves workers training on; if the launcher itself is killed, torchrun
+gets SIGTERM from the kernel.
 """
 
 from __future__ import annotations
@@ -109,10 +110,21 @@ def _signal_all(procs: list[tuple[int, str]], signum: int) -> None:
                 pass
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the launcher dies, even by SIGKILL (Linux
+    PR_SET_PDEATHSIG), so torchrun then stops its workers itself."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))  # 1: PR_SET_PDEATHSIG
+
+
 def run_job(cmd: list[str], env: dict[str, str] | None = None, grace_s: float = 5.0) -> int:
     """Run `cmd` (torchrun) to the end and return its exit status; a forwarded signal ends it
     (status 128 + the signal) with no process of the job left alive."""
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    linux = sys.platform.startswith("linux")
+    proc = subprocess.Popen(
+        cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent if linux else None
+    )
     received: list[int] = []
     seen: dict[int, str] = {}
 
