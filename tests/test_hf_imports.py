@@ -15,7 +15,7 @@ from llmopt.cli import main as cli_main
 from llmopt.compress.quant.apply import quantize_model
 from llmopt.compress.quant.autoawq import export_autoawq
 from llmopt.compress.quant.imports import PermutedQuantLinear, QuantImportError
-from llmopt.compress.quant.io import WEIGHTS, save_quantized
+from llmopt.compress.quant.io import WEIGHTS, QuantFileError, save_quantized
 from llmopt.compress.quant.linear import QuantLinear
 from llmopt.models import ModelConfig, build_model
 from llmopt.models.loading import load_model, load_tokenizer, save_pretrained
@@ -43,8 +43,11 @@ def _layers(model: nn.Module) -> dict[str, QuantLinear]:
 def test_default_quantize_output_is_refused_by_transformers(tmp_path, quantized):
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
+    other = tmp_path / "hf"
+    save_pretrained(build_model(quantized.config, seed=1), other)  # someone's HF model
+    with pytest.raises(QuantFileError, match="is not an earlier output of this kind"):
+        save_quantized(quantized, other)  # replacing the directory would delete it
     out = tmp_path / "q"
-    save_pretrained(build_model(quantized.config, seed=1), out)  # a stale HF dir underneath
     save_quantized(quantized, out)
     assert not (out / "config.json").exists() and not (out / "model.safetensors").exists()
     # without model.safetensors the explicit class cannot fall back to a default config

@@ -229,7 +229,7 @@ def test_fp8_flag_trains_with_float8_linears(tmp_path, monkeypatch):
         _tiny(tmp_path, precision="fp8", pp=2)
     monkeypatch.setitem(sys.modules, "llmopt.precision.fp8", None)
     with pytest.raises(EngineError, match="precision=fp8 needs llmopt.precision.fp8"):
-        train(_tiny(tmp_path, precision="fp8"))
+        train(_tiny(tmp_path, precision="fp8", overwrite=True))  # the first run's directory
 
 
 def test_logged_mfu_is_the_planner_definition(tmp_path):

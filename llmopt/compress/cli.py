@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import Any
+
+from llmopt.jsonout import dumps
 
 FORMATS = ("llmopt", "autoawq", "gptq", "compressed-tensors", "gguf")
 
@@ -59,7 +60,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="dtype of the unquantized tensors on disk (keep: exact round trip; float16 halves "
         "the embedding's bytes)",
     )
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="output directory (not the source's; an earlier quantize output there is replaced "
+        "whole once the new one is complete)",
+    )
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.set_defaults(func=run)
 
@@ -97,6 +103,8 @@ def _export(qmodel, args: argparse.Namespace, tokenizer):
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from llmopt.artifacts import check_distinct
+    from llmopt.compress.prune.cli import source_path
     from llmopt.compress.quant.apply import model_nbytes, quantize_model
     from llmopt.compress.quant.calibration import calibration_set
     from llmopt.compress.quant.config import QuantConfig
@@ -116,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if config.needs_calibration:
         parse_mix(config.calib)  # a bad --calib fails before the model loads
+    check_distinct(args.out, source_path(args.model))  # never overwrite the source weights
     model = load_model(args.model, dtype=torch.float32)
     if args.format == "autoawq":
         from llmopt.compress.quant.autoawq import check_autoawq_compatible
@@ -166,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
         alphas = [g["alpha"] for layer in qmodel.quant_report["layers"] for g in layer["groups"]]
         summary["awq_mean_alpha"] = round(sum(alphas) / len(alphas), 3)
     if args.json:
-        print(json.dumps(summary, indent=2))
+        print(dumps(summary, indent=2))
         return 0
     from rich.console import Console
     from rich.table import Table

@@ -7,12 +7,11 @@ failed export leaves the previous one intact. Single files go through `llmopt.ar
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from llmopt.artifacts import OutputPathError, atomic_directory, atomic_write
 
 
 class ExportError(ValueError):
@@ -37,23 +36,13 @@ def check_output(out: str | Path, source: str | Path | None) -> Path:
 
 @contextmanager
 def staged_directory(out: Path) -> Iterator[Path]:
-    """A temporary directory next to `out`; on success it replaces `out` (an old one removed)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if out.exists() and not out.is_dir():
-        raise ExportError(f"output {out} exists and is not a directory")
-    stage = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+    """A temporary directory next to `out`; on success it replaces `out` whole (the previous
+    export intact until then; `llmopt.artifacts.atomic_directory`)."""
     try:
-        yield stage
-        old = None
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.replace(out, old)
-        os.replace(stage, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
+        with atomic_directory(out) as stage:
+            yield stage
+    except OutputPathError as exc:
+        raise ExportError(str(exc)) from exc
 
 
 def choice(value: str, valid: tuple[str, ...], what: str) -> str:
@@ -64,6 +53,4 @@ def choice(value: str, valid: tuple[str, ...], what: str) -> str:
 
 
 def write_with(path: Path, write: Callable[[Path], object]) -> None:
-    from llmopt.artifacts import atomic_write
-
     atomic_write(path, write)

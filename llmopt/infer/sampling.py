@@ -21,14 +21,13 @@ class SamplingConfig:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("temperature", "top_p"):  # NaN passes every comparison: refuse it here
+        for name in ("temperature", "top_p"):  # NaN passes every comparison: refuse it first
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"{name}={value!r} must be a number")
-            if not math.isfinite(value):
-                raise ValueError(f"{name}={value} must be finite")
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not number or not math.isfinite(value):
+                raise ValueError(f"{name}={value!r} must be a finite number")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
-            raise ValueError(f"top_k={self.top_k!r} must be an integer")
+            raise ValueError(f"top_k={self.top_k!r} must be an integer >= 0 (0 disables it)")
         if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature} must be >= 0")
         if self.top_k < 0:

@@ -19,6 +19,7 @@ from llmopt.models.directory_formats import (
     quantization_loader,
     registered_markers,
 )
+from llmopt.models.finite import check_finite_weights
 from llmopt.models.hub_cache import cached_snapshot, looks_like_hub_id
 from llmopt.models.llama import RotaryEmbedding, Transformer
 from llmopt.models.registry import is_model_name, resolve
@@ -66,7 +67,14 @@ def resolve_spec(spec: str | Path) -> tuple[str, Path]:
 def load_model(
     spec: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
 ) -> Transformer:
-    """The model named or located by `spec`, in eval mode, with weights in `dtype` on `device`."""
+    """The model named or located by `spec`, in eval mode, with weights in `dtype` on `device`;
+    weights holding NaN/inf are refused (`llmopt.models.finite`)."""
+    model = _load_model(spec, dtype=dtype, device=device)
+    check_finite_weights(model, str(spec))
+    return model
+
+
+def _load_model(spec: str | Path, *, dtype: torch.dtype, device: torch.device | str) -> Transformer:
     kind, path = resolve_spec(spec)
     if kind not in ("gguf", "hf"):
         return get_directory_format(kind).load_function()(path, dtype=dtype, device=device)

@@ -20,6 +20,12 @@ Atomicity: every rank writes into `step_N.partial/` (each file itself via temp +
 after a barrier rank 0 writes the manifest, renames the directory to `step_N` and then
 replaces `latest` (temp + rename). A crash at any point leaves `latest` naming the previous
 complete checkpoint; a leftover `.partial` directory is ignored and cleared by the next save.
+Rotation keeps the `keep` newest by step number (never by name) and never the one just written.
+
+Integrity: the manifest records the SHA-256 of every file; resuming verifies the files it
+reads and names the one that differs (a bit flip no longer resumes to NaN). A state holding
+NaN/inf is never saved (`llmopt.train.nonfinite.check_finite_state`), and a resumed run's
+model must have the checkpoint's shape (`llmopt.train.shapes.check_same_model`).
 
 Resuming restores the fp32 masters and the optimizer state bit for bit; the compute-dtype
 parameters are re-derived from the masters exactly as after every step, and the data order
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -41,12 +48,20 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from llmopt.artifacts import atomic_write, atomic_write_text
+from llmopt.compress.markers import sha256_file
 from llmopt.config_files import read_manifest, read_pointer
 from llmopt.parallel.engine import Engine
 from llmopt.parallel.grid import RankGrid
 from llmopt.parallel.optim import AdamW
+from llmopt.train.nonfinite import check_finite_state
+from llmopt.train.shapes import check_same_model
 
 LATEST = "latest"
+_STEP_NAME = re.compile(r"step_(\d+)")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint whose files do not match its manifest (corrupted, replaced, truncated)."""
 
 
 def _step_dir(root: Path, step: int) -> Path:
@@ -82,6 +97,7 @@ def save_checkpoint(
     root = Path(root)
     final = _step_dir(root, step)
     partial = final.with_name(final.name + ".partial")
+    check_finite_state(_state_tensors(engine, optimizer), grid.world, engine.device)  # collective
     if grid.rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
@@ -107,18 +123,67 @@ def save_checkpoint(
             else [],
             "save_format": save_format,
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "model_config": engine.model.config.to_dict(),
             **extra,
+            "sha256": {
+                f.relative_to(partial).as_posix(): sha256_file(f)
+                for f in sorted(partial.rglob("*"))
+                if f.is_file()
+            },
         }
         atomic_write_text(partial / "manifest.json", json.dumps(manifest, indent=1))
         if final.exists():
             shutil.rmtree(final)
         os.replace(partial, final)
         atomic_write_text(root / LATEST, final.name)
-        complete = sorted(p for p in root.glob("step_*") if not p.name.endswith(".partial"))
-        for old in complete[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        rotate(root, keep, final)
     grid.world.barrier()
     return final
+
+
+def rotate(root: Path, keep: int, written: Path) -> list[Path]:
+    """Delete complete checkpoints beyond the `keep` newest by step number; the one just
+    `written` is never deleted. Returns the deleted ones."""
+    steps = [
+        (int(m[1]), p)
+        for p in root.glob("step_*")
+        if p.is_dir() and (m := _STEP_NAME.fullmatch(p.name))
+    ]
+    ordered = [p for _, p in sorted(steps)]
+    doomed = [p for p in ordered[: max(len(ordered) - keep, 0)] if p != written]
+    for old in doomed:
+        shutil.rmtree(old, ignore_errors=True)
+    return doomed
+
+
+def verify_files(path: Path, manifest: dict[str, Any], names: list[str]) -> None:
+    """Check `names` (relative to checkpoint `path`) against the manifest's SHA-256s
+    (checkpoints written before checksums existed are taken as they are)."""
+    recorded = manifest.get("sha256")
+    if recorded is None:
+        return
+    for name in names:
+        file = path / name
+        if not file.is_file():
+            raise FileNotFoundError(f"checkpoint file missing: {file}")
+        if name not in recorded:
+            raise CheckpointError(f"{file} is not listed in {path / 'manifest.json'}")
+        digest = sha256_file(file)
+        if digest != recorded[name]:
+            raise CheckpointError(
+                f"{file} is corrupted: its SHA-256 {digest[:12]}... differs from "
+                f"{recorded[name][:12]}... recorded in {path / 'manifest.json'}; resume from "
+                "an older checkpoint (edit latest) or --init-from its hf/ directory"
+            )
+
+
+def _state_tensors(engine: Engine, optimizer: AdamW):
+    """(name, tensor) of this rank's masters and optimizer moments: what must be finite."""
+    yield from ((f"master/{k}", v) for k, v in engine.state_dict().items())
+    for idx, per_param in optimizer.state_dict()["state"].items():
+        for key, value in per_param.items():
+            if torch.is_tensor(value):
+                yield f"optim/{idx}/{key}", value
 
 
 def checkpoint_parts(save_format: str) -> tuple[bool, bool, bool]:
@@ -226,6 +291,8 @@ def load_checkpoint(
             f"checkpoint {path} was saved with save_format={manifest['save_format']} and holds "
             f"no resumable state; start from its weights with --init-from {path / 'hf'}"
         )
+    if "model_config" in manifest:
+        check_same_model(manifest["model_config"], engine.model.config.to_dict(), str(path))
     saved, here = manifest["layout"], engine.layout()
     if saved != here:
         diff = {k: (saved.get(k), here[k]) for k in here if saved.get(k) != here[k]}
@@ -238,12 +305,15 @@ def load_checkpoint(
                 f"pp={here['pp']}: start from its consolidated weights with --init-from "
                 f"{path / 'hf'} (the optimizer state restarts)"
             )
+        if (path / "full" / "model.safetensors").is_file():
+            verify_files(path, manifest, ["full/model.safetensors", "full/optimizer.safetensors"])
         _load_full(path, engine, optimizer, grid, shown or "bucket sizes")
         manifest["resharded_from"] = saved
         return manifest
     file = path / f"rank{grid.rank:05d}.safetensors"
     if not file.is_file():
         raise FileNotFoundError(f"checkpoint shard missing: {file}")
+    verify_files(path, manifest, [file.name])
     tensors = load_file(str(file))
     engine.load_state_dict(
         {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("master/")}

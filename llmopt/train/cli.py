@@ -10,14 +10,14 @@ one. `python -m llmopt.train` is what each torchrun worker runs.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 from pathlib import Path
 
 from llmopt.artifacts import atomic_write_text
+from llmopt.jsonout import dumps
 from llmopt.train.config import TrainConfig, add_config_arguments, config_from_args
-from llmopt.train.launch import launch_env, torchrun_command
+from llmopt.train.launch import launch_env, run_job, torchrun_command
+from llmopt.train.rundir import check_run_dir
 
 
 def _worker_parser() -> argparse.ArgumentParser:
@@ -58,7 +58,7 @@ def run_worker(args: argparse.Namespace) -> int:
     if rank == 0:
         summary = _summary(result, cfg)
         if args.json:
-            print(json.dumps(summary))
+            print(dumps(summary))
         else:
             print(
                 f"trained steps {result.start_step + 1}..{result.start_step + len(result.losses)}"
@@ -107,9 +107,10 @@ def handle(args: argparse.Namespace) -> int:
     if str(args.nnodes).isdigit():  # a fixed world: the layout and batch must fit it, now
         cfg.parallel_plan(args.nproc_per_node * int(args.nnodes))
     out = Path(cfg.out_dir)
+    check_run_dir(out, cfg.resume, cfg.overwrite)  # before torchrun starts
     out.mkdir(parents=True, exist_ok=True)
     config_file = out / "run_config.json"
-    atomic_write_text(config_file, json.dumps(cfg.to_dict(), indent=1))
+    atomic_write_text(config_file, dumps(cfg.to_dict(), indent=1))
     target = ["-m", "llmopt.train", "--config", str(config_file)]
     if args.json:
         target.append("--json")
@@ -121,4 +122,4 @@ def handle(args: argparse.Namespace) -> int:
         master_addr=args.master_addr,
         master_port=args.master_port,
     )
-    return subprocess.call(cmd, env=launch_env())
+    return run_job(cmd, env=launch_env())  # a signal to us stops torchrun and its workers

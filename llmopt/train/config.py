@@ -100,6 +100,8 @@ class TrainConfig:
     save_every: int = 0  # 0: only at the end
     keep_checkpoints: int = 2
     resume: bool = False
+    overwrite: bool = False  # start afresh in a used out_dir (its checkpoints and log deleted)
+    skip_nonfinite_steps: int = 0  # steps with a NaN/inf loss or grad norm skipped before stopping
     timeout_s: float = 120.0
     peak_tflops: float | None = None  # per device; None: measured dense-matmul peak
     progress: bool = True
@@ -163,12 +165,55 @@ class TrainConfig:
                 raise TrainConfigError(f"{name}={value!r} must be a finite number")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise TrainConfigError(f"need 0 <= min_lr ({self.min_lr}) <= lr ({self.lr}), lr > 0")
+        self._check_ranges()
+
+    def _check_ranges(self) -> None:
+        """Optimiser and bookkeeping values in range, before any process starts or loads."""
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise TrainConfigError(f"{name}={getattr(self, name)!r} must be in [0, 1)")
+        if self.eps <= 0:
+            raise TrainConfigError(f"eps={self.eps!r} must be > 0")
+        if self.weight_decay < 0:
+            raise TrainConfigError(f"weight_decay={self.weight_decay!r} must be >= 0")
+        if self.clip < 0:
+            raise TrainConfigError(
+                f"clip={self.clip!r} must be >= 0 (the gradient-norm bound; 0: no clipping)"
+            )
+        for name in ("warmup_steps", "log_every", "save_every", "keep_checkpoints", "seed"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TrainConfigError(f"{name}={value!r} must be an integer")
         if self.warmup_steps < 0:
             raise TrainConfigError(f"warmup_steps={self.warmup_steps} must be >= 0")
         if self.log_every < 1 or self.save_every < 0 or self.keep_checkpoints < 1:
-            raise TrainConfigError("log_every and keep_checkpoints must be >= 1, save_every >= 0")
-        if self.timeout_s <= 0:
-            raise TrainConfigError(f"timeout_s={self.timeout_s} must be positive")
+            raise TrainConfigError(
+                f"log_every={self.log_every} and keep_checkpoints={self.keep_checkpoints} must "
+                f"be >= 1, save_every={self.save_every} >= 0"
+            )
+        for name, value, low in (
+            ("timeout_s", self.timeout_s, "> 0"),
+            ("peak_tflops", self.peak_tflops, "> 0 (or unset: measured)"),
+        ):
+            if value is None and name == "peak_tflops":
+                continue
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not number or not math.isfinite(value) or value <= 0:
+                raise TrainConfigError(f"{name}={value!r} must be a finite number {low}")
+        if self.max_chars is not None and (
+            not isinstance(self.max_chars, int)
+            or isinstance(self.max_chars, bool)
+            or self.max_chars < 1
+        ):
+            raise TrainConfigError(f"max_chars={self.max_chars!r} must be a positive integer")
+        skips = self.skip_nonfinite_steps
+        if not isinstance(skips, int) or isinstance(skips, bool) or skips < 0:
+            raise TrainConfigError(f"skip_nonfinite_steps={skips!r} must be an integer >= 0")
+        if self.resume and self.overwrite:
+            raise TrainConfigError(
+                "resume and overwrite contradict each other: resume continues the run in "
+                "out_dir, overwrite deletes it; give one"
+            )
         from llmopt.train.finetune_config import validate_finetune
 
         validate_finetune(self, TrainConfigError)

@@ -17,15 +17,31 @@ import numpy as np
 import torch
 
 from llmopt.artifacts import atomic_write
+from llmopt.compress.markers import sha256_file
 
 CACHE_DIR = Path(os.environ.get("LLMOPT_CACHE", Path.home() / ".cache" / "llmopt"))
+
+
+def _content_key(corpus: str) -> str:
+    """What a cache entry of a text-file corpus depends on besides its name: the SHA-256 of its
+    bytes (hashing is ~100x cheaper than tokenising), so an edited file — or another file of
+    the same relative name — is tokenised afresh. Named corpora (`corpus:NAME`) are packaged
+    data: their name is their key."""
+    if corpus.startswith("corpus:"):
+        return ""
+    path = Path(corpus)
+    if not path.is_file():
+        return ""  # load_text names the missing file
+    return sha256_file(path)
 
 
 def _tokenise_cached(corpus: str, tokenizer_spec: str, max_chars: int | None) -> np.ndarray:
     """Token ids of a corpus, cached on disk (written atomically) so ranks share the work."""
     from llmopt.data.corpus import load_text
 
-    key = hashlib.sha256(f"{corpus}|{tokenizer_spec}|{max_chars}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        f"{corpus}|{_content_key(corpus)}|{tokenizer_spec}|{max_chars}".encode()
+    ).hexdigest()[:16]
     path = CACHE_DIR / f"tokens-{key}.npy"
     if path.is_file():
         return np.load(path)

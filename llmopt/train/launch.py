@@ -6,6 +6,12 @@ multi-node flags the scale-out path). `spawn(fn, world, *args)` runs a Python fu
 `world` local gloo processes (tests, CPU benchmarks): the group is initialised from a file
 store in a temporary directory, so no port can collide with another job, and a rank that
 raises, dies or overruns the timeout fails the call with a `SpawnError` naming it.
+
+`run_job(cmd)` runs the torchrun command and owns its processes: SIGINT/SIGTERM/SIGHUP to the
+launcher are forwarded to torchrun's process group and to every worker (torchrun starts each
+in a session of its own), and whatever is still alive `grace_s` later is killed, so stopping
+`llmopt train` never leaves workers training on; if the launcher itself is killed, torchrun
+gets SIGTERM from the kernel.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ import datetime
 import multiprocessing as mp
 import os
 import queue as queue_lib
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -57,6 +65,98 @@ def launch_env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
+
+
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def descendants(pid: int) -> list[tuple[int, str]]:
+    """(pid, start time) of every process below `pid` (Linux /proc; empty elsewhere). The
+    start time tells a process from a later one that reuses its pid."""
+    found: list[tuple[int, str]] = []
+    stack = [pid]
+    while stack:
+        parent = stack.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{tid}/children") as handle:
+                    children = [int(c) for c in handle.read().split()]
+            except OSError:
+                continue
+            for child in children:
+                found.append((child, _start_time(child)))
+                stack.append(child)
+    return found
+
+
+def _start_time(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+def _signal_all(procs: list[tuple[int, str]], signum: int) -> None:
+    for pid, started in procs:
+        if _start_time(pid) == started:  # still the process we saw
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the launcher dies, even by SIGKILL (Linux
+    PR_SET_PDEATHSIG), so torchrun then stops its workers itself."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))  # 1: PR_SET_PDEATHSIG
+
+
+def run_job(cmd: list[str], env: dict[str, str] | None = None, grace_s: float = 5.0) -> int:
+    """Run `cmd` (torchrun) to the end and return its exit status; a forwarded signal ends it
+    (status 128 + the signal) with no process of the job left alive."""
+    linux = sys.platform.startswith("linux")
+    proc = subprocess.Popen(
+        cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent if linux else None
+    )
+    received: list[int] = []
+    seen: dict[int, str] = {}
+
+    def forward(signum: int, _frame: Any) -> None:
+        received.append(signum)
+        seen.update(descendants(proc.pid))
+        try:
+            os.killpg(proc.pid, signum)
+        except ProcessLookupError:
+            pass
+        _signal_all(list(seen.items()), signum)
+
+    previous = {s: signal.signal(s, forward) for s in FORWARDED}
+    deadline = None
+    try:
+        while True:
+            try:
+                status = proc.wait(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if received and deadline is None:
+                deadline = time.monotonic() + grace_s
+            if deadline is not None and time.monotonic() > deadline:
+                seen.update(descendants(proc.pid))
+                _signal_all([(proc.pid, _start_time(proc.pid)), *seen.items()], signal.SIGKILL)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if received:  # workers that outlived torchrun (their own sessions) go too
+            _signal_all(list(seen.items()), signal.SIGKILL)
+    return 128 + received[0] if received else status
 
 
 def spawn(

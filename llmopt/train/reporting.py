@@ -102,8 +102,8 @@ def plot_losses(log_file: Path, png: Path) -> None:
     evals: dict[int, float] = {}
     for line in log_file.read_text().splitlines():
         record = json.loads(line)
-        if record.get("event") == "step":
-            steps[record["step"]] = record["loss"]
+        if record.get("event") == "step" and record.get("loss") is not None:
+            steps[record["step"]] = record["loss"]  # a skipped non-finite step logs null
         elif record.get("event") == "eval":
             evals[record["step"]] = record["eval_loss"]
     fig, ax = plt.subplots(figsize=(6, 3.5))

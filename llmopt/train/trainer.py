@@ -18,7 +18,6 @@ measured per-device peak. Logs before this change used 6N + 12·L·h·s (N count
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import signal
@@ -31,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from llmopt.jsonout import dumps
 from llmopt.models.config import ModelConfig
 from llmopt.models.llama import Transformer, build_model
 from llmopt.models.presets import get_preset
@@ -45,7 +45,10 @@ from llmopt.train.evaluate import eval_loss
 from llmopt.train.export import hf_exporter
 from llmopt.train.finetune_config import report_targets
 from llmopt.train.finetune_data import build_data, own_tokenizer
+from llmopt.train.nonfinite import NonFiniteGuard
 from llmopt.train.reporting import Progress, Reporter, plot_losses
+from llmopt.train.rundir import prepare_run_dir
+from llmopt.train.shapes import check_shape_flags
 
 FAULT_ENV = "LLMOPT_FAULT"  # "kind:rank:step", kind in raise|kill|kill-in-save (tests)
 
@@ -86,6 +89,7 @@ def build_initial_model(cfg: TrainConfig, device: torch.device) -> Transformer:
         from llmopt.models.loading import load_model
 
         model = load_model(cfg.init_from, dtype=torch.float32, device=device)
+        check_shape_flags(cfg.to_dict(), model.config.to_dict(), cfg.init_from)
         if cfg.seq_len > model.config.max_seq_len:
             raise TrainConfigError(
                 f"seq_len={cfg.seq_len} exceeds the model context {model.config.max_seq_len}"
@@ -165,6 +169,7 @@ def train(cfg: TrainConfig) -> TrainResult:
 def _train(cfg: TrainConfig, grid: RankGrid, device: torch.device) -> TrainResult:
     dims = grid.dims
     plan = cfg.parallel_plan(dims.world_size)
+    prepare_run_dir(cfg.out_dir, cfg.resume, cfg.overwrite, grid)  # one run per out_dir
     torch.manual_seed(cfg.seed)
     model = build_initial_model(cfg, device)
     mcfg = model.config
@@ -222,7 +227,7 @@ def _train(cfg: TrainConfig, grid: RankGrid, device: torch.device) -> TrainResul
             "trainable_parameters": trainable,
             "data": dataclasses.asdict(data.stats) if hasattr(data, "stats") else None,
         }
-        log.write(json.dumps(header) + "\n")
+        log.write(dumps(header) + "\n")
         log.flush()
         reporter = Reporter(report_targets(cfg.report_to), out, cfg.to_dict())
 
@@ -236,13 +241,14 @@ def _train(cfg: TrainConfig, grid: RankGrid, device: torch.device) -> TrainResul
         value = eval_loss(engine, *held_out, cfg.micro_batch)
         result.eval_losses[step] = value
         if log is not None:
-            log.write(json.dumps({"event": "eval", "step": step, "eval_loss": value}) + "\n")
+            log.write(dumps({"event": "eval", "step": step, "eval_loss": value}) + "\n")
             log.flush()
         if reporter is not None:
             reporter.eval(step, value)
         if progress is not None:
             progress.log(f"step {step}: held-out loss {value:.4f}")
 
+    guard = NonFiniteGuard(cfg.skip_nonfinite_steps)
     try:
         if evaluating and start < cfg.steps:
             evaluate(start)
@@ -256,7 +262,9 @@ def _train(cfg: TrainConfig, grid: RankGrid, device: torch.device) -> TrainResul
             inputs, targets = inputs.to(device), targets.to(device)
             _fault("step", step, grid.rank)
             supervised = data.supervised(step, cfg.global_batch)
-            stepped = engine.step(inputs, targets, optimizer, cfg.clip, num_tokens=supervised)
+            stepped = guard.step(
+                engine, inputs, targets, optimizer, cfg.clip, step, num_tokens=supervised
+            )
             loss_value, grad_norm = stepped.loss, stepped.grad_norm
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -274,12 +282,13 @@ def _train(cfg: TrainConfig, grid: RankGrid, device: torch.device) -> TrainResul
                 "memory_bytes": _memory_bytes(device),
                 "supervised_tokens": supervised,
                 "comm": comm,
+                **({"skipped": "non-finite loss or gradient norm"} if stepped.skipped else {}),
             }
             result.losses.append(loss_value)
             result.steps.append(record)
             result.comm_per_step = comm
             if rank0 and log is not None:
-                log.write(json.dumps(record) + "\n")
+                log.write(dumps(record) + "\n")
                 log.flush()
             if progress is not None:
                 progress.update(step + 1, record)
@@ -296,7 +305,7 @@ def _train(cfg: TrainConfig, grid: RankGrid, device: torch.device) -> TrainResul
         if reporter is not None:
             reporter.close()
         if log is not None:
-            log.write(json.dumps({"event": "end", "steps_done": len(result.losses)}) + "\n")
+            log.write(dumps({"event": "end", "steps_done": len(result.losses)}) + "\n")
             log.close()
     if rank0 and result.log_file and result.losses:
         plot_losses(Path(result.log_file), out / "loss.png")

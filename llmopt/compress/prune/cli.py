@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from llmopt.jsonout import dumps
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from llmopt.compress.prune.config import METHODS
@@ -106,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         "disk_bytes": sum(f.stat().st_size for f in out.iterdir() if f.is_file()),
     }
     if args.json:
-        print(json.dumps(summary, indent=2))
+        print(dumps(summary, indent=2))
         return 0
     from rich.console import Console
     from rich.table import Table

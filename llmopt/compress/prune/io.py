@@ -13,16 +13,13 @@ reader ever sees half of one, and it may not be the source model's directory or 
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from llmopt.artifacts import atomic_write, atomic_write_json
+from llmopt.artifacts import OutputPathError, atomic_directory, atomic_write, atomic_write_json
 from llmopt.compress.markers import read_marker, sha256_file, verify_weights
 from llmopt.compress.prune.config import PruneConfig
 from llmopt.compress.prune.packed import (
@@ -52,10 +49,10 @@ def check_out_dir(out: str | Path, source: str | Path | None = None) -> Path:
     out = Path(out).expanduser().resolve()
     if source is not None:
         src = Path(source).expanduser().resolve()
-        if out == src or src in out.parents:
+        if out == src or src in out.parents or out in src.parents:
             raise PruneFileError(
-                f"--out {out} is the source model {src} or inside it; choose a directory "
-                "outside the source"
+                f"--out {out} is the source model {src} or inside it, or contains it; choose "
+                "a directory outside the source"
             )
     if out.exists():
         if not out.is_dir():
@@ -65,19 +62,6 @@ def check_out_dir(out: str | Path, source: str | Path | None = None) -> Path:
                 f"--out {out} exists and is not an llmopt prune output; choose a new directory"
             )
     return out
-
-
-def _publish(staging: Path, out: Path) -> None:
-    """Move a finished staging directory to `out`, replacing a previous prune output (moved
-    aside first: for an instant between the two renames `out` does not exist, but it is never
-    half-written)."""
-    if not out.exists():
-        os.replace(staging, out)
-        return
-    old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old."))
-    os.replace(out, old / "dir")
-    os.replace(staging, out)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def _pruned_state(
@@ -142,34 +126,28 @@ def save_pruned(
         raise PruneFileError("model has no prune_config: prune it with prune_model first")
     out = check_out_dir(directory, source)
     state, modules, stored, dense16 = _pruned_state(model, float_dtype)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
     try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(staging, 0o777 & ~umask)  # mkdtemp's 0700 is for the staging phase only
-        weights = staging / WEIGHTS
-        atomic_write(weights, lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
-        if tokenizer is not None:
-            tokenizer.save(staging)
-        report = getattr(model, "prune_report", {})
-        meta = {
-            "format": FORMAT_NAME,
-            "version": FORMAT_VERSION,
-            "model_config": model.config.to_dict(),
-            "prune_config": model.prune_config.to_dict(),
-            "modules": modules,
-            "weights_sha256": sha256_file(weights),
-            "pruned_linear_bytes": stored,
-            "pruned_linear_fp16_bytes": dense16,
-            "float_dtype": str(float_dtype) if float_dtype is not None else "keep",
-            "report": {k: v for k, v in report.items() if k != "layers"},
-        }
-        atomic_write_json(staging / MARKER, meta, indent=2)  # last: marks it complete
-        _publish(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        with atomic_directory(out, marker=MARKER) as staging:
+            weights = staging / WEIGHTS
+            atomic_write(weights, lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
+            if tokenizer is not None:
+                tokenizer.save(staging)
+            report = getattr(model, "prune_report", {})
+            meta = {
+                "format": FORMAT_NAME,
+                "version": FORMAT_VERSION,
+                "model_config": model.config.to_dict(),
+                "prune_config": model.prune_config.to_dict(),
+                "modules": modules,
+                "weights_sha256": sha256_file(weights),
+                "pruned_linear_bytes": stored,
+                "pruned_linear_fp16_bytes": dense16,
+                "float_dtype": str(float_dtype) if float_dtype is not None else "keep",
+                "report": {k: v for k, v in report.items() if k != "layers"},
+            }
+            atomic_write_json(staging / MARKER, meta, indent=2)  # last: marks it complete
+    except OutputPathError as exc:
+        raise PruneFileError(str(exc)) from exc
     return out
 
 

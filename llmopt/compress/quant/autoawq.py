@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmopt.artifacts import atomic_write, atomic_write_json
+from llmopt.artifacts import atomic_directory, atomic_write, atomic_write_json
 from llmopt.compress.quant.linear import QuantLinear
 from llmopt.models.hf import ours_to_hf
 from llmopt.models.spec import spec_for
@@ -89,7 +89,6 @@ def export_autoawq(model: nn.Module, directory: str | Path, tokenizer: Any = Non
     if config is None:
         raise ValueError("model is not quantized: quantize it first")
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     state: dict[str, torch.Tensor] = {}
     quantized = set()
     for name, module in model.named_modules():
@@ -109,10 +108,6 @@ def export_autoawq(model: nn.Module, directory: str | Path, tokenizer: Any = Non
         if module_name in quantized or (tied and name == f"{head}.weight"):
             continue
         state[ours_to_hf(name)] = tensor.detach().half().contiguous()
-    atomic_write(
-        directory / "model.safetensors",
-        lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}),
-    )
     hf = model.config.to_hf_config()
     hf["torch_dtype"] = "float16"
     hf["quantization_config"] = {
@@ -123,7 +118,12 @@ def export_autoawq(model: nn.Module, directory: str | Path, tokenizer: Any = Non
         "version": "gemm",
         "modules_to_not_convert": None,
     }
-    atomic_write_json(directory / "config.json", hf, indent=2)
-    if tokenizer is not None:
-        tokenizer.save(directory)
+    with atomic_directory(directory) as staging:  # an old export intact until this one is whole
+        atomic_write(
+            staging / "model.safetensors",
+            lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}),
+        )
+        atomic_write_json(staging / "config.json", hf, indent=2)
+        if tokenizer is not None:
+            tokenizer.save(staging)
     return directory

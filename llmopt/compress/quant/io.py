@@ -3,10 +3,11 @@
 `llmopt_quant.json` records the model config, the quantization config, every quantized
 module's shape, and the SHA-256 of the weights file; loading checks all of them, so a
 truncated, corrupted or mismatched file fails with one line naming the problem instead of
-producing a silently wrong model. Every file is written to a temporary name and renamed, and
-the marker file is written last: a directory is never half a quantized model.
+producing a silently wrong model. The directory is built in a temporary sibling (the marker
+written last) and swapped into place whole (`llmopt.artifacts.atomic_directory`): a previous
+output stays intact until the new one is complete, and a directory is never half a model.
 
-Neither `config.json` nor `model.safetensors` is written (stale ones are removed): transformers
+Neither `config.json` nor `model.safetensors` is written: transformers
 loads any `model.safetensors` (with a default config when config.json is absent) and initialises
 every linear whose packed tensors it does not know at random. Without both names every
 transformers loader raises instead. Portable outputs are the exports (`export_autoawq`).
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmopt.artifacts import atomic_write, atomic_write_json
+from llmopt.artifacts import OutputPathError, atomic_directory, atomic_write, atomic_write_json
 from llmopt.compress import QUANT_MARKER as MARKER
 from llmopt.compress.markers import read_marker, sha256_file, verify_weights
 from llmopt.compress.quant.config import QuantConfig
@@ -69,7 +70,6 @@ def save_quantized(
     if config is None:
         raise ValueError("model has no quant_config: quantize it with quantize_model first")
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     spec = spec_for(model)
     tied = model.config.tie_embeddings and not isinstance(
         spec.top_module(model, "head"), QuantLinear
@@ -92,25 +92,26 @@ def save_quantized(
         for name, m in model.named_modules()
         if isinstance(m, QuantLinear)
     }
-    (directory / MARKER).unlink(missing_ok=True)  # an interrupted save is never complete
-    for stale in ("config.json", LEGACY_WEIGHTS, "model.safetensors.index.json"):
-        (directory / stale).unlink(missing_ok=True)
-    weights = directory / WEIGHTS
-    atomic_write(weights, lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
-    if tokenizer is not None:
-        tokenizer.save(directory)
-    meta = {
-        "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
-        "model_config": model.config.to_dict(),
-        "quant_config": config.to_dict(),
-        "modules": modules,
-        "weights_file": WEIGHTS,
-        "weights_sha256": sha256_file(weights),
-        "float_dtype": str(float_dtype or next(iter(_float_params(model)), torch.float32)),
-        "report": _jsonable(getattr(model, "quant_report", {})),
-    }
-    _write_json(directory / MARKER, meta)  # last: marks the directory complete
+    try:
+        with atomic_directory(directory, marker=MARKER) as staging:
+            weights = staging / WEIGHTS
+            atomic_write(weights, lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
+            if tokenizer is not None:
+                tokenizer.save(staging)
+            meta = {
+                "format": FORMAT_NAME,
+                "version": FORMAT_VERSION,
+                "model_config": model.config.to_dict(),
+                "quant_config": config.to_dict(),
+                "modules": modules,
+                "weights_file": WEIGHTS,
+                "weights_sha256": sha256_file(weights),
+                "float_dtype": str(float_dtype or next(iter(_float_params(model)), torch.float32)),
+                "report": _jsonable(getattr(model, "quant_report", {})),
+            }
+            _write_json(staging / MARKER, meta)  # last: marks the directory complete
+    except OutputPathError as exc:
+        raise QuantFileError(str(exc)) from exc
     return directory
 
 

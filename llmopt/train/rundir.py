@@ -1,0 +1,76 @@
+"""The run directory (`--out-dir`): one run per directory, unless it is resumed or overwritten.
+
+Reusing a directory without `--resume` used to mix two runs: the new run's checkpoint was the
+one rotation deleted, `latest` dangled, and the log went on from the old run's. Now a directory
+holding a run (anything besides the launcher's `run_config.json`) is refused unless `--resume`
+continues it or `--overwrite` deletes what a run writes there (checkpoints, log, loss plot)
+first. Checkpoint directories a killed save left half-written (`step_N.partial`) and
+temporaries of killed writers are swept at start.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from llmopt.artifacts import clean_stale
+from llmopt.train.config import TrainConfigError
+
+if TYPE_CHECKING:
+    from llmopt.parallel.grid import RankGrid
+
+LAUNCH_CONFIG = "run_config.json"  # written by `llmopt train` before torchrun starts
+RUN_OUTPUTS = ("checkpoints", "train_log.jsonl", "loss.png", LAUNCH_CONFIG)
+
+
+class RunDirError(TrainConfigError):
+    """An out_dir that holds another run (neither resumed nor overwritten)."""
+
+
+def previous_run(out: Path) -> list[str]:
+    """Names of what `out` holds besides the launcher's config (empty: a fresh directory)."""
+    if not out.is_dir():
+        if out.exists():
+            raise RunDirError(f"out_dir {out} exists and is not a directory")
+        return []
+    return sorted(p.name for p in out.iterdir() if p.name != LAUNCH_CONFIG)
+
+
+def check_run_dir(out: str | Path, resume: bool, overwrite: bool) -> None:
+    """Refuse an out_dir holding a run when neither `resume` nor `overwrite` is set."""
+    out = Path(out)
+    held = previous_run(out)
+    if held and not (resume or overwrite):
+        shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+        raise RunDirError(
+            f"out_dir {out} already holds a run ({shown}); pass --resume to continue it, "
+            "--overwrite to delete it and start afresh, or choose another --out-dir"
+        )
+
+
+def prepare_run_dir(out: str | Path, resume: bool, overwrite: bool, grid: RankGrid) -> None:
+    """Collective. Every rank checks (so all refuse together, before rank 0 writes a log that
+    would make a later check fail); rank 0 then deletes a previous run's outputs for
+    `overwrite` and sweeps leftovers of killed saves."""
+    out = Path(out)
+    check_run_dir(out, resume, overwrite)
+    with grid.counter.paused():
+        grid.world.barrier()
+    if grid.rank == 0 and out.is_dir():
+        _clear(out, overwrite)
+
+
+def _clear(out: Path, overwrite: bool) -> None:
+    if overwrite:
+        for name in RUN_OUTPUTS[:-1]:  # the launch config is this run's own
+            path = out / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
+    ckpts = out / "checkpoints"
+    if ckpts.is_dir():
+        for partial in ckpts.glob("step_*.partial"):
+            shutil.rmtree(partial, ignore_errors=True)
+        clean_stale(ckpts / "latest")
