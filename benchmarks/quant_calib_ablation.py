@@ -3,9 +3,11 @@
 Each variant quantizes SmolLM2-135M at W4-g128 and is scored (ppl, mean KL, top-1 against
 the unquantized model) on web-bible (in domain for the old default calibration) and on two
 corpora no calibration mix may use (`corpus.EVAL_ONLY`): torch docstrings and package
-READMEs. Variants change one thing at a time against the default recipe.
+READMEs. Variants change one thing at a time (calibration mix, its size, one method
+knob) against the default recipe (`mix25`, 16 x 512); docs/benchmarks/quant.md has the table.
 
     python benchmarks/quant_calib_ablation.py --out runs/quant_calib_ablation.json
+    python benchmarks/quant_calib_ablation.py --eval-tokens 2048 --variants "rtn,gptq-ao mix50 16x512"
 """
 
 from __future__ import annotations
@@ -25,29 +27,56 @@ from quant_quality import (
     score,
 )
 
-BIBLE = "corpus:web-bible"
-# label -> (method, calib mix or "default", n_samples, seq_len, QuantConfig overrides)
+# the calibration mixes compared (labels in the table)
+MIXES = {
+    "bible": "corpus:web-bible",
+    "mix25": (
+        "corpus:web-bible=0.25,corpus:py-docs=0.25,corpus:stdlib-docs=0.25,"
+        "corpus:stdlib-comments=0.25"
+    ),
+    "mix50": (
+        "corpus:web-bible=0.5,corpus:py-docs=0.1667,corpus:stdlib-docs=0.1667,"
+        "corpus:stdlib-comments=0.1667"
+    ),
+}
+# label -> (method, mix label, n_samples, seq_len, QuantConfig overrides)
 VARIANTS: dict[str, tuple[str, str, int, int, dict[str, Any]]] = {
-    "rtn": ("rtn", "default", 16, 512, {}),
-    "gptq-ao bible (old default)": ("gptq", BIBLE, 16, 512, {}),
-    "gptq-ao mix": ("gptq", "default", 16, 512, {}),
-    "gptq-ao mix damp=0.1": ("gptq", "default", 16, 512, {"gptq_damp": 0.1}),
-    "gptq mix no act-order": ("gptq", "default", 16, 512, {"gptq_act_order": False}),
-    "gptq-ao bible damp=0.1": ("gptq", BIBLE, 16, 512, {"gptq_damp": 0.1}),
-    "gptq-ao mix 64x128": ("gptq", "default", 64, 128, {}),
-    "awq bible (old default)": ("awq", BIBLE, 16, 512, {}),
-    "awq mix": ("awq", "default", 16, 512, {}),
+    "rtn": ("rtn", "mix25", 16, 512, {}),
+    # calibration source and size
+    "gptq-ao bible 16x512": ("gptq", "bible", 16, 512, {}),
+    "gptq-ao mix25 16x512": ("gptq", "mix25", 16, 512, {}),
+    "gptq-ao mix50 16x512": ("gptq", "mix50", 16, 512, {}),
+    "gptq-ao mix25 32x512": ("gptq", "mix25", 32, 512, {}),
+    "gptq-ao mix50 32x512": ("gptq", "mix50", 32, 512, {}),
+    "gptq-ao bible 32x512": ("gptq", "bible", 32, 512, {}),
+    "gptq-ao mix25 64x128": ("gptq", "mix25", 64, 128, {}),
+    # GPTQ knobs (mix25, 16x512)
+    "gptq mix25 no act-order": ("gptq", "mix25", 16, 512, {"gptq_act_order": False}),
+    "gptq-ao mix25 damp=0.1": ("gptq", "mix25", 16, 512, {"gptq_damp": 0.1}),
+    "gptq-ao mix25 damp=0.001": ("gptq", "mix25", 16, 512, {"gptq_damp": 0.001}),
+    "gptq-ao mix25 not true-seq": (
+        "gptq",
+        "mix25",
+        16,
+        512,
+        {"gptq_true_sequential": False},
+    ),
+    # AWQ: source, then its search knobs (mix25, 16x512)
+    "awq bible 16x512": ("awq", "bible", 16, 512, {}),
+    "awq mix25 16x512": ("awq", "mix25", 16, 512, {}),
+    "awq mix50 32x512": ("awq", "mix50", 32, 512, {}),
+    "awq mix25 grid=10": ("awq", "mix25", 16, 512, {"awq_grid": 10}),
+    "awq mix25 no clip": ("awq", "mix25", 16, 512, {"awq_clip": False}),
+    "awq mix25 search=16": ("awq", "mix25", 16, 512, {"awq_search_samples": 16}),
 }
 
 
 def main(argv: list[str] | None = None) -> None:
-    from llmopt.compress.quant.calibration import DEFAULT_MIX
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="labels, comma-separated")
     parser.add_argument("--eval", default=DEFAULT_EVAL)
-    parser.add_argument("--eval-tokens", type=int, default=2048, help="per corpus")
+    parser.add_argument("--eval-tokens", type=int, default=4096, help="per corpus")
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--out", default="runs/quant_calib_ablation.json")
     args = parser.parse_args(argv)
@@ -70,8 +99,8 @@ def main(argv: list[str] | None = None) -> None:
     rows, cells = [], []
     out = Path(args.out)
     for label in labels:
-        method, mix, n, seq_len, overrides = VARIANTS[label]
-        mix = DEFAULT_MIX if mix == "default" else mix
+        method, mix_label, n, seq_len, overrides = VARIANTS[label]
+        mix = MIXES[mix_label]
         calib = calibration_set(tokenizer, mix, n, seq_len)
         console.print(f"[bold]{label}[/bold]")
         t0, c0 = time.perf_counter(), time.process_time()
@@ -98,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
             {
                 "variant": label,
                 "method": method,
+                "mix": mix_label,
                 "calib": calib.coverage,
                 "overrides": overrides,
                 "eval": stats,
