@@ -161,6 +161,12 @@ def make_student(spec: str, teacher: Transformer, *, seed: int = 0) -> Transform
         except (ValueError, TypeError) as exc:
             raise DistillConfigError(f"student config {str(path)!r}: {exc}") from exc
         student = build_model(config, seed=seed, device=device)
+    elif (Path(spec) / "llmopt_prune.json").is_file():  # recover a pruned model: dense linears
+        from llmopt.compress.prune import load_pruned
+
+        student = load_pruned(spec, packed=False, device=device)
+        for name in ("prune_config", "prune_masks", "prune_report"):
+            delattr(student, name)
     else:
         from llmopt.models.loading import load_model
 
