@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--init", required=True, help="the undistilled (layer-dropped) student")
     p.add_argument("--ce", default=None, help="the same student trained on CE only")
     p.add_argument("--kd", required=True, help="the distilled student")
+    p.add_argument("--extra", action="append", default=[], help="NAME=DIR: another draft")
+    p.add_argument("--passages", default=",".join(PASSAGES), help="comma-separated names")
     p.add_argument("--vocab", type=int, default=8192, help="draft head size K")
     p.add_argument("--train-chars", type=int, default=2_000_000, help="the drafts' text prefix")
     p.add_argument("--gammas", default="2,4")
@@ -83,13 +85,15 @@ def main(argv: list[str] | None = None) -> int:
     counts = torch.bincount(train_ids, minlength=cfg.vocab_size)
     coverage = float(counts[ids].sum() / counts.sum())
     prompts = {}
-    for name, opening in PASSAGES.items():
+    for name in args.passages.split(","):
+        opening = PASSAGES[name]
         start = text.find(opening)
         if start < args.train_chars:
             raise ValueError(f"passage {name} starts at {start}, inside the training text")
         end = text.rfind(" ", start, start + args.chars)
         prompts[name] = tokenizer.encode(text[start:end], add_bos=False)
     sources = {"init": args.init, "ce": args.ce, "kd": args.kd}
+    sources.update(dict(item.split("=", 1) for item in args.extra))
     drafts = {
         name: ModelDraft(with_reduced_head(load_model(path), ids), name=name)
         for name, path in sources.items()

@@ -269,8 +269,9 @@ def _keep_sparsity(model_dir: Path, pruned_source: str, out: Path) -> Path:
     return save_pruned(masked, out, load_tokenizer(model_dir), source=None)
 
 
-def run_recipe(recipe: Recipe, log=print) -> list[dict[str, Any]]:
-    """Run every stage; returns the metric rows (the original model first)."""
+def run_recipe(recipe: Recipe, log=print, original_row: dict | None = None) -> list[dict[str, Any]]:
+    """Run every stage; returns the metric rows (the original model first). `original_row`:
+    the original's row measured already (several recipes on one model measure it once)."""
     from llmopt.data.corpus import load_text
     from llmopt.models.loading import load_model, load_tokenizer, resolve_spec
 
@@ -281,9 +282,10 @@ def run_recipe(recipe: Recipe, log=print) -> list[dict[str, Any]]:
     prompt = ids[:32]
     original = load_model(recipe.model)
     recipe.out.mkdir(parents=True, exist_ok=True)
-    rows = [{"stage": "original", "model": recipe.model}]
-    rows[0].update(measure(original, original, tokens, prompt, ev, DECODE[ev["decode"]]))
-    rows[0]["disk_bytes"] = disk_bytes(resolve_spec(recipe.model)[1])
+    rows = [dict(original_row) if original_row else {"stage": "original", "model": recipe.model}]
+    if not original_row:
+        rows[0].update(measure(original, original, tokens, prompt, ev, DECODE[ev["decode"]]))
+        rows[0]["disk_bytes"] = disk_bytes(resolve_spec(recipe.model)[1])
     source, chain = recipe.model, []
     for i, stage in enumerate(recipe.stages, 1):
         kind = stage["kind"]
