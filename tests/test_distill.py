@@ -208,3 +208,16 @@ def test_out_may_not_be_the_teacher_and_the_teacher_needs_a_tokenizer(teacher_di
         _prepared(bare, tmp_path / "x")
     with pytest.raises(DistillConfigError, match="exceeds the teacher context"):
         _prepared(teacher_dir, tmp_path / "y", seq_len=128)
+
+
+def test_cli_refuses_bad_input_in_one_line(teacher_dir, tmp_path, capsys):
+    from llmopt.cli import main
+
+    base = ["distill", "--teacher", str(teacher_dir), "--student", "init:teacher-layers=0"]
+    assert main([*base, "--temperature", "0", "--out", str(tmp_path / "o")]) == 2
+    assert main([*base, "--alpha", "nan", "--out", str(tmp_path / "o")]) == 2
+    assert main([*base, "--out", str(teacher_dir)]) == 2
+    assert main([*base, "--draft-vocab", "0", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 4 and all(line.startswith("llmopt distill: error: ") for line in err)
+    assert "temperature=0.0" in err[0] and "alpha=nan" in err[1] and "source model" in err[2]

@@ -125,6 +125,7 @@ class Recipe:
             if extra:
                 valid = ", ".join(sorted(STAGE_KEYS[kind])) or "none"
                 raise RecipeError(f"stage {i} ({kind}): unknown key {extra[0]!r}; valid: {valid}")
+            _check_stage(i, stage)
         recipe = cls(str(data["model"]), Path(out), [dict(s) for s in stages], ev)
         recipe.check_out()
         return recipe
@@ -141,6 +142,24 @@ class Recipe:
             check_out(self.out, source)
         except ValueError as exc:
             raise RecipeError(str(exc)) from exc
+
+
+def _check_stage(i: int, stage: dict[str, Any]) -> None:
+    """Refuse bad values before the first stage spends minutes (sparsity, N:M, T, alpha)."""
+    try:
+        if stage["kind"] == "prune":
+            from llmopt.compress.prune import PruneConfig, Sparsity
+
+            PruneConfig(
+                method=stage.get("method", "sparsegpt"),
+                sparsity=Sparsity.parse(str(stage.get("sparsity", "2:4"))),
+            )
+        elif stage["kind"] == "distill":
+            from llmopt.compress.distill.objective import check_kd_settings
+
+            check_kd_settings(stage.get("temperature", 1.0), stage.get("alpha", 0.9))
+    except ValueError as exc:
+        raise RecipeError(f"stage {i} ({stage['kind']}): {exc}") from exc
 
 
 def disk_bytes(directory: Path) -> int:
