@@ -186,7 +186,8 @@ def test_two_process_distill_matches_one_process_and_resume_is_exact(teacher_dir
         _rank, 2, _prepared(teacher_dir, tmp_path / "two", zero_stage=1), timeout_s=300
     )[0]
     assert two["losses"] == pytest.approx(one["losses"], rel=1e-5)
-    assert two["kd_kl"] == pytest.approx(one["kd_kl"], rel=1e-5)
+    # KL ~1e-3 here: fp32 sums in another order move it by ~1e-8
+    assert two["kd_kl"] == pytest.approx(one["kd_kl"], rel=1e-5, abs=1e-7)
 
     # 2 steps, then resume for the other 2: the same trajectory, bit for bit.
     first = run_rank(_prepared(teacher_dir, tmp_path / "res", steps=2))
