@@ -19,6 +19,7 @@ ORDER = [
     "pipeline",
     "quant",
     "prune",
+    "distill",
     "export",
     "speculative",
     "fp8",

@@ -7,6 +7,8 @@ Four kinds, from "needs a second model" to "needs nothing":
   own INT8/INT4 copy made by `llmopt.compress.quant.quantize_model`),
 - `EarlyExitModel`: the target's first k layers plus its final norm and head, sharing weights
   (a self-draft with no extra memory),
+- a distilled draft directory (`llmopt distill`) with `llmopt_draft_vocab.json` is a
+  `ModelDraft` whose head scores only its frequent tokens (`llmopt.compress.distill.draft`),
 - `NGramDraft`: prompt lookup — copy what followed the last occurrence of the current suffix.
 
 Drafts are stateless towards the caller: `propose` receives the full committed context and
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -279,6 +282,11 @@ def make_draft(
         except (KeyError, FileNotFoundError, ValueError) as exc:
             reason = exc.args[0] if exc.args else exc
             raise ValueError(f"draft {spec!r}: {reason}; valid draft specs: {DRAFT_SPECS}") from exc
+        from llmopt.compress.distill.draft import read_draft_vocab, with_reduced_head
+
+        ids = read_draft_vocab(spec) if Path(spec).is_dir() else None
+        if ids is not None:  # a distilled draft that scores only its frequent tokens
+            model = with_reduced_head(model, ids)
         draft = ModelDraft(model, name=spec)
         draft_tokenizer = load_tokenizer(spec) if target_tokenizer is not None else None
         check_vocabularies(target, draft, target_tokenizer, draft_tokenizer)

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -32,6 +32,7 @@ from llmopt.parallel.data_parallel import DataParallel, clip_to
 from llmopt.parallel.grid import RankGrid
 from llmopt.parallel.pipeline.executor import (
     IGNORE_INDEX,
+    LossFn,
     PipelineExecutor,
     StepResult,
     cross_entropy_sum,
@@ -73,11 +74,22 @@ class _RankModule(nn.Module):
         yield from stage_parameters(list(self.stages)).items()
 
 
+class Objective(Protocol):
+    """A training objective other than next-token CE (e.g. distillation): `bind` gives the
+    step's per-micro-batch token-loss *sum* from the step's own batch (the teacher needs the
+    inputs); `metrics` returns what it measured this step, reduced over the DP group."""
+
+    def bind(self, tokens: torch.Tensor, labels: torch.Tensor) -> LossFn: ...
+
+    def metrics(self, dp_group: Any) -> dict[str, float]: ...
+
+
 @dataclass
 class StepOutput:
     loss: float  # global-batch mean, identical on every rank
     grad_norm: float | None
     pipeline: StepResult
+    metrics: dict[str, float] = field(default_factory=dict)  # the objective's, if any
 
 
 class Engine:
@@ -90,8 +102,15 @@ class Engine:
         plan: ParallelPlan,
         layers_per_stage: Sequence[int] | None = None,
         record_events: bool = False,
+        objective: Objective | None = None,
     ) -> None:
         _check_plan(plan, grid)
+        if objective is not None and (plan.tp > 1 or plan.pp > 1):
+            raise EngineError(
+                f"a custom objective needs each rank's full logits: tp={plan.tp}, pp={plan.pp} "
+                "are not supported with it; use tp=1 pp=1 (data parallel and ZeRO work)"
+            )
+        self.objective = objective
         cfg = model.config
         pp = grid.pp.size
         self.grid, self.plan, self.model = grid, plan, model
@@ -191,6 +210,8 @@ class Engine:
         if num_tokens is None:
             num_tokens = self.supervised_tokens(labels)
         self.dp.prepare_forward()
+        if self.objective is not None:
+            self.executor.loss_fn = self.objective.bind(tokens, labels)
         result = self.executor.step(tokens, labels, num_tokens / self.grid.dp.size)
         if self._tied:
             peer = self.last_rank if self.grid.pp.rank == 0 else 0
@@ -220,7 +241,14 @@ class Engine:
         optimizer.step()
         self.update_params()
         self.zero_grad()
-        return StepOutput(self.global_loss(result), norm, result)
+        return StepOutput(self.global_loss(result), norm, result, self.objective_metrics())
+
+    def objective_metrics(self) -> dict[str, float]:
+        """What a custom objective logs for the step just run (uncounted: logging)."""
+        if self.objective is None:
+            return {}
+        with self.grid.counter.paused():
+            return self.objective.metrics(self.grid.dp)
 
     @torch.no_grad()
     def grad_norm(self) -> float:
@@ -385,6 +413,7 @@ def parallelize(
     *,
     layers_per_stage: Sequence[int] | None = None,
     record_events: bool = False,
+    objective: Objective | None = None,
 ) -> Engine:
     """FP8 -> TP/SP -> recompute -> stage split -> DP/ZeRO on this rank; see `Engine`."""
-    return Engine(model, grid, plan, layers_per_stage, record_events)
+    return Engine(model, grid, plan, layers_per_stage, record_events, objective)

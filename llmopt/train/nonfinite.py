@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +31,7 @@ class GuardedStep:
     loss: float
     grad_norm: float
     skipped: bool  # True: non-finite, no update applied
+    metrics: dict[str, float] = field(default_factory=dict)  # the objective's (distillation)
 
 
 class NonFiniteGuard:
@@ -60,7 +61,7 @@ class NonFiniteGuard:
             optimizer.step()
             engine.update_params()
             engine.zero_grad()
-            return GuardedStep(loss, norm, skipped=False)
+            return GuardedStep(loss, norm, skipped=False, metrics=engine.objective_metrics())
         engine.zero_grad()
         self.skipped.append(step + 1)
         if len(self.skipped) > self.skip_limit:

@@ -35,7 +35,7 @@ from llmopt.models.config import ModelConfig
 from llmopt.models.llama import Transformer, build_model
 from llmopt.models.presets import get_preset
 from llmopt.parallel.comm import CommCounter
-from llmopt.parallel.engine import DTYPES, Engine, parallelize
+from llmopt.parallel.engine import DTYPES, Engine, Objective, parallelize
 from llmopt.parallel.grid import ParallelDims, RankGrid, init_distributed
 from llmopt.parallel.optim import AdamW
 from llmopt.plan.flops import mfu, model_flops_per_token
@@ -147,15 +147,16 @@ def _memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # peak RSS (Linux KiB)
 
 
-def train(cfg: TrainConfig) -> TrainResult:
-    """Run training as configured on this rank; returns what rank 0 logged."""
+def train(cfg: TrainConfig, objective: Objective | None = None) -> TrainResult:
+    """Run training as configured on this rank; returns what rank 0 logged. `objective`
+    replaces next-token CE (e.g. distillation); its metrics join each step record."""
     device, _backend = init_distributed(cfg.timeout_s)
     world = dist.get_world_size() if dist.is_initialized() else 1
     plan = cfg.parallel_plan(world)
     dims = ParallelDims(world, tp=plan.tp, pp=plan.pp, dp=plan.dp)
     grid = RankGrid.create(dims, timeout_s=cfg.timeout_s)
     try:
-        return _train(cfg, grid, device)
+        return _train(cfg, grid, device, objective)
     except BaseException as exc:
         if world > 1 and not isinstance(exc, KeyboardInterrupt):
             print(
@@ -166,7 +167,9 @@ def train(cfg: TrainConfig) -> TrainResult:
         raise
 
 
-def _train(cfg: TrainConfig, grid: RankGrid, device: torch.device) -> TrainResult:
+def _train(
+    cfg: TrainConfig, grid: RankGrid, device: torch.device, objective: Objective | None = None
+) -> TrainResult:
     dims = grid.dims
     plan = cfg.parallel_plan(dims.world_size)
     prepare_run_dir(cfg.out_dir, cfg.resume, cfg.overwrite, grid)  # one run per out_dir
@@ -181,7 +184,7 @@ def _train(cfg: TrainConfig, grid: RankGrid, device: torch.device) -> TrainResul
 
         apply_lora(model, lora, DTYPES[plan.precision], 4 if cfg.qlora else None)
     trainable = sum(p.numel() for p in model.parameters())  # after LoRA froze the base
-    engine = parallelize(model, grid, plan)
+    engine = parallelize(model, grid, plan, objective=objective)
     optimizer = AdamW(
         engine.master_params(),
         lr=cfg.lr,
@@ -283,6 +286,7 @@ def _train(cfg: TrainConfig, grid: RankGrid, device: torch.device) -> TrainResul
                 "supervised_tokens": supervised,
                 "comm": comm,
                 **({"skipped": "non-finite loss or gradient norm"} if stepped.skipped else {}),
+                **stepped.metrics,
             }
             result.losses.append(loss_value)
             result.steps.append(record)

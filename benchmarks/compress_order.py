@@ -1,0 +1,98 @@
+"""Which order of compression steps for SmolLM2-135M: quantize only; prune 2:4 -> quantize;
+prune -> distil (recover) -> quantize; distil (a depth-pruned student) -> quantize.
+
+Each order is an `llmopt compress --recipe` run (`llmopt.compress.recipe`), so every
+intermediate is measured the same way: perplexity on the start of the WEB Bible (held out:
+calibration and the distil text come from its second half), KL(original ‖ model) and top-1
+agreement with the original, size on disk, batch-1 greedy decode tokens/s.
+
+    python benchmarks/compress_order.py --out runs/compress_order.json
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from _report import run_info, table, write_report
+from rich.console import Console
+
+from llmopt.compress.recipe import Recipe, run_recipe
+
+
+def orders(args: argparse.Namespace) -> dict[str, list[dict]]:
+    prune = {"kind": "prune", "method": args.prune_method, "sparsity": "2:4",
+             "calib_tokens": args.calib_tokens, "calib_seq_len": 256}  # fmt: skip
+    quant = {"kind": "quantize", "method": "rtn", "bits": 4, "group_size": 64}
+    distil = {"kind": "distill", "steps": args.distil_steps, "seq_len": args.seq_len,
+              "global_batch": 2, "micro_batch": 2, "lr": args.lr, "warmup_steps": 2,
+              "max_chars": 400_000}  # fmt: skip
+    student = {**distil, "student": f"init:teacher-layers={args.student_layers}"}
+    return {
+        "quantize": [quant],
+        "prune-quantize": [prune, quant],
+        "prune-distil-quantize": [prune, distil, quant],
+        "distil-quantize": [student, quant],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument(
+        "--orders", default="quantize,prune-quantize,prune-distil-quantize,distil-quantize"
+    )
+    p.add_argument("--prune-method", default="sparsegpt")
+    p.add_argument("--calib-tokens", type=int, default=4096)
+    p.add_argument("--distil-steps", type=int, default=10)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--student-layers", default="0-23,29", help="the depth-pruned student")
+    p.add_argument("--eval-tokens", type=int, default=1024)
+    p.add_argument("--decode-tokens", type=int, default=16)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--work", default="runs/compress_order")
+    p.add_argument("--out", default="runs/compress_order.json")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    console = Console(width=max(Console().width, 140))
+    ev = {"max_tokens": args.eval_tokens, "ctx": 256, "decode_tokens": args.decode_tokens}
+    chosen = orders(args)
+    results: dict[str, list[dict]] = {}
+    original = None
+    for name in args.orders.split(","):
+        recipe = Recipe.from_dict(
+            {
+                "model": args.model,
+                "out": str(Path(args.work) / name),
+                "eval": ev,
+                "stage": chosen[name],
+            }  # fmt: skip
+        )
+        rows = run_recipe(recipe, log=console.print, original_row=original)
+        original = rows[0]
+        results[name] = rows
+        write_report(console, Path(args.out), {**run_info(), "args": vars(args), "orders": results})
+    cells = [("original", "-", *_cells(original))]
+    for name, rows in results.items():
+        for r in rows[1:]:
+            cells.append((name, r["stage"], *_cells(r)))
+    cols = ("order", "stage", "ppl", "KL", "top-1", "MiB", "decode tok/s", "path")
+    console.print(table(f"compression orders, {args.model}", cols, cells))
+    return 0
+
+
+def _cells(r: dict) -> tuple[str, ...]:
+    return (
+        f"{r['ppl']:.2f}",
+        f"{r['kl_vs_original']:.4f}",
+        f"{r['top1_vs_original']:.3f}",
+        f"{r['disk_bytes'] / 2**20:.1f}",
+        f"{r['decode_tokens_per_s']:.1f}",
+        r["decode_path"],
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
