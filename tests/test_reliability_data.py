@@ -202,7 +202,7 @@ def test_generate_temperature_nan_is_one_line_before_the_model_loads(capsys):
     argv = ["generate", "--model", "/nonexistent/model", "--prompt", "x", "--temperature", "nan"]
     assert cli_main(argv) == 2  # the bad value is named, not the missing model
     err = capsys.readouterr().err.strip()
-    assert err == "llmopt generate: error: temperature=nan must be a finite number"
+    assert err == "llmopt generate: error: --temperature nan must be a finite number"
 
 
 def test_weights_with_nan_or_inf_are_refused_at_load_naming_the_tensor(tmp_path, tiny_config):
