@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import sys
 from contextlib import contextmanager
 
-from llmopt import cli_args
+from llmopt import cli_args, jsonout
 from llmopt.infer.cli import add_model_arguments, check_model_args, torch_dtype
 
 
@@ -184,7 +183,7 @@ def run_ppl(args: argparse.Namespace) -> int:
         **dataclasses.asdict(result),
     }
     if args.json:
-        print(json.dumps(summary, indent=2))
+        print(jsonout.dumps(summary, indent=2))
     else:
         print(
             f"perplexity {result.ppl:.4f} (nll {result.nll:.4f} nats/token) over "
@@ -221,7 +220,7 @@ def run_gate(args: argparse.Namespace) -> int:
         )
     if args.json:
         summary = {"model": args.model, "ref": args.ref, "text": args.text, "ctx": args.ctx}
-        print(json.dumps({**summary, "stride": stride, **report.to_dict()}, indent=2))
+        print(jsonout.dumps({**summary, "stride": stride, **report.to_dict()}, indent=2))
     if not report.passed:
         print(f"llmopt eval gate: {report.reason()}", file=sys.stderr)
     elif not args.json:
@@ -244,7 +243,7 @@ def run_kl(args: argparse.Namespace) -> int:
         **dataclasses.asdict(result),
     }
     if args.json:
-        print(json.dumps(summary, indent=2))
+        print(jsonout.dumps(summary, indent=2))
         return 0
     from rich.console import Console
     from rich.table import Table

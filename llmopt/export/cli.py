@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
+
+from llmopt import jsonout
 
 FORMATS = ("gguf", "onnx", "hf")
 
@@ -63,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         "files": [f.name for f in files],
     }
     if args.json:
-        print(json.dumps(summary, indent=2))
+        print(jsonout.dumps(summary, indent=2))
     else:
         print(f"wrote {args.format} export of {args.model} to {out} ({summary['bytes']} bytes)")
     return 0

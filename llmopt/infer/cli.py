@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import Any
 
-from llmopt import cli_args
+from llmopt import cli_args, jsonout
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -204,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
             result.update(decode_rates(timing))
         if stats:
             result["speculative"] = stats
-        print(json.dumps(result, indent=2))
+        print(jsonout.dumps(result, indent=2))
         return 0
     if stream is None:
         sys.stdout.write(text)
@@ -220,5 +219,5 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     if stats:
-        print(json.dumps(stats, indent=2), file=sys.stderr)
+        print(jsonout.dumps(stats, indent=2), file=sys.stderr)
     return 0

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,12 +30,12 @@ from llmopt.models.llama import Transformer
 from llmopt.models.spec import spec_for
 from llmopt.parallel.data_parallel import DataParallel, clip_to
 from llmopt.parallel.grid import RankGrid
+from llmopt.parallel.loss import Objective, token_loss_sum
 from llmopt.parallel.pipeline.executor import (
     IGNORE_INDEX,
     LossFn,
     PipelineExecutor,
     StepResult,
-    cross_entropy_sum,
     exchange_tied_grad,
 )
 from llmopt.parallel.pipeline.schedule import PipelineSchedule, build_schedule
@@ -47,7 +47,7 @@ from llmopt.parallel.pipeline.stage import (
 )
 from llmopt.parallel.plan import ParallelPlan
 from llmopt.parallel.recompute import apply_activation_checkpointing
-from llmopt.parallel.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
+from llmopt.parallel.tensor_parallel import apply_tensor_parallel
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float32}
 
@@ -72,16 +72,6 @@ class _RankModule(nn.Module):
 
     def named_parameters(self, *args, **kwargs) -> Iterator[tuple[str, nn.Parameter]]:
         yield from stage_parameters(list(self.stages)).items()
-
-
-class Objective(Protocol):
-    """A training objective other than next-token CE (e.g. distillation): `bind` gives the
-    step's per-micro-batch token-loss *sum* from the step's own batch (the teacher needs the
-    inputs); `metrics` returns what it measured this step, reduced over the DP group."""
-
-    def bind(self, tokens: torch.Tensor, labels: torch.Tensor) -> LossFn: ...
-
-    def metrics(self, dp_group: Any) -> dict[str, float]: ...
 
 
 @dataclass
@@ -161,25 +151,8 @@ class Engine:
             record_events=record_events,
         )
 
-    def _loss_fn(self, model: Transformer):
-        group = self.grid.tp
-        if group.size == 1:
-            return cross_entropy_sum
-        start = model.vocab_start
-
-        def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            # vocab-parallel CE returns the token mean; the executor wants the sum over the
-            # supervised tokens (TP peers hold the same labels, so they select the same rows).
-            keep = labels.reshape(-1) != IGNORE_INDEX
-            if not bool(keep.any()):
-                return logits.sum() * 0.0  # keeps the graph (and the TP collectives) alike
-            rows = logits.reshape(-1, logits.shape[-1])[keep]
-            return (
-                vocab_parallel_cross_entropy(rows, labels.reshape(-1)[keep], group, start)
-                * (rows.shape[0])
-            )
-
-        return loss
+    def _loss_fn(self, model: Transformer) -> LossFn:
+        return token_loss_sum(self.grid.tp, getattr(model, "vocab_start", 0))
 
     def master_params(self) -> list[nn.Parameter]:
         """What the optimizer must own (fp32 masters, ZeRO-sharded)."""

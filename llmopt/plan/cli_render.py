@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from typing import Any
 
+from llmopt import jsonout
 from llmopt.artifacts import atomic_save_figure
 from llmopt.plan.search import Plan
 
@@ -92,7 +92,7 @@ def label(plan: Plan) -> str:
 def print_json(obj: Any) -> None:
     """Print JSON; a reader that stops early (`| head`) ends the output quietly."""
     try:
-        sys.stdout.write(json.dumps(obj, indent=1) + "\n")
+        sys.stdout.write(jsonout.dumps(obj, indent=1) + "\n")
         sys.stdout.flush()
     except BrokenPipeError:
         # point stdout at /dev/null so the interpreter's final flush does not fail again

@@ -7,9 +7,9 @@ With no flags: Llama-3.1-8B on one H100, bf16 weights and KV, 1024 prompt / 256 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 
+from llmopt import jsonout
 from llmopt.plan.serve.scenario import KV_DTYPES, PRECISIONS, Load, Scenario, ServeInputError
 
 DEFAULT_MODEL = "llama-3.1-8b"
@@ -112,9 +112,9 @@ def run_serve(args: argparse.Namespace) -> int:
     as_json = getattr(args, _DEST["json"])
     if not searching:
         est = estimate(model, cluster, base)
-        write([json.dumps(est.to_dict(), indent=1)] if as_json else estimate_lines(est))
+        write([jsonout.dumps(est.to_dict(), indent=1)] if as_json else estimate_lines(est))
         return 0
     result = search(model, cluster, base, num_gpus, args.max_itl_ms, args.max_ttft_ms)
     lines = search_lines(result, args.max_itl_ms, args.max_ttft_ms)
-    write([json.dumps(result.to_dict(), indent=1)] if as_json else lines)
+    write([jsonout.dumps(result.to_dict(), indent=1)] if as_json else lines)
     return 0 if result.best else 1
