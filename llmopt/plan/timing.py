@@ -33,6 +33,7 @@ from llmopt.plan.comm import Collectives, applies, collectives
 from llmopt.plan.experts import (
     a2a_calls_per_microbatch,
     a2a_seconds_per_call,
+    expert_weight_seconds,
     host_seconds_per_block,
     moe_elementwise,
     routed_gemm_params,
@@ -48,7 +49,7 @@ from llmopt.plan.memory import (
     split_state_bytes,
     stage_params,
 )
-from llmopt.plan.workload import Workload
+from llmopt.plan.workload import STATE_BYTES, Workload
 
 # Adam step, bytes moved per local parameter: read fp32 master, grad, m, v (16), write master,
 # m, v (12) and the bf16 weight copy (2), plus a read of the gradient for the norm/clip (4).
@@ -83,11 +84,15 @@ def step_time(
 
     # Forward of one layer for one micro-batch.
     gemm_params = (2 * h * model.q_size + n_mlp * h * f) / t + 2 * h * kv_dim
-    moe_elem = 0.0
+    moe_elem = expert_gpu = expert_w = 0.0
     if model.moe is not None or model.mla is not None:
         mp = mlp_params(model)
         dense = attention_params(model) + mp["dense"] + mp["shared"]
-        gemm_params = (dense + routed_gemm_params(model, work)) / t + mp["router"]
+        routed = routed_gemm_params(model, work)
+        gemm_params = (dense + routed) / t + mp["router"]
+        g_bytes = STATE_BYTES[work.state_bytes][1]
+        expert_w = expert_weight_seconds(model, grid, g_bytes, hbm)
+        expert_gpu = 3 * tokens * 2 * routed / t / gemm_rate + expert_w  # forward + backward
         moe_elem = moe_elementwise(model) / t
         f = mp["dense"] / (n_mlp * h)  # the dense MLPs' width, averaged over blocks
     t_gemm = tokens * 2 * gemm_params / gemm_rate
@@ -117,7 +122,7 @@ def step_time(
 
     n_layers = layers_per_stage(model, pp, v)
     fwd_mb = n_layers * layer_fwd
-    compute_mb_layers = 3 * fwd_mb
+    compute_mb_layers = 3 * fwd_mb + n_layers * expert_w
     compute_mb_last = compute_mb_layers + 3 * head_fwd
     # Selective: Megatron recomputes the attention core; with flash attention (which already
     # recomputes it) selective means op-level recomputation of the memory-bound ops.
@@ -140,8 +145,7 @@ def step_time(
     a2a = n_layers * a2a_calls_per_microbatch(model, rc == RC_FULL) * a2a
     ep_exposed_mb = a2a * (1 - (gpu.comm_overlap_efficiency if work.ep_comm_overlap else 0.0))
     # MoE blocks cannot run faster than the host launches their per-expert kernels
-    host_mb = n_layers * host_seconds_per_block(model, work, grid)
-    host_mb = np.maximum(0.0, host_mb - (compute_mb_layers + recompute_mb + ep_exposed_mb))
+    host_mb = n_layers * host_seconds_per_block(model, work, grid, expert_gpu)
     tau_last = compute_mb_last + recompute_mb + tp_exposed_mb + cp_exposed_mb + ep_exposed_mb
     tau_last = tau_last + host_mb
     tau_mean = tau_last - (3 * head_fwd + (1 - tp_hidden) * tp_last) * (1 - 1 / pp)
