@@ -12,7 +12,7 @@ import argparse
 from typing import Any
 
 from llmopt.parallel.plan import FP8_RECIPES, RECOMPUTES, REDUCE_DTYPES, SCHEDULES
-from llmopt.plan.cli_inputs import DEFAULT_NODES
+from llmopt.plan.cli_inputs import DEFAULT_NODES, add_budget_flags
 from llmopt.plan.flops import FLOPS_CONVENTIONS
 from llmopt.plan.objectives import OBJECTIVES
 
@@ -80,6 +80,7 @@ def _common(p: argparse.ArgumentParser, sub: bool) -> None:
     w.add_argument("--expert-imbalance", type=float, default=d(1.0), help="MoE busiest/mean load")
     w.add_argument("--tp-comm-overlap", action="store_true", default=d(False))
     w.add_argument("--no-dp-overlap", action="store_true", default=d(False))
+    add_budget_flags(p.add_argument_group("budget and failures"), d)
     p.add_argument("--json", action="store_true", default=d(False), help="machine-readable output")
     p.add_argument("--plot", default=d(None), metavar="PNG", help="step-time breakdown chart")
 
