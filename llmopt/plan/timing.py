@@ -44,6 +44,7 @@ from llmopt.plan.memory import (
     ACT_BYTES,
     RC_FULL,
     RC_SELECTIVE,
+    grad_policy,
     kv_heads_per_rank,
     layers_per_stage,
     split_state_bytes,
@@ -164,17 +165,24 @@ def step_time(
     ag_step = _sum_time(cs, cluster, group="dp", op="all-gather", phase="step", stage="last")
     ag_fwd = _sum_time(cs, cluster, group="dp", op="all-gather", phase="forward", stage="last") / m
     ag_bwd = _sum_time(cs, cluster, group="dp", op="all-gather", phase="backward", stage="last") / m
-    rs_mb = rs_total / m
+    # ZeRO-2/3 "step" policy: the one reduce-scatter runs in the last micro-batch's backward
+    once = grad_policy(grid) == 1
+    rs_mb = np.where(once, 0.0, rs_total / m)
+    rs_once = np.where(once, rs_total, 0.0)
     first_layer = 1 / n_layers  # the first bucket/layer's gather cannot hide
     dp01 = np.maximum(0.0, grad_once + rs_total - bwd_window) + np.maximum(
         0.0, ag_step - fwd_window
     )
     dp2 = m * np.maximum(0.0, rs_mb - bwd_window) + np.maximum(0.0, ag_step - fwd_window)
+    dp2 = dp2 + np.maximum(0.0, rs_once - bwd_window)
     dp3 = m * (
         np.maximum(0.0, ag_fwd - fwd_window)
         + np.maximum(0.0, ag_bwd + rs_mb - bwd_window)
         + first_layer * np.where(hide > 0, ag_fwd + rs_mb, 0.0)
     )
+    # the last backward shares its window between the weight gathers and the one reduce
+    last_bwd = np.maximum(0.0, ag_bwd + rs_once - bwd_window) - np.maximum(0.0, ag_bwd - bwd_window)
+    dp3 = dp3 + np.where(once, last_bwd, 0.0)
     dp_exposed = np.where(z <= 1, dp01, np.where(z == 2, dp2, dp3))
 
     first_p, last_p = stage_params(model, grid)
