@@ -126,8 +126,9 @@ def explain(
         )
     if p.cp > 1:
         out.append(
-            f"Context parallelism CP={p.cp} splits each sequence into {p.cp} chunks (K/V "
-            f"all-gathered per layer), cutting activations {p.cp}x."
+            f"Context parallelism CP={p.cp} splits each sequence into {p.cp} zig-zag chunk "
+            f"pairs (ring attention: {p.cp - 1} K/V passes per layer, "
+            f"{t['cp_comm_exposed']:.2f} s of them exposed), cutting activations {p.cp}x."
         )
     m = plan.memory_bytes
     zero_text = {

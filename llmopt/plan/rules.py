@@ -17,9 +17,10 @@ from llmopt.plan.memory import grad_policy
 from llmopt.plan.workload import Workload
 
 MAX_MICRO_BATCH = 32
-# Context parallelism is for long sequences. The model does not charge ring attention's per-step
-# costs (2·cp half-chunk flash calls, cp-1 exchange latencies), which grow as chunks shrink, so
-# the search only splits sequences into chunks of at least this many tokens (Llama 3 used CP
+# Context parallelism is for long sequences. The model charges ring attention's K/V passes
+# (`llmopt.plan.ring`) but not the lower efficiency of the 2·cp small flash-attention calls,
+# which grows as chunks shrink, so the search only splits sequences into chunks of at least this
+# many tokens (Llama 3 used CP
 # only for its long-context phase; NeMo's Llama-3-70B recipe uses CP=2 at 8192).
 MIN_CP_CHUNK = 4096
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)
@@ -95,7 +96,7 @@ def search_space_reasons(
     return [
         (
             f"cp={{cp}} cuts seq_len={s} into chunks under the {MIN_CP_CHUNK} tokens the search "
-            "allows (ring attention's per-chunk costs are not modelled)",
+            "allows (the small flash-attention calls of short chunks are not modelled)",
             (cp > 1) & (s // cp < MIN_CP_CHUNK),
         ),
         (

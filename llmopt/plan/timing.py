@@ -12,7 +12,8 @@ output layer):
 - recomputation: full repeats the forward (and its TP collectives), selective repeats the
   attention core (free with flash attention, whose backward recomputes it anyway);
 - TP collectives on the link the group crosses, exposed unless `tp_comm_overlap`
-  (then `1 - comm_overlap_efficiency` stays exposed); CP collectives hide behind attention.
+  (then `1 - comm_overlap_efficiency` stays exposed); CP as ring attention (`llmopt.plan.ring`):
+  cp-1 K/V passes per layer, each exposed by what it takes beyond one block's attention.
 Pipeline: step = m·τ_last + (p-1)/v·τ_mean (Narayanan's bubble (p-1)/(v·m)), plus point-to-point
 sends, plus the DP/ZeRO collectives not hidden behind backward (or forward, for parameter
 gathers), plus the optimizer step, a memory-bound pass over the local shard
@@ -29,7 +30,8 @@ import numpy as np
 
 from llmopt.models.config import ModelConfig
 from llmopt.models.moe import attention_core_dim, attention_params, mlp_params
-from llmopt.plan.comm import Collectives, applies, collectives
+from llmopt.plan import ring
+from llmopt.plan.comm import Collectives, applies, collectives, layout
 from llmopt.plan.experts import (
     a2a_calls_per_microbatch,
     a2a_seconds_per_call,
@@ -102,6 +104,7 @@ def step_time(
         t_attn = 0.5 * attn_flops / (bf16 * gpu.attention_efficiency)
     else:
         t_attn = attn_flops / (bf16 * gpu.gemm_efficiency)
+    t_attn = t_attn * ring.causal_imbalance(cp, ring.CP_LOAD_BALANCED)  # busiest CP rank
     # Elements (bf16 units) moved per token by memory-bound kernels. Fused: two norms read and
     # write h (4h), two residual adds read 2h and write h (6h), RoPE reads and writes Q and K,
     # SwiGLU reads two f and writes one (GELU + bias: 4f). Eager PyTorch (fp32-upcast RMSNorm
@@ -138,9 +141,10 @@ def step_time(
     tp_all = _sum_time(cs, cluster, group="tp", stage="all") / m
     tp_last = _sum_time(cs, cluster, group="tp", stage="last") / m
     tp_exposed_mb = (1 - tp_hidden) * (tp_all + tp_last)
-    cp_mb = _sum_time(cs, cluster, group="cp") / m
-    attn_mb = n_layers * 3 * t_attn * np.where(rc == RC_FULL, 4 / 3, 1.0)
-    cp_exposed_mb = np.maximum(0.0, cp_mb - gpu.comm_overlap_efficiency * attn_mb)
+    # CP: ring attention's K/V passes, each hidden behind the previous block's attention
+    crosses = layout(cluster, grid)["cp"]
+    exposed = ring.ring_exposed_seconds(model, cluster, grid, s, t_attn, crosses, rc == RC_FULL)
+    cp_exposed_mb = n_layers * exposed
 
     a2a = a2a_seconds_per_call(model, cluster, grid, tokens)
     a2a = n_layers * a2a_calls_per_microbatch(model, rc == RC_FULL) * a2a
