@@ -139,6 +139,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="choose and explain the parallel mapping of a model on a cluster",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        # no prefix matching: `plan serve --gpu` must not be read as an abbreviation of the
+        # plan options --gpus-per-node / --gpu-hour-price / --gpu-mtbf-hours
+        allow_abbrev=False,
     )
     _common(plan, sub=False)
     _plan_flags(plan)
