@@ -170,6 +170,10 @@ def setup_row(row: dict[str, str]) -> RowSetup:
     # fp16 mixed precision (2021): fp16 gradients all-reduced, fp32 master + Adam (16 B/param);
     # bf16 Megatron/torchtitan accumulate and reduce gradients in fp32 (18 B/param).
     fp16 = prec.startswith("fp16 mixed")
+    # Megatron-Bridge / NeMo performance recipes set ddp.grad_reduce_in_fp32=False (scripts/
+    # performance/configs/*: "cfg.ddp.grad_reduce_in_fp32 = False"): bf16 gradient buffer and
+    # reduce-scatter, 16 B/param.
+    bf16_grads = "performance recipes" in zero_txt
     fp8 = "fp8" in prec.split("(")[0] or "float8" in prec
     work = Workload(
         seq_len=seq,
@@ -177,7 +181,7 @@ def setup_row(row: dict[str, str]) -> RowSetup:
         precision="fp8" if fp8 else "bf16",
         flash_attention=not early,
         dropout=not llama,
-        state_bytes="zero" if deepspeed or fp16 else "megatron",
+        state_bytes="zero" if deepspeed or fp16 or bf16_grads else "megatron",
         tp_comm_overlap=any(
             k in (prec + row["notes"]).lower() for k in ("tp-comm-overlap", "async tp")
         ),

@@ -14,8 +14,8 @@ EMITTED = {
     "llama-3-70b.run.toml": (1, []),
     "llama-3-70b.megatron.sh": (1, []),
     "llama-3-70b.nemo.sh": (1, []),
-    "llama-3-70b.torchtitan.toml": (5, []),
-    "llama-3-70b.deepspeed.json": (288, ["llama-3-70b.deepspeed.launch.sh"]),
+    "llama-3-70b.torchtitan.toml": (6, []),
+    "llama-3-70b.deepspeed.json": (464, ["llama-3-70b.deepspeed.launch.sh"]),
 }
 
 

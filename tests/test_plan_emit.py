@@ -45,7 +45,10 @@ TOP = dict(tp=4, pp=4, dp=4, sequence_parallel=True, zero_stage=1, num_microbatc
 
 
 def _run(model_name: str = "llama-3-70b", work: Workload = WORK, **fields) -> PlannedRun:
-    plan = estimate(get_preset(model_name), work, CLUSTER, ParallelPlan(**fields))
+    par = ParallelPlan(**fields)
+    # pipelined ZeRO-2/3: the gradient policy torch.distributed.pipelining runs (torchtitan)
+    policy = "step" if par.pp > 1 and par.zero_stage >= 2 else "microbatch"
+    plan = estimate(get_preset(model_name), work, CLUSTER, par, grad_reduce=policy)
     assert not plan.rejected, plan.rejected
     plan.rank = 1
     return PlannedRun(get_preset(model_name), model_name, work, CLUSTER, plan)
@@ -253,7 +256,15 @@ TORCHTITAN_LITERALS = {
 @pytest.mark.parametrize(
     "fields",
     [
-        dict(tp=2, pp=8, dp=4, sequence_parallel=True, zero_stage=2, num_microbatches=256),
+        dict(
+            tp=2,
+            pp=8,
+            dp=4,
+            sequence_parallel=True,
+            zero_stage=2,
+            num_microbatches=256,
+            recompute="selective",
+        ),  # fmt: skip
         dict(
             tp=8,
             pp=1,
@@ -330,7 +341,9 @@ def test_torchtitan_job_config_uses_job_config_fields(fields):
     ],
 )  # fmt: skip
 def test_refusals_name_what_the_framework_cannot_express(module, fields, message):
-    plan = estimate(MODEL, WORK, CLUSTER, ParallelPlan(**fields))
+    par = ParallelPlan(**fields)
+    policy = "step" if par.pp > 1 and par.zero_stage >= 2 else "microbatch"  # as _run
+    plan = estimate(MODEL, WORK, CLUSTER, par, grad_reduce=policy)
     run = PlannedRun(MODEL, "llama-3-70b", WORK, CLUSTER, plan)
     with pytest.raises(EmitError, match=message) as info:
         module.emit(run)
@@ -412,10 +425,10 @@ def test_cli_emit_names_the_best_plan_a_framework_can_express(tmp_path, capsys):
     assert main(["plan", "--emit", str(path), "--top-k", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("llmopt plan: error: plan #1: torchtitan cannot express zero_stage=1")
-    assert err.endswith("the best plan it can express is #5: use --pick 5")
+    assert err.endswith("the best plan it can express is #6: use --pick 6")
     assert not path.exists()
-    assert main(["plan", "--emit", str(path), "--pick", "5", "--top-k", "1"]) == 0
-    assert f"wrote {path} (plan #5)" in capsys.readouterr().out
-    assert tomllib.loads(path.read_text())["job"]["description"].startswith("llmopt plan #5")
+    assert main(["plan", "--emit", str(path), "--pick", "6", "--top-k", "1"]) == 0
+    assert f"wrote {path} (plan #6)" in capsys.readouterr().out
+    assert tomllib.loads(path.read_text())["job"]["description"].startswith("llmopt plan #6")
     assert main(["plan", "--emit", str(path), "--pick", "999999"]) == 2
     assert "rank 999999 is not valid" in capsys.readouterr().err

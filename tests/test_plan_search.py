@@ -143,7 +143,7 @@ def test_parse_constraints_uses_parallel_plan_names():
         with pytest.raises(ValueError, match=f"unknown mapping key '{old.split('=')[0]}'"):
             parse_constraints(old)
     with pytest.raises(
-        ValueError, match="valid: cp, dp, ep, etp, micro_batch, num_microbatches, pp"
+        ValueError, match="valid: cp, dp, ep, etp, grad_reduce, micro_batch, num_microbatches, pp"
     ):
         parse_constraints("tq=8")
     with pytest.raises(ValueError, match="zero_stage=4 is not a ZeRO stage"):

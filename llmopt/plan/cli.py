@@ -12,7 +12,7 @@ import argparse
 from typing import Any
 
 from llmopt.parallel.plan import FP8_RECIPES, RECOMPUTES, REDUCE_DTYPES, SCHEDULES
-from llmopt.plan.cli_inputs import DEFAULT_NODES
+from llmopt.plan.cli_inputs import DEFAULT_NODES, add_budget_flags
 from llmopt.plan.flops import FLOPS_CONVENTIONS
 from llmopt.plan.objectives import OBJECTIVES
 
@@ -82,6 +82,7 @@ def _common(p: argparse.ArgumentParser, sub: bool) -> None:
     w.add_argument("--no-dp-overlap", action="store_true", default=d(False))
     w.add_argument("--lora-rank", type=int, default=d(0), help="LoRA fine-tuning: adapter rank")
     w.add_argument("--qlora", action="store_true", default=d(False), help="frozen base in INT4")
+    add_budget_flags(p.add_argument_group("budget and failures"), d)
     p.add_argument("--json", action="store_true", default=d(False), help="machine-readable output")
     p.add_argument("--plot", default=d(None), metavar="PNG", help="step-time breakdown chart")
 
@@ -174,6 +175,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="choose and explain the parallel mapping of a model on a cluster",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        # no prefix matching: `plan serve --gpu` must not be read as an abbreviation of the
+        # plan options --gpus-per-node / --gpu-hour-price / --gpu-mtbf-hours
+        allow_abbrev=False,
     )
     _common(plan, sub=False)
     _plan_flags(plan)

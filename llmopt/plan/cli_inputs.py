@@ -146,6 +146,42 @@ def build_plan(args: argparse.Namespace, work: Workload, cluster: Cluster) -> Pa
     )  # fmt: skip
 
 
+def add_budget_flags(g: argparse._ArgumentGroup, d: Any) -> None:
+    """Token budget, price and failure model (`llmopt.plan.budget`, `llmopt.plan.goodput`)."""
+    g.add_argument("--tokens", default=d(None), help="token budget to train, e.g. 15T, 300B")
+    g.add_argument("--gpu-hour-price", type=float, default=d(None), help="cost per GPU-hour")
+    g.add_argument("--gpu-mtbf-hours", type=float, default=d(None), help="per-GPU MTBF")
+    g.add_argument("--failures-per-day", type=float, default=d(None), help="whole job")
+    g.add_argument("--ckpt-gbs", type=float, default=d(None), help="checkpoint write GB/s")
+    g.add_argument("--restart-minutes", type=float, default=d(10.0), help="after a failure")
+
+
+def budget_inputs(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The budget/goodput flags, checked (None when none of them is given)."""
+    from llmopt.plan.budget import BudgetError, check_price, parse_tokens
+
+    names = ("tokens", "gpu_hour_price", "gpu_mtbf_hours", "failures_per_day", "ckpt_gbs")
+    got = {n: getattr(args, n, None) for n in names}
+    if all(v is None for v in got.values()):
+        return None
+    tokens = None if got["tokens"] is None else parse_tokens(got["tokens"])
+    price = check_price(got["gpu_hour_price"])
+    if price is not None and tokens is None:
+        raise BudgetError("--gpu-hour-price needs --tokens (the budget it prices)")
+    failures = got["gpu_mtbf_hours"] is not None or got["failures_per_day"] is not None
+    if failures and got["ckpt_gbs"] is None:
+        raise BudgetError("a failure rate needs --ckpt-gbs (checkpoint write bandwidth, GB/s)")
+    return {
+        "tokens": tokens,
+        "price": price,
+        "failures": failures,
+        "gpu_mtbf_hours": got["gpu_mtbf_hours"],
+        "failures_per_day": got["failures_per_day"],
+        "ckpt_gbs": got["ckpt_gbs"],
+        "restart_minutes": getattr(args, "restart_minutes", 10.0),
+    }
+
+
 def header(model: ModelConfig, work: Workload, cluster: Cluster) -> dict[str, Any]:
     return {
         "model": model.name,

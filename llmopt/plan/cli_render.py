@@ -32,7 +32,8 @@ def plans_table(plans: list[Plan], title: str):
         bf16 = (f"{plan.mfu_bf16_peak:.1%}",) if fp8 and plan.mfu_bf16_peak is not None else ()
         table.add_row(
             str(plan.rank or i + 1), mapping,
-            "y" if p.sequence_parallel else "n", str(p.zero_stage),
+            "y" if p.sequence_parallel else "n",
+            f"{p.zero_stage}" + ("/step" if plan.grad_reduce == "step" else ""),
             f"{p.micro_batch}x{p.num_microbatches}",
             sched[p.schedule] if p.pp > 1 else "-", p.recompute[:4], mem,
             f"{plan.step_time_s['total']:.2f}", f"{plan.tokens_per_s:,.0f}",

@@ -6,7 +6,7 @@ import argparse
 import time
 from typing import TYPE_CHECKING
 
-from llmopt.plan.cli_inputs import build_plan, header, inputs, model_overrides
+from llmopt.plan.cli_inputs import budget_inputs, build_plan, header, inputs, model_overrides
 from llmopt.plan.cli_render import label, links_table, plans_table, plot_breakdown, print_json
 
 if TYPE_CHECKING:
@@ -100,6 +100,33 @@ def _answer(objective: str, top: Plan, result: SearchResult, cluster: Cluster) -
     return f"{name} takes {top.step_time_s['total']:.2f} s per step."
 
 
+def _budget(
+    b: dict | None, model: ModelConfig, work: Workload, plan: Plan
+) -> tuple[dict, list[str]]:
+    """Goodput and token-budget figures of `plan` for the checked flags `b` (JSON, lines)."""
+    from llmopt.plan.budget import training_budget
+    from llmopt.plan.goodput import goodput
+
+    if b is None:
+        return {}, []
+    gpus = plan.parallel.world_size
+    out: dict = {}
+    lines: list[str] = []
+    fraction = 1.0
+    if b["failures"]:
+        g = goodput(model, gpus, b["ckpt_gbs"], b["gpu_mtbf_hours"], b["failures_per_day"],
+                    b["restart_minutes"])  # fmt: skip
+        fraction = g.goodput
+        out["goodput"] = g.to_dict()
+        lines.append(g.line())
+    if b["tokens"] is not None:
+        step_s = plan.step_time_s["total"]
+        tb = training_budget(b["tokens"], work.tokens_per_step, step_s, gpus, b["price"], fraction)
+        out["budget"] = tb.to_dict()
+        lines.append(tb.line())
+    return out, lines
+
+
 def run_plan(args: argparse.Namespace) -> int:
     from llmopt.plan.explain import explain, why_not
     from llmopt.plan.fewest import search_fewest_gpus
@@ -110,6 +137,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.top_k <= 0:
         raise ValueError(f"--top-k={args.top_k} must be positive")
     model, work, cluster = inputs(args)
+    budget_flags = budget_inputs(args)
     constraints = parse_constraints(args.why_not) if args.why_not else None
     where = parse_constraints(args.where) if args.where else None
     requires = tuple(parse_require(r) for r in args.require)
@@ -132,6 +160,7 @@ def run_plan(args: argparse.Namespace) -> int:
             model, work, cluster, plan, top=plans[0], framework=args.framework
         )
     runs_on = _runs_on(args, model, work, cluster, plans[0])
+    budget, budget_lines = _budget(budget_flags, model, work, plans[0])
     written = _emit(args, model, work, cluster, result) if args.emit else []
     if args.plot:
         title = f"{model.name} on {cluster.num_gpus} x {cluster.gpu.name}: top plans"
@@ -154,6 +183,7 @@ def run_plan(args: argparse.Namespace) -> int:
                 "plans": [p.to_dict() for p in plans],
             }
         )
+        out.update(budget)
         if where:
             out["where"] = args.where
         if constraints is not None:
@@ -189,6 +219,8 @@ def run_plan(args: argparse.Namespace) -> int:
         soft_wrap=True,
         highlight=False,
     )
+    for line in budget_lines:
+        console.print(f"[bold]Budget:[/bold] {line}", soft_wrap=True, highlight=False)
     if why:
         console.print(f"[bold]Why not {args.why_not}:[/bold]")
         for line in why:
@@ -203,6 +235,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     from llmopt.plan.search import estimate, workload_for
 
     model, work, cluster = inputs(args)
+    budget_flags = budget_inputs(args)
     par = build_plan(args, work, cluster)
     etp = getattr(args, "etp", None)
     if etp is not None and etp <= 0:
@@ -211,10 +244,12 @@ def run_estimate(args: argparse.Namespace) -> int:
     work = workload_for(work, par)
     plan.explanation = explain(model, work, cluster, plan)
     links = link_report(model, work, cluster, par)
+    budget, budget_lines = _budget(budget_flags, model, work, plan)
     if args.json:
         out = header(model, work, cluster)
         out["plan"] = plan.to_dict()
         out["collectives"] = links
+        out.update(budget)
         print_json(out)
         return 0
     console = _console()
@@ -223,6 +258,8 @@ def run_estimate(args: argparse.Namespace) -> int:
         console.print("[bold red]Invalid:[/bold red] " + "; ".join(plan.rejected), soft_wrap=True)
     for line in plan.explanation:
         console.print(f"  - {line}", soft_wrap=True, highlight=False)
+    for line in budget_lines:
+        console.print(f"[bold]Budget:[/bold] {line}", soft_wrap=True, highlight=False)
     return 0
 
 

@@ -27,7 +27,8 @@ last stages swap their embedding gradients once per step (send + recv). DP over 
 gradients once per step; ZeRO-1 (distributed optimizer) reduce-scatters gradients and
 all-gathers updated bf16 weights once per step; ZeRO-2 reduce-scatters each micro-batch's
 gradients (they are sharded, so accumulation happens in the shard) and all-gathers weights
-once; ZeRO-3 all-gathers each block's weights before its forward and again before its
+once — or, with the "step" gradient policy (grid key gacc), accumulates full-size gradients
+locally and reduce-scatters once per step; ZeRO-3 all-gathers each block's weights before its forward and again before its
 backward and reduce-scatters gradients, every micro-batch, while the non-block weights
 (embedding, final norm, head) are gathered once and kept for the step. With tied embeddings
 split over pipeline stages, ZeRO-2/3 reduce-scatter the embedding/head gradient once per step,
@@ -47,6 +48,7 @@ from llmopt.plan.hardware import Cluster
 from llmopt.plan.memory import (
     ACT_BYTES,
     RC_FULL,
+    grad_policy,
     kv_heads_per_rank,
     layer_params_per_rank,
     stage_params,
@@ -198,13 +200,15 @@ def collectives(
     # A tied embedding split over stages must be summed across them before it is sharded:
     # under ZeRO-2/3 its unit (embedding / final norm + head) is reduce-scattered once per step.
     tied_split = model.tie_embeddings & (pp > 1)
+    once = grad_policy(grid) == 1  # ZeRO-2/3 "step" policy: one reduce-scatter per step
     for kind, params in (("not_last", first_p), ("last", last_p)):
         root = params - block_p  # embedding, final norm, head: the non-block parameters
         crosses = inter["dp"]
         add("dp", "all-reduce", "step", kind, (z == 0) * 1, params * g_bytes, d, crosses)
         add("dp", "reduce-scatter", "backward", kind, (z == 1) * 1, params * g_bytes, d, crosses)
-        add("dp", "reduce-scatter", "backward", kind, (z >= 2) * m, block_p * g_bytes, d, crosses)
-        root_rs = np.where(tied_split, 1, m) * (z >= 2)
+        rs_calls = np.where(once, 1, m) * (z >= 2)
+        add("dp", "reduce-scatter", "backward", kind, rs_calls, block_p * g_bytes, d, crosses)
+        root_rs = np.where(tied_split | once, 1, m) * (z >= 2)
         add("dp", "reduce-scatter", "backward", kind, root_rs, root * g_bytes, d, crosses)
         add(
             "dp",

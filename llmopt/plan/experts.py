@@ -16,10 +16,12 @@ Per MoE block and micro-batch on one rank:
   (ep-1)/ep of them, over NVLink to the peers in its node and over the inter-node network to
   the rest (an EP group spans etp·ep consecutive ranks), exposed unless `Workload.ep_comm_overlap`;
 - permute/unpermute copies of the dispatched tokens as memory-bound traffic;
-- a host-launch floor: the dispatcher's device-to-host sync of per-expert token counts keeps
-  the CPU from running ahead, and each local expert launches its own GEMM, activation (and FP8
-  quantisation) kernels, so a block cannot finish faster than the host launches them
-  (`host_seconds_per_block`). This is what makes small-expert models at micro-batch 1 slow:
+- the local experts' weight traffic per micro-batch (`expert_weight_seconds`): it does not
+  shrink with the tokens per expert, so small expert GEMMs fall towards the memory roofline;
+- host launches: the dispatcher's device-to-host sync of per-expert token counts empties the
+  GPU queue, so each local expert's GEMM, activation (and FP8 quantisation) kernels cost the
+  longer of their launches and their GPU time, and the block's router/permute/dispatch kernels
+  are launch-bound (`host_seconds_per_block`). This is what makes small-expert models at micro-batch 1 slow:
   Megatron-Bridge's Qwen3-30B-A3B runs at 9.3k tokens/s/GPU on B200 with MBS=1 but 29.5k on
   B300 with MBS=8 (same table), a per-micro-batch cost rather than a per-token one.
 """
@@ -111,6 +113,17 @@ def routed_gemm_params(model: ModelConfig, work: Workload) -> float:
     return active * work.expert_imbalance / GROUPED_GEMM_EFFICIENCY
 
 
+def expert_weight_seconds(
+    model: ModelConfig, grid: Grid, grad_bytes: int, hbm_bytes_per_s: float
+) -> np.ndarray:
+    """HBM time per block and micro-batch (averaged over blocks) of the local experts' weight
+    traffic: the forward and the input-gradient GEMMs each read the bf16 weights, the weight-
+    gradient GEMM accumulates into the gradient buffer (read + write). It does not shrink with
+    the tokens per expert (tokens·top_k·ep/num_experts), so small expert GEMMs fall towards
+    the memory roofline: many small experts at micro-batch 1 run far below peak."""
+    return expert_params_per_rank(model, grid) * (2 * ACT_BYTES + 2 * grad_bytes) / hbm_bytes_per_s
+
+
 def moe_elementwise(model: ModelConfig) -> float:
     """bf16 elements per token moved by MoE-only memory-bound kernels per block (averaged):
     permute and unpermute read and write top_k copies of h, the experts' SwiGLU (3 per f)."""
@@ -142,15 +155,22 @@ def a2a_seconds_per_call(
     return np.where(ep > 1, t + 2 * lat, 0.0)
 
 
-def host_seconds_per_block(model: ModelConfig, work: Workload, grid: Grid) -> np.ndarray:
-    """Host time to launch one MoE block's expert kernels for one micro-batch, forward and
-    backward (averaged over blocks; 0 for dense models)."""
+def host_seconds_per_block(
+    model: ModelConfig, work: Workload, grid: Grid, expert_gpu_s: np.ndarray
+) -> np.ndarray:
+    """Host-launch time of one MoE block per micro-batch, forward and backward, that the GPU
+    work cannot hide (averaged over blocks; 0 for dense models). After the dispatcher's
+    device-to-host sync the GPU queue is empty, so each expert kernel costs the longer of its
+    launch and its run: the expert kernels' launches hide only behind the expert GEMMs
+    (`expert_gpu_s`, the block's routed-expert GEMM seconds), and the block's own small kernels
+    (router, permute, dispatch, combine) are launch-bound."""
     ep, _ = ep_of(grid)
     if model.moe is None:
         return np.zeros(len(grid["tp"]))
     local = model.moe.num_experts / ep.astype(np.float64)
-    kernels = local * KERNELS_PER_EXPERT[work.precision] + KERNELS_PER_MOE_BLOCK
-    return moe_fraction(model) * kernels * LAUNCH_S
+    experts = moe_fraction(model) * local * KERNELS_PER_EXPERT[work.precision] * LAUNCH_S
+    block = moe_fraction(model) * KERNELS_PER_MOE_BLOCK * LAUNCH_S
+    return block + np.maximum(0.0, experts - expert_gpu_s)
 
 
 def a2a_calls_per_microbatch(model: ModelConfig, rc_full: np.ndarray) -> np.ndarray:

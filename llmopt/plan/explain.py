@@ -52,18 +52,25 @@ def _gib(x: float) -> str:
 
 
 def _variant(
-    model: ModelConfig, work: Workload, cluster: Cluster, par: ParallelPlan, **changes
+    model: ModelConfig,
+    work: Workload,
+    cluster: Cluster,
+    par: ParallelPlan,
+    grad_reduce: str = "microbatch",
+    **changes,
 ) -> Plan | None:
     try:
         alt = dataclasses.replace(par, **changes)
     except ValueError:
         return None
-    ev = evaluate(model, work, cluster, to_grid(alt))
+    if alt.zero_stage < 2:
+        grad_reduce = "microbatch"  # stages 0-1 reduce once per step whatever the policy
+    ev = evaluate(model, work, cluster, to_grid(alt, grad_reduce=grad_reduce))
     return plan_at(ev, 0)
 
 
 def _excluded(framework: str, model: ModelConfig, alt: Plan) -> str:
-    why = refusal(framework, model, alt.parallel)
+    why = refusal(framework, model, alt.parallel, alt.grad_reduce)
     return f"; excluded by --framework {framework}: {why}" if why else ""
 
 
@@ -119,8 +126,9 @@ def explain(
         )
     if p.cp > 1:
         out.append(
-            f"Context parallelism CP={p.cp} splits each sequence into {p.cp} chunks (K/V "
-            f"all-gathered per layer), cutting activations {p.cp}x."
+            f"Context parallelism CP={p.cp} splits each sequence into {p.cp} zig-zag chunk "
+            f"pairs (ring attention: {p.cp - 1} K/V passes per layer, "
+            f"{t['cp_comm_exposed']:.2f} s of them exposed), cutting activations {p.cp}x."
         )
     m = plan.memory_bytes
     zero_text = {
@@ -143,7 +151,7 @@ def explain(
     for rc in RECOMPUTES:
         if rc == p.recompute:
             continue
-        alt = _variant(model, work, cluster, p, recompute=rc)
+        alt = _variant(model, work, cluster, p, plan.grad_reduce, recompute=rc)
         if alt is None:
             continue
         dt = alt.step_time_s["total"] - t["total"]
@@ -157,7 +165,7 @@ def explain(
         for z in range(4):
             if z == p.zero_stage:
                 continue
-            alt = _variant(model, work, cluster, p, zero_stage=z)
+            alt = _variant(model, work, cluster, p, plan.grad_reduce, zero_stage=z)
             if alt is None:
                 continue
             dt = alt.step_time_s["total"] - t["total"]
@@ -166,7 +174,9 @@ def explain(
             extra = {
                 0: " (all-reduce of full gradients once per step)",
                 1: " (reduce-scatter gradients, all-gather weights once per step)",
-                2: f" (reduce-scatters gradients every micro-batch: {m_} per step)",
+                2: f" (reduce-scatters gradients every micro-batch: {m_} per step)"
+                if plan.grad_reduce == "microbatch"
+                else " (full gradients accumulated, reduce-scattered once per step)",
                 3: f" (all-gathers weights before forward and backward of each of {m_} "
                 "micro-batches)",
             }[z]
@@ -174,6 +184,25 @@ def explain(
                 f"ZeRO-{z}{extra}: {dt:+.2f} s per step, {dm / GIB:+.1f} GiB per GPU"
                 f"{'' if alt.fits else ', does not fit'}{_excluded(framework, model, alt)}."
             )
+    if d > 1 and p.zero_stage >= 2:
+        other = "step" if plan.grad_reduce == "microbatch" else "microbatch"
+        alt = _variant(model, work, cluster, p, other)
+        how = {
+            "microbatch": f"reduce-scatters gradients every micro-batch ({p.num_microbatches} "
+            "per step) into 1/dp shards",
+            "step": "accumulates full-size gradients over the micro-batches and "
+            "reduce-scatters once per step",
+        }
+        line = f"Gradient policy grad_reduce={plan.grad_reduce}: {how[plan.grad_reduce]}"
+        if alt is not None:
+            dt = alt.step_time_s["total"] - t["total"]
+            dm = alt.memory_bytes["total"] - m["total"]
+            line += (
+                f"; grad_reduce={other} ({how[other].split(' (')[0]}) would change step time "
+                f"by {dt:+.2f} s and memory by {dm / GIB:+.1f} GiB"
+                f"{'' if alt.fits else ' (does not fit)'}{_excluded(framework, model, alt)}"
+            )
+        out.append(line + ".")
     cb = plan.comm_bytes
     if cb:
         out.append(

@@ -17,6 +17,7 @@ import numpy as np
 from llmopt.models.config import ModelConfig
 from llmopt.parallel.plan import ParallelPlan
 from llmopt.plan.grid import REDUCE_DTYPE_OF_STATE, Grid, to_grid
+from llmopt.plan.memory import grad_policy
 from llmopt.plan.rules import msg_at
 from llmopt.plan.workload import Workload
 
@@ -132,6 +133,14 @@ TORCHTITAN_RULES: tuple[Rule, ...] = (
          "tp>1 without sequence_parallel (its TP plan always shards norms over the sequence)",
          "use sequence_parallel=true",
          lambda g, m, n: (g["tp"] > 1) & (g["sp"] == 0)),
+    # torch/distributed/pipelining/stage.py (backward_maybe_with_nosync): with pp>1 every
+    # backward but the last runs with set_requires_gradient_sync(False), and the REDUCE_GRAD
+    # action reduce-scatters once per step: its ZeRO-2/3 gradient policy is "step".
+    Rule(_TITAN,
+         "grad_reduce=microbatch with pp={pp} (torch.distributed.pipelining defers FSDP's "
+         "reduce-scatter to the last backward)",
+         "use grad_reduce=step",
+         lambda g, m, n: (g["pp"] > 1) & (g["zero"] >= 2) & (grad_policy(g) == 0)),
     # torchtitan/config/job_config.py: mixed_precision_reduce accepts only "float32".
     Rule(_TITAN, "reduce_dtype=bf16", "use reduce_dtype=fp32",
          lambda g, m, n: _const(n.reduce_dtype != "fp32")(g)),
@@ -150,6 +159,12 @@ DEEPSPEED_RULES: tuple[Rule, ...] = (
     Rule(_DS, "zero_stage={zero} with pp={pp} (its pipeline engine allows ZeRO-0/1)",
          "use zero_stage<=1 or pp=1",
          lambda g, m, n: (g["pp"] > 1) & (g["zero"] >= 2)),
+    # deepspeed/runtime/zero/stage_1_and_2.py (reduce_ready_partitions_and_remove_grads): with
+    # partition_gradients (ZeRO-2) gradients are reduced in every micro-batch's backward, not
+    # only at the accumulation boundary; stage3.py likewise. Its policy is "microbatch".
+    Rule(_DS, "grad_reduce=step (ZeRO-2/3 reduce every micro-batch's gradients)",
+         "use grad_reduce=microbatch, or zero_stage=1 to reduce once per step",
+         lambda g, m, n: (g["zero"] >= 2) & (grad_policy(g) == 1)),
     # deepspeed/runtime/pipe/schedule.py: TrainSchedule is its only training schedule (1F1B).
     Rule(_DS, "schedule={schedule}", "use schedule=1f1b",
          lambda g, m, n: (g["pp"] > 1) & (g["sched"] != _SCHED["1f1b"])),
@@ -169,8 +184,18 @@ DEEPSPEED_RULES: tuple[Rule, ...] = (
          lambda g, m, n: g["rc"] == 1),
 )  # fmt: skip
 
+# llmopt/parallel/data_parallel.py: ZeRO-2/3 ignore no_sync(), every micro-batch
+# reduce-scatters (as DeepSpeed does). Only its run-config exporter applies this rule: the
+# default search ("llmopt") ranks every plan the planner prices, both gradient policies.
+ENGINE_RULES: tuple[Rule, ...] = (
+    Rule("llmopt's engine", "grad_reduce=step (its ZeRO-2/3 reduce-scatter every micro-batch)",
+         "use grad_reduce=microbatch, or zero_stage=1 to reduce once per step",
+         lambda g, m, n: (g["zero"] >= 2) & (grad_policy(g) == 1)),
+)  # fmt: skip
+
 RULES: dict[str, tuple[Rule, ...]] = {
-    "llmopt": (),  # llmopt's own engine runs every structurally valid plan the planner prices
+    "llmopt": (),  # every structurally valid plan the planner prices (ENGINE_RULES: its engine)
+    "engine": ENGINE_RULES,
     "megatron": MEGATRON_RULES,
     "nemo": NEMO_RULES,
     "torchtitan": TORCHTITAN_RULES,
@@ -197,15 +222,19 @@ def framework_reasons(
     ]
 
 
-def refusal(name: str, model: ModelConfig, plan: ParallelPlan) -> str | None:
+def refusal(
+    name: str, model: ModelConfig, plan: ParallelPlan, grad_reduce: str = "microbatch"
+) -> str | None:
     """The first rule of `name` that refuses this one plan (its message), else None."""
-    grid = to_grid(plan)
+    grid = to_grid(plan, grad_reduce=grad_reduce if plan.zero_stage >= 2 else "microbatch")
     for msg, mask in framework_reasons(name, model, Numerics.of_plan(plan), grid):
         if mask[0]:
             return msg_at(msg, grid, 0)
     return None
 
 
-def frameworks_running(model: ModelConfig, plan: ParallelPlan) -> list[str]:
+def frameworks_running(
+    model: ModelConfig, plan: ParallelPlan, grad_reduce: str = "microbatch"
+) -> list[str]:
     """The frameworks whose plan-level rules accept `plan` (recipes per model not checked)."""
-    return [f for f in FRAMEWORKS if refusal(f, model, plan) is None]
+    return [f for f in FRAMEWORKS if refusal(f, model, plan, grad_reduce) is None]

@@ -11,8 +11,9 @@ import numpy as np
 
 from llmopt.parallel.plan import RECOMPUTES, SCHEDULES, ParallelPlan
 
-# internal array key -> ParallelPlan field (etp, expert tensor parallelism, is the planner's
-# own: ParallelPlan has no such field; `Plan.expert_tp` carries it)
+# internal array key -> ParallelPlan field (etp, expert tensor parallelism, and gacc, the
+# ZeRO-2/3 gradient policy, are the planner's own: ParallelPlan has no such fields;
+# `Plan.expert_tp` and `Plan.grad_reduce` carry them)
 GRID_FIELDS: dict[str, str] = {
     "tp": "tp",
     "pp": "pp",
@@ -27,7 +28,12 @@ GRID_FIELDS: dict[str, str] = {
     "rc": "recompute",
     "ep": "ep",
     "etp": "etp",
+    "gacc": "grad_reduce",
 }
+# ZeRO-2/3 gradient policies (`gacc`): reduce-scatter each micro-batch's gradients into the
+# shard, or accumulate full-size gradients over the step and reduce-scatter once (FSDP's
+# no_sync / set_requires_gradient_sync(False) on all but the last micro-batch).
+GRAD_REDUCES = ("microbatch", "step")
 GRID_KEYS: tuple[str, ...] = tuple(GRID_FIELDS)
 
 Grid = dict[str, np.ndarray]
@@ -38,8 +44,11 @@ REDUCE_DTYPE_OF_STATE = {"megatron": "fp32", "zero": "bf16"}
 STATE_OF_REDUCE_DTYPE = {v: k for k, v in REDUCE_DTYPE_OF_STATE.items()}
 
 
-def to_grid(plan: ParallelPlan, etp: int | None = None) -> Grid:
-    """A one-plan grid (expert TP defaults to Megatron's: tp when ep > 1)."""
+def to_grid(plan: ParallelPlan, etp: int | None = None, grad_reduce: str = "microbatch") -> Grid:
+    """A one-plan grid (expert TP defaults to Megatron's: tp when ep > 1; `grad_reduce` is the
+    ZeRO-2/3 gradient policy, one of GRAD_REDUCES)."""
+    if grad_reduce not in GRAD_REDUCES:
+        raise ValueError(f"grad_reduce={grad_reduce!r}; choose from {', '.join(GRAD_REDUCES)}")
     if etp is None:
         etp = plan.tp if plan.ep > 1 else 1
     return {
@@ -56,6 +65,7 @@ def to_grid(plan: ParallelPlan, etp: int | None = None) -> Grid:
         "rc": np.array([RECOMPUTES.index(plan.recompute)]),
         "ep": np.array([plan.ep]),
         "etp": np.array([etp]),
+        "gacc": np.array([GRAD_REDUCES.index(grad_reduce)]),
     }
 
 

@@ -40,11 +40,14 @@ def model_state_bytes(
     zero_stage: int | np.ndarray,
     shard: int | np.ndarray,
     state_bytes: str = "megatron",
+    full_grads: int | np.ndarray = 0,
 ) -> dict[str, np.ndarray]:
     """Weights, gradients and optimizer states of `num_params` parameters on one rank.
 
     ZeRO stage 1 shards the optimizer states over the `shard` data-parallel ranks, stage 2 also
-    the gradients, stage 3 also the weights (Rajbhandari et al. 2019, Fig. 1).
+    the gradients, stage 3 also the weights (Rajbhandari et al. 2019, Fig. 1). `full_grads`
+    (the "step" gradient policy, grid key gacc) keeps a full-size gradient buffer under ZeRO-2/3:
+    gradients accumulate locally over the micro-batches and are reduce-scattered once.
     """
     w, g, o = STATE_BYTES[state_bytes]
     n = np.asarray(num_params, dtype=np.float64)
@@ -52,9 +55,14 @@ def model_state_bytes(
     d = np.asarray(shard, dtype=np.float64)
     return {
         "params": w * n / np.where(z >= 3, d, 1.0),
-        "grads": g * n / np.where(z >= 2, d, 1.0),
+        "grads": g * n / np.where((z >= 2) & (np.asarray(full_grads) == 0), d, 1.0),
         "optimizer": o * n / np.where(z >= 1, d, 1.0),
     }
+
+
+def grad_policy(grid: Grid) -> np.ndarray:
+    """1 where a ZeRO-2/3 plan accumulates full gradients and reduce-scatters once per step."""
+    return grid.get("gacc", np.zeros_like(grid["zero"]))
 
 
 def kv_heads_per_rank(model: ModelConfig, tp: np.ndarray) -> np.ndarray:
@@ -269,9 +277,9 @@ def split_state_bytes(
     """Model states of a stage's `stage_p` parameters per rank: dense parts ZeRO-sharded over
     dp·cp, routed experts over their expert-data-parallel ranks (`experts.expert_dp`)."""
     experts = layers_per_stage(model, grid["pp"], grid["v"]) * expert_params_per_rank(model, grid)
-    z = grid["zero"]
-    dense = model_state_bytes(stage_p - experts, z, grid["dp"] * grid["cp"], state_bytes)
-    routed = model_state_bytes(experts, z, expert_dp(grid), state_bytes)
+    z, full = grid["zero"], grad_policy(grid)
+    dense = model_state_bytes(stage_p - experts, z, grid["dp"] * grid["cp"], state_bytes, full)
+    routed = model_state_bytes(experts, z, expert_dp(grid), state_bytes, full)
     return {k: dense[k] + routed[k] for k in dense}
 
 

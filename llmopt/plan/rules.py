@@ -11,14 +11,16 @@ import numpy as np
 
 from llmopt.models.config import ModelConfig
 from llmopt.parallel.plan import RECOMPUTES, SCHEDULES
-from llmopt.plan.grid import GRID_FIELDS, GRID_KEYS, Grid
+from llmopt.plan.grid import GRAD_REDUCES, GRID_FIELDS, GRID_KEYS, Grid
 from llmopt.plan.hardware import Cluster
+from llmopt.plan.memory import grad_policy
 from llmopt.plan.workload import Workload
 
 MAX_MICRO_BATCH = 32
-# Context parallelism is for long sequences. The model does not charge ring attention's per-step
-# costs (2·cp half-chunk flash calls, cp-1 exchange latencies), which grow as chunks shrink, so
-# the search only splits sequences into chunks of at least this many tokens (Llama 3 used CP
+# Context parallelism is for long sequences. The model charges ring attention's K/V passes
+# (`llmopt.plan.ring`) but not the lower efficiency of the 2·cp small flash-attention calls,
+# which grows as chunks shrink, so the search only splits sequences into chunks of at least this
+# many tokens (Llama 3 used CP
 # only for its long-context phase; NeMo's Llama-3-70B recipe uses CP=2 at 8192).
 MIN_CP_CHUNK = 4096
 VIRTUAL_STAGES = (2, 3, 4, 6, 8)
@@ -32,7 +34,7 @@ class ConstraintError(ValueError):
 
 def msg_at(msg: str, grid: Grid, i: int, **extra: object) -> str:
     """A rejection message filled with plan i's values (and `extra`, e.g. mem_gib)."""
-    g = {k: int(grid[k][i]) for k in GRID_KEYS}
+    g = {k: int(grid[k][i]) for k in GRID_KEYS if k in grid}
     values: dict[str, object] = dict(g)
     values.update(extra)
     values["world"] = g["tp"] * g["pp"] * g["dp"] * g["cp"]
@@ -77,6 +79,10 @@ def structural_reasons(
             (grid["zero"] > 0) & (dp * cp == 1),
         ),
         ("schedule={schedule} needs pp>1", (grid["sched"] != 1) & (pp == 1)),
+        (
+            "grad_reduce=step needs zero_stage>=2 (zero_stage={zero} reduces once per step)",
+            (grad_policy(grid) == 1) & (grid["zero"] < 2),
+        ),
     ]
 
 
@@ -90,7 +96,7 @@ def search_space_reasons(
     return [
         (
             f"cp={{cp}} cuts seq_len={s} into chunks under the {MIN_CP_CHUNK} tokens the search "
-            "allows (ring attention's per-chunk costs are not modelled)",
+            "allows (the small flash-attention calls of short chunks are not modelled)",
             (cp > 1) & (s // cp < MIN_CP_CHUNK),
         ),
         (
@@ -132,6 +138,12 @@ def parse_constraints(spec: str) -> dict[str, int]:
             if value not in RECOMPUTES:
                 raise ConstraintError(f"recompute={value!r}; choose from {', '.join(RECOMPUTES)}")
             out[key] = RECOMPUTES.index(value)
+        elif key == "gacc":
+            if value not in GRAD_REDUCES:
+                raise ConstraintError(
+                    f"grad_reduce={value!r}; choose from {', '.join(GRAD_REDUCES)}"
+                )
+            out[key] = GRAD_REDUCES.index(value)
         elif key == "sp":
             if value.lower() not in _TRUE + _FALSE:
                 raise ConstraintError(f"sequence_parallel={value!r}; use true or false")
@@ -157,6 +169,8 @@ def format_constraints(constraints: dict[str, int]) -> str:
             parts.append(f"{name}={SCHEDULES[value]}")
         elif key == "rc":
             parts.append(f"{name}={RECOMPUTES[value]}")
+        elif key == "gacc":
+            parts.append(f"{name}={GRAD_REDUCES[value]}")
         elif key == "sp":
             parts.append(f"{name}={'true' if value else 'false'}")
         else:

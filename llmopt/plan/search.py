@@ -9,7 +9,6 @@ memory, then time.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,20 +17,15 @@ import numpy as np
 
 from llmopt.models.config import ModelConfig
 from llmopt.parallel.plan import RECOMPUTES, ParallelPlan
-from llmopt.plan.experts import expert_options, expert_reasons
+from llmopt.plan.experts import expert_reasons
 from llmopt.plan.frameworks import Numerics, framework_reasons
-from llmopt.plan.grid import GRID_KEYS, STATE_OF_REDUCE_DTYPE, Grid, grid_row, to_grid
+from llmopt.plan.grid import GRAD_REDUCES, STATE_OF_REDUCE_DTYPE, Grid, grid_row, to_grid
 from llmopt.plan.hardware import GIB, Cluster
 from llmopt.plan.memory import memory_breakdown
 from llmopt.plan.objectives import Requirement, objective_band
-from llmopt.plan.rules import (
-    MAX_MICRO_BATCH,
-    MIN_CP_CHUNK,
-    VIRTUAL_STAGES,
-    msg_at,
-    structural_reasons,
-)
+from llmopt.plan.rules import msg_at, structural_reasons
 from llmopt.plan.shortfall import no_candidates_message, nothing_fits_message
+from llmopt.plan.space import build_grid  # noqa: F401  (re-exported: the search space)
 from llmopt.plan.timing import comm_bytes_per_gpu, step_time
 from llmopt.plan.workload import Workload, model_flops_per_step, recompute_flops_per_step
 
@@ -52,6 +46,7 @@ class Plan:
     explanation: list[str] = field(default_factory=list)
     rank: int | None = None
     expert_tp: int = 1
+    grad_reduce: str = "microbatch"  # ZeRO-2/3 gradient policy (grid.GRAD_REDUCES)
     mfu_bf16_peak: float | None = None  # FP8 runs: MFU against the bf16 peak, labelled so
 
     def to_dict(self) -> dict[str, Any]:
@@ -64,6 +59,7 @@ class Plan:
             "step_time_s": {k: round(v, 6) for k, v in self.step_time_s.items()},
             "tokens_per_s": round(self.tokens_per_s, 1),
             "etp": self.expert_tp,
+            "grad_reduce": self.grad_reduce,
             "tokens_per_s_per_gpu": round(self.tokens_per_s / self.parallel.world_size, 1),
             "mfu": round(self.mfu, 4),
             "mfu_bf16_peak": None if self.mfu_bf16_peak is None else round(self.mfu_bf16_peak, 4),
@@ -112,6 +108,9 @@ class Evaluation:
             hfu=float(self.hfu[i]),
             comm_bytes={k: float(v[i]) for k, v in (self.comm or {}).items()},
             expert_tp=int(self.grid["etp"][i]) if "etp" in self.grid else 1,
+            grad_reduce=GRAD_REDUCES[int(self.grid["gacc"][i])]
+            if "gacc" in self.grid
+            else "microbatch",
             mfu_bf16_peak=None if self.mfu_bf16 is None else float(self.mfu_bf16[i]),
         )
 
@@ -187,97 +186,6 @@ def plan_at(ev: Evaluation, i: int) -> Plan:
     return p
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def build_grid(
-    model: ModelConfig, work: Workload, cluster: Cluster, constraints: dict[str, int] | None = None
-) -> Grid:
-    """All candidate plans, already restricted to `constraints` (grid keys -> value).
-
-    Only combinations that can possibly be valid are generated (tp·pp·dp·cp = GPUs, dp divides
-    the batch, micro-batch divides the per-replica batch); the rest of the rules are checked by
-    `structural_reasons` so that `--why-not` can name them.
-    """
-    c = dict(constraints or {})
-    n = cluster.num_gpus
-    B, s = work.global_batch, work.seq_len
-
-    def options(key: str, default: list[int]) -> list[int]:
-        return [c[key]] if key in c else default
-
-    outer: list[tuple[int, ...]] = []
-    divs = _divisors(n)
-    for tp in options("tp", divs):
-        if n % tp:
-            continue
-        cps = [x for x in divs if s % (2 * x) == 0 and s // x >= MIN_CP_CHUNK] or [1]
-        for cp in options("cp", sorted(set(cps) | {1})):
-            if n % (tp * cp):
-                continue
-            rest = n // (tp * cp)
-            for pp in options("pp", [d for d in _divisors(rest) if d <= model.num_layers]):
-                if rest % pp:
-                    continue
-                dp = rest // pp
-                if "dp" in c and c["dp"] != dp:
-                    continue
-                if B % dp:
-                    continue
-                per_replica = B // dp
-                mbs = [x for x in _divisors(per_replica) if x <= MAX_MICRO_BATCH]
-                for mb in options("mb", mbs):
-                    if per_replica % mb:
-                        continue
-                    m = per_replica // mb
-                    if "m" in c and c["m"] != m:
-                        continue
-                    scheds = [(1, 1)]
-                    if pp > 1:
-                        vs = [c["v"]] if c.get("v", 1) > 1 else VIRTUAL_STAGES  # fixed: as given
-                        scheds = [(0, 1), (1, 1)] + [(2, v) for v in vs]
-                    for sched, v in scheds:
-                        if "sched" in c and c["sched"] != sched:
-                            continue
-                        if "v" in c and c["v"] != v:
-                            continue
-                        for ep, etp in expert_options(model, tp, dp * cp, options):
-                            outer.append((tp, pp, dp, cp, mb, m, v, sched, ep, etp))
-    if not outer:
-        return {k: np.zeros(0, dtype=np.int64) for k in GRID_KEYS}
-    base = np.array(outer, dtype=np.int64)
-    inner = list(
-        itertools.product(
-            options("zero", [0, 1, 2, 3]), options("rc", [0, 1, 2]), options("sp", [0, 1])
-        )
-    )
-    inner_a = np.array(inner, dtype=np.int64)
-    rep = np.repeat(base, len(inner), axis=0)
-    tile = np.tile(inner_a, (len(base), 1))
-    grid = {
-        "tp": rep[:, 0],
-        "pp": rep[:, 1],
-        "dp": rep[:, 2],
-        "cp": rep[:, 3],
-        "mb": rep[:, 4],
-        "m": rep[:, 5],
-        "v": rep[:, 6],
-        "sched": rep[:, 7],
-        "ep": rep[:, 8],
-        "etp": rep[:, 9],
-        "zero": tile[:, 0],
-        "rc": tile[:, 1],
-        "sp": tile[:, 2],
-    }
-    if not constraints:  # drop plans that are trivially redundant (SP without TP, ZeRO alone)
-        keep = ~((grid["sp"] == 1) & (grid["tp"] == 1))
-        keep &= ~((grid["zero"] > 0) & (grid["dp"] * grid["cp"] == 1))
-        keep &= ~((grid["sched"] == 2) & (grid["m"] % grid["pp"] != 0))
-        grid = {k: v[keep] for k, v in grid.items()}
-    return grid
-
-
 # Plans predicted within this fraction of each other are ties: the model's own error is larger
 # (median ~6 % on published runs). Within a band, prefer fewer per-micro-batch collectives and
 # less machinery: lower ZeRO stage, less recomputation, no context parallelism, then less TP.
@@ -351,7 +259,12 @@ def workload_for(work: Workload, plan: ParallelPlan) -> Workload:
 
 
 def estimate(
-    model: ModelConfig, work: Workload, cluster: Cluster, plan: ParallelPlan, etp: int | None = None
+    model: ModelConfig,
+    work: Workload,
+    cluster: Cluster,
+    plan: ParallelPlan,
+    etp: int | None = None,
+    grad_reduce: str = "microbatch",
 ) -> Plan:
     """Evaluate one fully specified plan (even an invalid one: `rejected` says why). Precision
     and reduce dtype come from the plan (`workload_for`); `etp` is the expert TP (None: tp)."""
@@ -361,7 +274,7 @@ def estimate(
             f"({cluster.nodes} nodes x {cluster.gpus_per_node})"
         )
     work = workload_for(work, plan)
-    ev = evaluate(model, work, cluster, to_grid(plan, etp))
+    ev = evaluate(model, work, cluster, to_grid(plan, etp, grad_reduce))
     out = plan_at(ev, 0)
     out.parallel = plan  # the grid does not carry fp8_recipe: keep the plan as given
     return out

@@ -12,7 +12,8 @@ output layer):
 - recomputation: full repeats the forward (and its TP collectives), selective repeats the
   attention core (free with flash attention, whose backward recomputes it anyway);
 - TP collectives on the link the group crosses, exposed unless `tp_comm_overlap`
-  (then `1 - comm_overlap_efficiency` stays exposed); CP collectives hide behind attention.
+  (then `1 - comm_overlap_efficiency` stays exposed); CP as ring attention (`llmopt.plan.ring`):
+  cp-1 K/V passes per layer, each exposed by what it takes beyond one block's attention.
 Pipeline: step = m·τ_last + (p-1)/v·τ_mean (Narayanan's bubble (p-1)/(v·m)), plus point-to-point
 sends, plus the DP/ZeRO collectives not hidden behind backward (or forward, for parameter
 gathers), plus the optimizer step, a memory-bound pass over the local shard
@@ -29,10 +30,12 @@ import numpy as np
 
 from llmopt.models.config import ModelConfig
 from llmopt.models.moe import attention_core_dim, attention_params, mlp_params
-from llmopt.plan.comm import Collectives, applies, collectives
+from llmopt.plan import ring
+from llmopt.plan.comm import Collectives, applies, collectives, layout
 from llmopt.plan.experts import (
     a2a_calls_per_microbatch,
     a2a_seconds_per_call,
+    expert_weight_seconds,
     host_seconds_per_block,
     moe_elementwise,
     routed_gemm_params,
@@ -43,12 +46,13 @@ from llmopt.plan.memory import (
     ACT_BYTES,
     RC_FULL,
     RC_SELECTIVE,
+    grad_policy,
     kv_heads_per_rank,
     layers_per_stage,
     split_state_bytes,
     stage_params,
 )
-from llmopt.plan.workload import Workload
+from llmopt.plan.workload import STATE_BYTES, Workload
 
 # Adam step, bytes moved per local parameter: read fp32 master, grad, m, v (16), write master,
 # m, v (12) and the bf16 weight copy (2), plus a read of the gradient for the norm/clip (4).
@@ -83,11 +87,15 @@ def step_time(
 
     # Forward of one layer for one micro-batch.
     gemm_params = (2 * h * model.q_size + n_mlp * h * f) / t + 2 * h * kv_dim
-    moe_elem = 0.0
+    moe_elem = expert_gpu = expert_w = 0.0
     if model.moe is not None or model.mla is not None:
         mp = mlp_params(model)
         dense = attention_params(model) + mp["dense"] + mp["shared"]
-        gemm_params = (dense + routed_gemm_params(model, work)) / t + mp["router"]
+        routed = routed_gemm_params(model, work)
+        gemm_params = (dense + routed) / t + mp["router"]
+        g_bytes = STATE_BYTES[work.state_bytes][1]
+        expert_w = expert_weight_seconds(model, grid, g_bytes, hbm)
+        expert_gpu = 3 * tokens * 2 * routed / t / gemm_rate + expert_w  # forward + backward
         moe_elem = moe_elementwise(model) / t
         f = mp["dense"] / (n_mlp * h)  # the dense MLPs' width, averaged over blocks
     t_gemm = tokens * 2 * gemm_params / gemm_rate
@@ -96,6 +104,7 @@ def step_time(
         t_attn = 0.5 * attn_flops / (bf16 * gpu.attention_efficiency)
     else:
         t_attn = attn_flops / (bf16 * gpu.gemm_efficiency)
+    t_attn = t_attn * ring.causal_imbalance(cp, ring.CP_LOAD_BALANCED)  # busiest CP rank
     # Elements (bf16 units) moved per token by memory-bound kernels. Fused: two norms read and
     # write h (4h), two residual adds read 2h and write h (6h), RoPE reads and writes Q and K,
     # SwiGLU reads two f and writes one (GELU + bias: 4f). Eager PyTorch (fp32-upcast RMSNorm
@@ -117,7 +126,7 @@ def step_time(
 
     n_layers = layers_per_stage(model, pp, v)
     fwd_mb = n_layers * layer_fwd
-    compute_mb_layers = 3 * fwd_mb
+    compute_mb_layers = 3 * fwd_mb + n_layers * expert_w
     compute_mb_last = compute_mb_layers + 3 * head_fwd
     # Selective: Megatron recomputes the attention core; with flash attention (which already
     # recomputes it) selective means op-level recomputation of the memory-bound ops.
@@ -132,16 +141,16 @@ def step_time(
     tp_all = _sum_time(cs, cluster, group="tp", stage="all") / m
     tp_last = _sum_time(cs, cluster, group="tp", stage="last") / m
     tp_exposed_mb = (1 - tp_hidden) * (tp_all + tp_last)
-    cp_mb = _sum_time(cs, cluster, group="cp") / m
-    attn_mb = n_layers * 3 * t_attn * np.where(rc == RC_FULL, 4 / 3, 1.0)
-    cp_exposed_mb = np.maximum(0.0, cp_mb - gpu.comm_overlap_efficiency * attn_mb)
+    # CP: ring attention's K/V passes, each hidden behind the previous block's attention
+    crosses = layout(cluster, grid)["cp"]
+    exposed = ring.ring_exposed_seconds(model, cluster, grid, s, t_attn, crosses, rc == RC_FULL)
+    cp_exposed_mb = n_layers * exposed
 
     a2a = a2a_seconds_per_call(model, cluster, grid, tokens)
     a2a = n_layers * a2a_calls_per_microbatch(model, rc == RC_FULL) * a2a
     ep_exposed_mb = a2a * (1 - (gpu.comm_overlap_efficiency if work.ep_comm_overlap else 0.0))
     # MoE blocks cannot run faster than the host launches their per-expert kernels
-    host_mb = n_layers * host_seconds_per_block(model, work, grid)
-    host_mb = np.maximum(0.0, host_mb - (compute_mb_layers + recompute_mb + ep_exposed_mb))
+    host_mb = n_layers * host_seconds_per_block(model, work, grid, expert_gpu)
     tau_last = compute_mb_last + recompute_mb + tp_exposed_mb + cp_exposed_mb + ep_exposed_mb
     tau_last = tau_last + host_mb
     tau_mean = tau_last - (3 * head_fwd + (1 - tp_hidden) * tp_last) * (1 - 1 / pp)
@@ -160,17 +169,24 @@ def step_time(
     ag_step = _sum_time(cs, cluster, group="dp", op="all-gather", phase="step", stage="last")
     ag_fwd = _sum_time(cs, cluster, group="dp", op="all-gather", phase="forward", stage="last") / m
     ag_bwd = _sum_time(cs, cluster, group="dp", op="all-gather", phase="backward", stage="last") / m
-    rs_mb = rs_total / m
+    # ZeRO-2/3 "step" policy: the one reduce-scatter runs in the last micro-batch's backward
+    once = grad_policy(grid) == 1
+    rs_mb = np.where(once, 0.0, rs_total / m)
+    rs_once = np.where(once, rs_total, 0.0)
     first_layer = 1 / n_layers  # the first bucket/layer's gather cannot hide
     dp01 = np.maximum(0.0, grad_once + rs_total - bwd_window) + np.maximum(
         0.0, ag_step - fwd_window
     )
     dp2 = m * np.maximum(0.0, rs_mb - bwd_window) + np.maximum(0.0, ag_step - fwd_window)
+    dp2 = dp2 + np.maximum(0.0, rs_once - bwd_window)
     dp3 = m * (
         np.maximum(0.0, ag_fwd - fwd_window)
         + np.maximum(0.0, ag_bwd + rs_mb - bwd_window)
         + first_layer * np.where(hide > 0, ag_fwd + rs_mb, 0.0)
     )
+    # the last backward shares its window between the weight gathers and the one reduce
+    last_bwd = np.maximum(0.0, ag_bwd + rs_once - bwd_window) - np.maximum(0.0, ag_bwd - bwd_window)
+    dp3 = dp3 + np.where(once, last_bwd, 0.0)
     dp_exposed = np.where(z <= 1, dp01, np.where(z == 2, dp2, dp3))
 
     first_p, last_p = stage_params(model, grid)

@@ -26,7 +26,7 @@ from llmopt.plan.frameworks import refusal
 
 def check(run: PlannedRun) -> None:
     """Refuse what DeepSpeed cannot run as planned (rules: `llmopt.plan.frameworks`)."""
-    why = refusal("deepspeed", run.model, run.parallel)
+    why = refusal("deepspeed", run.model, run.parallel, run.plan.grad_reduce)
     if why:
         raise EmitError(why)
 

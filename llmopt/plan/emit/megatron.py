@@ -24,7 +24,7 @@ FSDP_STRATEGY = {2: "optim_grads", 3: "optim_grads_params"}
 
 def check(run: PlannedRun) -> None:
     """Refuse what Megatron-LM cannot run as planned (rules: `llmopt.plan.frameworks`)."""
-    why = refusal("megatron", run.model, run.parallel)
+    why = refusal("megatron", run.model, run.parallel, run.plan.grad_reduce)
     if why:
         raise EmitError(why)
 

@@ -41,7 +41,7 @@ def _bool(value: bool) -> str:
 def check(run: PlannedRun) -> None:
     """Refuse what a Megatron-Bridge recipe override cannot express: Megatron-Core's rules and
     its own (`llmopt.plan.frameworks`), then a model without a recipe."""
-    why = refusal("nemo", run.model, run.parallel)
+    why = refusal("nemo", run.model, run.parallel, run.plan.grad_reduce)
     if why:
         raise EmitError(why)
     recipe(run)

@@ -11,6 +11,7 @@ from typing import Any
 from llmopt.models.presets import PRESETS
 from llmopt.plan.emit import toml
 from llmopt.plan.emit.base import EmitError, Emitted, PlannedRun
+from llmopt.plan.frameworks import refusal
 from llmopt.plan.predict import STAGES, predicted_comm
 
 # Shape overrides the trainer takes next to a preset name.
@@ -24,7 +25,11 @@ TRAINER_SHAPE_FIELDS = (
 
 
 def check(run: PlannedRun) -> None:
-    """A run config names a preset plus the trainer's shape overrides, nothing else."""
+    """A run config names a preset plus the trainer's shape overrides, nothing else, and a
+    plan the engine runs (`frameworks.ENGINE_RULES`)."""
+    why = refusal("engine", run.model, run.parallel, run.plan.grad_reduce)
+    if why:
+        raise EmitError(why)
     if run.model_name not in PRESETS:
         raise EmitError(
             f"a run config names a model preset, got {run.model_name!r}; use --model with one "

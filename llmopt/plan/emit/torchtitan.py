@@ -44,7 +44,7 @@ def check(run: PlannedRun) -> None:
             f"model {run.model_name!r} (no llama3 flavor for it)",
             f"use one of {', '.join(FLAVORS)}",
         )
-    why = refusal("torchtitan", run.model, p)
+    why = refusal("torchtitan", run.model, p, run.plan.grad_reduce)
     if why:
         raise EmitError(why)
     if p.precision == "fp8" and p.fp8_recipe == "delayed":
@@ -111,4 +111,9 @@ def emit(run: PlannedRun) -> Emitted:
         f"run: torchrun --nnodes {c.nodes} --nproc-per-node {c.gpus_per_node} "
         "-m torchtitan.train --job.config_file <this file>",
     ]
+    if run.plan.grad_reduce == "step":  # no knob: torch.distributed.pipelining does it with pp>1
+        comments.append(
+            "gradients: grad_reduce=step, FSDP gradients accumulated over the micro-batches and "
+            "reduce-scattered once per step (torch.distributed.pipelining with FSDP)"
+        )
     return Emitted(toml.dumps(job_config(run), comments))
