@@ -1,0 +1,53 @@
+"""Shared checks of the per-architecture tests: a tiny random transformers model, saved with
+`save_pretrained`, loaded by llmopt; logits and greedy decoding compared with transformers'."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from llmopt.models.llama import KVCache
+from llmopt.models.loading import load_model
+
+TOKENS = 16  # greedy tokens compared
+
+
+def save_tiny_hf(config, directory: Path, seed: int = 0) -> torch.nn.Module:
+    """A randomly initialised transformers model of `config`, saved; norms perturbed so a
+    wrong norm convention (w vs 1 + w) cannot hide behind unit weights."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+    model.save_pretrained(directory)
+    return model
+
+
+def greedy(model: torch.nn.Module, prompt: torch.Tensor, n: int = TOKENS) -> list[int]:
+    """llmopt's cached greedy decoding (prefill, then one token per step)."""
+    cache = KVCache.for_model(model, max_len=prompt.shape[1] + n)
+    logits = model(prompt, cache, last_only=True)
+    out = []
+    for _ in range(n):
+        token = int(logits[0, -1].argmax())
+        out.append(token)
+        logits = model(torch.tensor([[token]]), cache, last_only=True)
+    return out
+
+
+def check_parity(ref: torch.nn.Module, directory: Path, vocab: int, seq: int = 24) -> None:
+    """llmopt's model from `directory` matches `ref`: logits to 1e-4, 16 greedy tokens equal."""
+    ours = load_model(directory)
+    ids = torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = ref(ids).logits
+        torch.testing.assert_close(ours(ids), expected, atol=1e-4, rtol=1e-4)
+        prompt = ids[:1, :8]
+        hf = ref.generate(prompt, max_new_tokens=TOKENS, do_sample=False, min_new_tokens=TOKENS)
+        assert greedy(ours, prompt) == hf[0, prompt.shape[1] :].tolist()
