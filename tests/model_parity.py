@@ -13,9 +13,12 @@ from llmopt.models.loading import load_model
 TOKENS = 16  # greedy tokens compared
 
 
-def save_tiny_hf(config, directory: Path, seed: int = 0) -> torch.nn.Module:
+def save_tiny_hf(
+    config, directory: Path, seed: int = 0, boost: dict[str, float] | None = None
+) -> torch.nn.Module:
     """A randomly initialised transformers model of `config`, saved; norms perturbed so a
-    wrong norm convention (w vs 1 + w) cannot hide behind unit weights."""
+    wrong norm convention (w vs 1 + w) cannot hide behind unit weights, and parameters whose
+    name contains a `boost` key multiplied by its value (to make small scores large)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -25,6 +28,9 @@ def save_tiny_hf(config, directory: Path, seed: int = 0) -> torch.nn.Module:
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+            for key, factor in (boost or {}).items():
+                if key in name:
+                    p.mul_(factor)
     model.save_pretrained(directory)
     return model
 
@@ -41,13 +47,30 @@ def greedy(model: torch.nn.Module, prompt: torch.Tensor, n: int = TOKENS) -> lis
     return out
 
 
-def check_parity(ref: torch.nn.Module, directory: Path, vocab: int, seq: int = 24) -> None:
-    """llmopt's model from `directory` matches `ref`: logits to 1e-4, 16 greedy tokens equal."""
+def hf_forward_greedy(ref: torch.nn.Module, prompt: torch.Tensor, n: int = TOKENS) -> list[int]:
+    """Greedy tokens from transformers' full forward pass, recomputed for every token."""
+    x = prompt
+    for _ in range(n):
+        x = torch.cat([x, ref(x).logits[:, -1:].argmax(-1)], dim=1)
+    return x[0, prompt.shape[1] :].tolist()
+
+
+def check_parity(
+    ref: torch.nn.Module, directory: Path, vocab: int, seq: int = 24, generate: bool = True
+) -> None:
+    """llmopt's model from `directory` matches `ref`: logits to 1e-4, 16 greedy tokens equal
+    (to `ref.generate`, or with generate=False to greedy over ref's uncached forward)."""
     ours = load_model(directory)
     ids = torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         expected = ref(ids).logits
         torch.testing.assert_close(ours(ids), expected, atol=1e-4, rtol=1e-4)
         prompt = ids[:1, :8]
-        hf = ref.generate(prompt, max_new_tokens=TOKENS, do_sample=False, min_new_tokens=TOKENS)
-        assert greedy(ours, prompt) == hf[0, prompt.shape[1] :].tolist()
+        if generate:
+            out = ref.generate(
+                prompt, max_new_tokens=TOKENS, do_sample=False, min_new_tokens=TOKENS
+            )
+            expected_tokens = out[0, prompt.shape[1] :].tolist()
+        else:
+            expected_tokens = hf_forward_greedy(ref, prompt)
+        assert greedy(ours, prompt) == expected_tokens

@@ -77,14 +77,14 @@ def refuse_math_keys(hf: dict[str, Any], spec: ModelSpec) -> None:
         )
 
 
-def _positive(value: Any, key: str) -> float | None:
+def _positive(value: Any, key: str) -> int | float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ConfigError(f"{key}={value!r} must be a positive finite number or null")
     if value <= 0:
         raise ConfigError(f"{key}={value!r} must be a positive finite number or null")
-    return float(value)
+    return value  # as written: HF validates query_pre_attn_scalar as an int
 
 
 def full_attention_every(layer_types: list[str], key: str = "layer_types") -> int:
