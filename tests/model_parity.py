@@ -74,3 +74,31 @@ def check_parity(
         else:
             expected_tokens = hf_forward_greedy(ref, prompt)
         assert greedy(ours, prompt) == expected_tokens
+
+
+def tp_gradient_errors(rank: int, world: int, arch: str) -> dict[str, float]:
+    """Max |grad| difference, over all parameters, between a tp=`world` model (gloo, with and
+    without sequence parallelism) and the unsharded one, for `arch`'s tiny model."""
+    from llmopt.parallel.grid import ParallelDims, RankGrid
+    from llmopt.parallel.tensor_parallel import apply_tensor_parallel, lm_loss
+    from tests.test_architectures import tiny, tokens
+
+    grid = RankGrid.create(ParallelDims(world, tp=world))
+    errors = {}
+    for sp in (False, True):
+        ref, model = tiny(arch), tiny(arch)
+        ids = tokens(2, 17)  # 16 inputs: sequence parallelism splits them in two
+        inputs, targets = ids[:, :-1], ids[:, 1:]
+        lm_loss(ref, inputs, targets).backward()
+        apply_tensor_parallel(model, grid.tp, sequence_parallel=sp)
+        lm_loss(model, inputs, targets).backward()
+        expected = dict(ref.named_parameters())
+        worst = 0.0
+        for name, p in model.named_parameters():
+            grad = p.grad
+            dim = getattr(p, "tp_dim", None)
+            if dim is not None:
+                grad = grid.tp.all_gather(grad.contiguous(), dim=dim)
+            worst = max(worst, (grad - expected[name].grad).abs().max().item())
+        errors[f"sp={sp}"] = worst
+    return errors

@@ -140,3 +140,12 @@ def test_consumers_that_reimplement_the_llama_block_refuse(gemma2_dir):
         PagedRunner(ours, num_blocks=4, block_size=8)
     with pytest.raises(UnsupportedArchitectureError, match="attention soft-capping"):
         require_llama_block(ours.config, "x")
+
+
+def test_tensor_parallel_gradients_of_the_branch_norms_equal_the_unsharded_model():
+    from tests.dist_helpers import run_distributed
+    from tests.model_parity import tp_gradient_errors
+
+    for errors in run_distributed(tp_gradient_errors, 2, "gemma2", timeout_s=180):
+        assert set(errors) == {"sp=False", "sp=True"}
+        assert max(errors.values()) < 1e-6, errors

@@ -93,3 +93,12 @@ def test_gguf_round_trip_keeps_the_qk_norms(qwen3_dir, tmp_path):
     ids = torch.arange(20).view(1, 20) % TINY["vocab_size"]
     with torch.no_grad():
         torch.testing.assert_close(back(ids), ours(ids), atol=1e-5, rtol=1e-5)
+
+
+def test_tensor_parallel_gradients_of_the_qk_norms_equal_the_unsharded_model():
+    from tests.dist_helpers import run_distributed
+    from tests.model_parity import tp_gradient_errors
+
+    for errors in run_distributed(tp_gradient_errors, 2, "qwen3", timeout_s=180):
+        assert set(errors) == {"sp=False", "sp=True"}
+        assert max(errors.values()) < 1e-6, errors

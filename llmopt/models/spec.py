@@ -91,6 +91,12 @@ class ModelSpec:
     )
     row_parallel: tuple[str, ...] = ("self_attn.o_proj", "mlp.down_proj")
     block_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+    # block norms applied to a branch's output before the residual add (Gemma 2's post-norms):
+    # they read the reduced row-parallel output and feed no column-parallel linear
+    branch_norms: tuple[str, ...] = ()
+    # norms inside attention over each head (Qwen3's q/k norms): replicated weights that
+    # tensor parallelism's head split leaves each rank a partial gradient of
+    head_norms: tuple[str, ...] = ()
     awq_groups: tuple[ScalingGroup, ...] = (
         ScalingGroup(
             "input_layernorm",
@@ -248,6 +254,7 @@ register_spec(
         gguf_architectures=("qwen3",),
         gguf_permuted_qk=False,
         qk_norm=True,
+        head_norms=("self_attn.q_norm", "self_attn.k_norm"),
     )
 )
 register_spec(
@@ -280,6 +287,7 @@ register_spec(
         scaled_embedding=True,
         norm_weight_offset=1.0,
         block_norms=_SANDWICH_NORMS,
+        branch_norms=("post_attention_layernorm", "post_feedforward_layernorm"),
         awq_groups=(  # the MLP reads pre_feedforward_layernorm (post_attention's is on the branch)
             ScalingGroup(
                 "input_layernorm",
