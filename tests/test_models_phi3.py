@@ -111,3 +111,15 @@ def test_transformers_4_key_spelling_reads_the_same_config(phi3_dir):
     hf4 = {k: v for k, v in hf5.items() if k != "rope_parameters"}
     hf4 |= {"rope_theta": 10000.0, "rope_scaling": None}
     assert ModelConfig.from_hf_config(hf4) == ModelConfig.from_hf_config(hf5)
+
+
+def test_fast_decode_refuses_the_window_and_takes_phi3_without_one(phi3_dir):
+    from llmopt.infer.fast.layout import UnsupportedModelError, decoder_weights
+
+    ours = load_model(phi3_dir[1])
+    with pytest.raises(UnsupportedModelError, match=r"sliding-window attention \(window 10\)"):
+        decoder_weights(ours)
+    unwindowed = type(ours)(ours.config.replace(sliding_window=None))
+    unwindowed.load_state_dict(ours.state_dict())
+    weights = decoder_weights(unwindowed)  # split qkv / gate_up: the Llama layout
+    assert (weights["heads"], weights["kv_heads"], len(weights["layers"]["qkv"])) == (4, 2, 2)

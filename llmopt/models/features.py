@@ -18,10 +18,13 @@ class UnsupportedArchitectureError(ValueError):
     """A consumer that implements only the Llama block was given a model with more."""
 
 
-def decoder_features(config: Any) -> tuple[str, ...]:
-    """The forward-pass features of `config` that a plain Llama block lacks (empty: none)."""
+def decoder_features(config: Any, windows: bool = False) -> tuple[str, ...]:
+    """The forward-pass features of `config` that a plain Llama block lacks (empty: none).
+    `windows`: the consumer implements one sliding window for all layers (Mistral, Phi-3)."""
     spec = get_spec(config.architecture)
     found = []
+    if config.sliding_window is not None and not windows:
+        found.append(f"sliding-window attention (window {config.sliding_window})")
     if spec.qk_norm:
         found.append("per-head q/k RMSNorm")
     if spec.block_kind != "pre_norm":
@@ -50,9 +53,9 @@ def checkpoint_features(config: Any) -> tuple[str, ...]:
     return tuple(found)
 
 
-def require_llama_block(config: Any, consumer: str) -> None:
+def require_llama_block(config: Any, consumer: str, windows: bool = False) -> None:
     """Raise when `consumer` (which implements the Llama block) cannot run this config."""
-    found = decoder_features(config)
+    found = decoder_features(config, windows)
     if found:
         raise UnsupportedArchitectureError(
             f"{consumer} implements the Llama block; architecture {config.architecture!r} adds "
