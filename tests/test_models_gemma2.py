@@ -134,7 +134,8 @@ def test_consumers_that_reimplement_the_llama_block_refuse(gemma2_dir):
     from llmopt.infer.fast.layout import UnsupportedModelError, decoder_weights
 
     ours = load_model(gemma2_dir[1])
-    with pytest.raises(UnsupportedModelError, match="adds sandwich block norms, sqrt"):
+    refused = r"adds sliding-window attention \(window 6\), sandwich block norms, sqrt"
+    with pytest.raises(UnsupportedModelError, match=refused):
         decoder_weights(ours)
     with pytest.raises(UnsupportedArchitectureError, match="paged batch runner implements"):
         PagedRunner(ours, num_blocks=4, block_size=8)
