@@ -51,6 +51,20 @@ CONFIGS = {
     "mistral": ModelConfig(
         name="tiny-mistral", **BASE, sliding_window=WINDOW, architecture="mistral"
     ),
+    "qwen3": ModelConfig(name="tiny-qwen3", **BASE, head_dim=32, architecture="qwen3"),
+    "phi3": ModelConfig(name="tiny-phi3", **BASE, sliding_window=WINDOW, architecture="phi3"),
+    "gemma2": ModelConfig(
+        name="tiny-gemma2",
+        **BASE,
+        head_dim=32,
+        tie_embeddings=True,
+        sliding_window=WINDOW,
+        full_attention_every=2,
+        attn_softcap=50.0,
+        final_softcap=30.0,
+        query_pre_attn_scalar=24,
+        architecture="gemma2",
+    ),
 }
 ARCHS = sorted(CONFIGS)
 
@@ -223,7 +237,11 @@ def test_quantized_logits_close(arch, method):
     ids = tokens()
     with torch.no_grad():
         err = rel(qmodel(ids), model(ids))
-    assert 0 < err < 0.01, err  # 8-bit groups of 32: well under a percent
+    # 8-bit groups of 32: about half a percent. Two architectures are more sensitive at this
+    # init: Gemma 2's post-norms bring every (quantized) branch to unit RMS over a residual at
+    # 0.16 (RTN 1.1%), and Qwen3's q/k norms make scores O(1), so attention is sharp (GPTQ 1.3%)
+    bound = 0.02 if spec.block_kind == "sandwich" or spec.qk_norm else 0.01
+    assert 0 < err < bound, err
 
 
 # ---- early-exit draft ----

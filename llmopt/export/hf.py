@@ -31,11 +31,11 @@ def write_hf_files(model: nn.Module, directory: Path, dtype: str, tokenizer: Any
     from safetensors.torch import save_file
 
     from llmopt.artifacts import atomic_write_text
-    from llmopt.models.hf import ours_to_hf
+    from llmopt.models.hf import to_hf_layout
 
     torch_dtype = float_dtype(dtype)
     state = checked(dense_state_dict(model, torch_dtype))
-    hf_state = {ours_to_hf(name): t.contiguous() for name, t in state.items()}
+    hf_state = to_hf_layout(state, model.config)
     save_file(hf_state, str(directory / "model.safetensors"), metadata={"format": "pt"})
     hf_config = model.config.to_hf_config()
     hf_config["torch_dtype"] = str(torch_dtype).removeprefix("torch.")

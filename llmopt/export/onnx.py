@@ -28,7 +28,10 @@ class KVDecoder(nn.Module):
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
+        from llmopt.models.features import require_llama_block
         from llmopt.models.spec import spec_for
+
+        require_llama_block(model.config, "ONNX export", windows=True)
 
         spec = spec_for(model)
         self.model, self.spec, self.config = model, spec, model.config

@@ -48,9 +48,11 @@ def write_quantized_directory(
 
     from llmopt.artifacts import atomic_write_text
     from llmopt.export.hf import generation_config
+    from llmopt.models.features import require_llama_checkpoint
     from llmopt.models.hf import ours_to_hf
     from llmopt.models.spec import spec_for
 
+    require_llama_checkpoint(model.config, "the quantized directory export")
     torch_dtype = float_dtype(dtype)
     layers = quantized_layers(model)
     state: dict[str, torch.Tensor] = {}

@@ -15,8 +15,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from llmopt.config_files import read_json
+from llmopt.models.errors import ConfigError
+from llmopt.models.hf_arch import check_fields, hf_fields, hf_keys, refuse_math_keys
 from llmopt.models.hf_schema import check_hf_config
-from llmopt.models.moe import MLAConfig, MoEConfig, moe_keys, parameter_counts
+from llmopt.models.moe import MLAConfig, MoEConfig, parameter_counts
 from llmopt.models.spec import (
     ModelSpec,
     UnknownArchitectureError,
@@ -30,9 +32,7 @@ _LLAMA3_KEYS = frozenset(
     {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
 )
 
-
-class ConfigError(ValueError):
-    """A model configuration that cannot describe a working model."""
+__all__ = ["ConfigError", "ModelConfig", "hf_rope"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,9 @@ class ModelConfig:
     `eos_token_ids` lists every id that ends generation when there are several (Llama 3's
     generation_config.json); `stop_token_ids` is what decoding loops should read. `moe`/`mla`
     (planner only: llmopt's model is dense) describe routed experts and latent attention.
+    Gemma 2's fields: `attn_softcap`/`final_softcap` (cap * tanh(x / cap) on attention scores
+    / logits), `query_pre_attn_scalar` (scores scaled by its -1/2 power, not head_dim's) and
+    `full_attention_every` (with a window: layers n-1, 2n-1, ... see every key).
     """
 
     name: str
@@ -70,6 +73,10 @@ class ModelConfig:
     sliding_window: int | None = None
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    query_pre_attn_scalar: float | None = None
+    full_attention_every: int | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -92,6 +99,7 @@ class ModelConfig:
             raise ConfigError(
                 f"sliding_window={self.sliding_window!r} must be a positive integer or None"
             )
+        check_fields(self, get_spec(self.architecture))
         if self.sliding_window is not None and not get_spec(self.architecture).sliding_window:
             raise ConfigError(
                 f"sliding_window={self.sliding_window} is not supported for architecture "
@@ -171,7 +179,8 @@ class ModelConfig:
             attn += self.q_size + 2 * self.kv_size
         n_mlp = 3 if self.mlp == "swiglu" else 2
         mlp = n_mlp * h * self.intermediate_size
-        return attn + mlp + 2 * h
+        spec = get_spec(self.architecture)
+        return attn + mlp + len(spec.block_norms) * h + 2 * spec.qk_norm * self.head_dim
 
     def embedding_parameters(self) -> int:
         return self.vocab_size * self.hidden_size
@@ -220,7 +229,7 @@ class ModelConfig:
             where, hf = str(path), read_json(path, "HF config")
         check_hf_config(hf, where)
         spec = _hf_spec(hf)
-        _refuse_math_keys(hf, spec)
+        refuse_math_keys(hf, spec)
         num_heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
         eos_ids: list[int] = []
@@ -254,6 +263,7 @@ class ModelConfig:
             eos_token_ids=tuple(eos_ids),
             architecture=spec.architecture,
             sliding_window=window,
+            **hf_fields(hf, spec),
         )
 
     def to_hf_config(self) -> dict[str, Any]:
@@ -279,10 +289,10 @@ class ModelConfig:
             "rope_scaling": self.rope_scaling,
             "rms_norm_eps": self.rms_norm_eps,
             "tie_word_embeddings": self.tie_embeddings,
-            "hidden_act": "silu",
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids) or self.eos_token_id,
             "torch_dtype": "float32",
+            **hf_keys(self, spec),
         }
         if spec.attention_bias:
             cfg["use_sliding_window"] = False
@@ -301,50 +311,6 @@ def _hf_spec(hf: dict[str, Any]) -> ModelSpec:
         return spec_for_hf(archs[0], hf.get("model_type"))
     except UnknownArchitectureError as exc:
         raise ConfigError(str(exc)) from None
-
-
-# keys whose non-default value changes the forward pass; reading past them gives a wrong model
-_MATH_KEYS: dict[str, tuple[Any, ...]] = {
-    "hidden_act": ("silu", "swish"),
-    "mlp_bias": (False,),
-    "partial_rotary_factor": (1, 1.0),
-    "attn_logit_softcapping": (None,),
-    "final_logit_softcapping": (None,),
-    "logits_scaling": (None, 1, 1.0),
-    "embedding_multiplier": (None, 1, 1.0),
-    "residual_multiplier": (None, 1, 1.0),
-    "attention_multiplier": (None,),
-    "query_pre_attn_scalar": (None,),
-    "no_rope_layers": (None,),
-    "use_qk_norm": (None, False),
-}
-
-
-def _refuse_math_keys(hf: dict[str, Any], spec: ModelSpec) -> None:
-    """Raise on settings llmopt's model does not implement (instead of silently ignoring them)."""
-    if moe := moe_keys(hf):  # whatever `architectures` says: never read experts as a dense MLP
-        raise ConfigError(f"mixture-of-experts keys {moe} in a {spec.hf_architectures[0]} config: "
-                          "llmopt's model is dense (`llmopt plan` reads MoE configs)")  # fmt: skip
-    for key, allowed in _MATH_KEYS.items():
-        if key in hf and hf[key] not in allowed:
-            raise ConfigError(
-                f"{key}={hf[key]!r} is not supported for {spec.hf_architectures[0]}; llmopt "
-                f"implements only {' / '.join(map(repr, allowed))}"
-            )
-    if hf.get("attention_bias") and not spec.attention_bias:
-        raise ConfigError(
-            f"attention_bias=True is not supported for {spec.hf_architectures[0]} (it also "
-            "biases o_proj); llmopt implements q/k/v biases for qwen2 only"
-        )
-    layer_types = set(hf.get("layer_types") or [])
-    uniform = [{"full_attention"}]
-    if spec.sliding_window and hf.get("sliding_window"):
-        uniform.append({"sliding_attention"})  # every layer windowed: what sliding_window means
-    if layer_types and layer_types not in uniform:
-        raise ConfigError(
-            f"layer_types={sorted(layer_types)} is not supported for "
-            f"{spec.hf_architectures[0]}; llmopt implements one attention kind for all layers"
-        )
 
 
 def _number(value: Any, key: str) -> float:
@@ -383,6 +349,11 @@ def hf_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     else:
         theta = _number(10000.0 if legacy_theta is None else legacy_theta, "rope_theta")
         scaling = dict(legacy_scaling or {})
+    partial = scaling.pop("partial_rotary_factor", 1.0)  # Phi-3 writes it here
+    if partial not in (1, 1.0):
+        raise ConfigError(
+            f"partial_rotary_factor={partial!r} is not supported; llmopt rotates the whole head"
+        )
     if "type" in scaling and "rope_type" not in scaling:
         scaling["rope_type"] = scaling.pop("type")
     if scaling.get("rope_type", "default") == "default":

@@ -38,6 +38,8 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3's per-head norms
+    "attn_k_norm": "self_attn.k_norm",
 }
 
 

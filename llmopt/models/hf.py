@@ -21,6 +21,7 @@ from llmopt.models.hf_schema import (
     read_hf_json,
     read_index,
 )
+from llmopt.models.spec import ModelSpec, get_spec
 
 _PREFIX = "model."
 _ROTARY_BUFFERS = ("inv_freq", "original_inv_freq")
@@ -107,6 +108,84 @@ def drop_rotary_buffers(
             )
 
 
+def _norm_weight(name: str, spec: ModelSpec) -> bool:
+    """Whether `name` (ours) is the weight of a block norm or of the final norm."""
+    module, _, leaf = name.rpartition(".")
+    if leaf != "weight":
+        return False
+    parts = module.split(".")
+    inner = ".".join(parts[2:]) if parts[0] == spec.blocks and len(parts) > 2 else None
+    return module == spec.final_norm or inner in spec.block_norms
+
+
+def _split_name(name: str, spec: ModelSpec) -> tuple[str, str, str] | None:
+    """(block prefix, block-level module, leaf) of a block tensor name, else None."""
+    parts = name.split(".")
+    if parts[0] != spec.blocks or len(parts) < 4:
+        return None
+    return ".".join(parts[:2]), ".".join(parts[2:-1]), parts[-1]
+
+
+def from_hf_layout(
+    tensors: Iterable[tuple[str, torch.Tensor]], config: ModelConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint tensors in our layout: fused tensors (Phi-3's qkv_proj, gate_up_proj) split
+    into their parts along rows, norm weights shifted by the spec's offset (Gemma's 1 + w)."""
+    spec = get_spec(config.architecture)
+    fused = {g.name: g.parts for g in spec.hf_fused}
+    rows = _part_rows(config) if fused else {}
+    for name, tensor in tensors:
+        split = _split_name(name, spec)
+        if split is not None and split[1] in fused and split[2] in ("weight", "bias"):
+            prefix, module, leaf = split
+            sizes = [rows[part] for part in fused[module]]
+            if tensor.shape[0] != sum(sizes):
+                raise ValueError(
+                    f"fused tensor {name!r} has {tensor.shape[0]} rows; the config implies "
+                    f"{' + '.join(map(str, sizes))} for {', '.join(fused[module])}"
+                )
+            for part, piece in zip(fused[module], torch.split(tensor, sizes, dim=0)):
+                yield f"{prefix}.{part}.{leaf}", piece.contiguous()
+            continue
+        if spec.norm_weight_offset and _norm_weight(name, spec):
+            tensor = tensor + spec.norm_weight_offset
+        yield name, tensor
+
+
+def _part_rows(config: ModelConfig) -> dict[str, int]:
+    """Output rows of every block-level linear (read off a one-block model on meta)."""
+    from llmopt.models.llama import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(config.replace(num_layers=1))
+    spec = get_spec(config.architecture)
+    block = spec.blocks_of(model)[0]
+    return {n: m.weight.shape[0] for n, m in spec.named_block_modules(block, spec.block_linears)}
+
+
+def to_hf_layout(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our state dict under HF's names and layout (the inverse of `from_hf_layout`)."""
+    spec = get_spec(config.architecture)
+    parts_of = {part: g for g in spec.hf_fused for part in g.parts}
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        split = _split_name(name, spec)
+        group = parts_of.get(split[1]) if split is not None else None
+        if group is not None and split[1] == group.parts[0]:
+            prefix, _, leaf = split
+            pieces = [state.get(f"{prefix}.{part}.{leaf}") for part in group.parts]
+            if any(p is None for p in pieces):
+                raise ValueError(f"cannot fuse {group.name} of {prefix}: a part lacks {leaf}")
+            out[ours_to_hf(f"{prefix}.{group.name}.{leaf}")] = torch.cat(pieces).contiguous()
+            continue
+        if group is not None:
+            continue  # written with the group's first part
+        if spec.norm_weight_offset and _norm_weight(name, spec):
+            tensor = tensor - spec.norm_weight_offset
+        out[ours_to_hf(name)] = tensor.contiguous()
+    return out
+
+
 def iter_tensors(directory: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """(our name, tensor) for every tensor of every shard; floating ones cast to `dtype`
     (integer tensors, e.g. packed quantized codes, keep their dtype)."""
@@ -133,11 +212,12 @@ def save_directory(model: torch.nn.Module, directory: Path) -> None:
 
     config: ModelConfig = model.config
     directory.mkdir(parents=True, exist_ok=True)
-    state: dict[str, torch.Tensor] = {}
+    ours: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():
         if config.tie_embeddings and name == "lm_head.weight":
             continue
-        state[ours_to_hf(name)] = tensor.detach().to("cpu").contiguous()
+        ours[name] = tensor.detach().to("cpu")
+    state = to_hf_layout(ours, config)
     dtypes = {t.dtype for t in state.values()}
     hf_config = config.to_hf_config()
     if len(dtypes) == 1:

@@ -85,13 +85,21 @@ def _load_model(spec: str | Path, *, dtype: torch.dtype, device: torch.device | 
         config = gguf_file.config()
         tensors = gguf_file.state_dict(config, dtype)
     else:
-        from llmopt.models.hf import drop_rotary_buffers, iter_tensors, quant_method, read_config
+        from llmopt.models.hf import (
+            drop_rotary_buffers,
+            from_hf_layout,
+            iter_tensors,
+            quant_method,
+            read_config,
+        )
 
         method = quant_method(path)
         if method is not None:  # AWQ/GPTQ checkpoints: packed tensors, not plain weights
             return quantization_loader(method)(path, dtype=dtype, device=device)
         config = read_config(path)
-        tensors = drop_rotary_buffers(iter_tensors(path, dtype), config, str(path))
+        tensors = from_hf_layout(
+            drop_rotary_buffers(iter_tensors(path, dtype), config, str(path)), config
+        )
     return model_from_tensors(config, tensors, device=device, source=str(path))
 
 

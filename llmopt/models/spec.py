@@ -10,8 +10,10 @@ relative to one block (`self_attn.q_proj`). A block-level name the block does no
 
 A model's architecture is `model.config.architecture` (set by `ModelConfig.from_hf_config` and
 the GGUF loader, written back by `to_hf_config`); `spec_for(model)` returns its spec. Llama,
-Qwen2 and Mistral share one module layout (`llmopt.models.llama.Transformer`) and differ only
-in the family flags (q/k/v biases, sliding window, GGUF Q/K permutation). A stage-deleted
+Qwen2, Mistral, Qwen3 and Phi-3 share one module layout (`llmopt.models.llama.Transformer`) and
+differ only in the family flags (q/k/v biases, sliding window, GGUF Q/K permutation, Qwen3's
+per-head q/k norms, Phi-3's fused checkpoint tensors); Gemma 2 adds the sandwich block of
+`llmopt.models.gemma2`. A stage-deleted
 model (modules set to None, blocks a ModuleDict subset) is walked with `named_blocks`.
 """
 
@@ -59,6 +61,18 @@ class ModelSpec:
     attention_bias: bool = False  # q/k/v biases by default (Qwen2)
     sliding_window: bool = False  # attention may be limited to a window of recent keys
     gguf_permuted_qk: bool = True  # llama.cpp's converter permuted Q/K rows (RoPE layout)
+    # what the block computes beyond the Llama block (consumers that reimplement the forward
+    # read `llmopt.models.features.decoder_features` and refuse what they lack)
+    block_kind: str = "pre_norm"  # "sandwich": Gemma 2's norms around attention and MLP too
+    scaled_embedding: bool = False  # embeddings multiplied by sqrt(hidden) (Gemma)
+    norm_weight_offset: float = 0.0  # HF stores w, the norm multiplies by w + offset (Gemma: 1)
+    # checkpoint tensors that fuse our linears along output rows (Phi-3's qkv_proj), split at
+    # load and fused again at save; names are block-level, parts in concatenation order
+    hf_fused: tuple[FusedGroup, ...] = ()
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    gate_activation: str = "silu"  # of the gated MLP: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    # ModelConfig fields beyond the Llama ones that this architecture may set
+    config_fields: tuple[str, ...] = ()
     # top level (relative to the model)
     embedding: str = "embed_tokens"
     blocks: str = "layers"
@@ -77,6 +91,12 @@ class ModelSpec:
     )
     row_parallel: tuple[str, ...] = ("self_attn.o_proj", "mlp.down_proj")
     block_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+    # block norms applied to a branch's output before the residual add (Gemma 2's post-norms):
+    # they read the reduced row-parallel output and feed no column-parallel linear
+    branch_norms: tuple[str, ...] = ()
+    # norms inside attention over each head (Qwen3's q/k norms): replicated weights that
+    # tensor parallelism's head split leaves each rank a partial gradient of
+    head_norms: tuple[str, ...] = ()
     awq_groups: tuple[ScalingGroup, ...] = (
         ScalingGroup(
             "input_layernorm",
@@ -225,5 +245,65 @@ register_spec(
         hf_architectures=("MistralForCausalLM",),
         gguf_architectures=("mistral",),
         sliding_window=True,
+    )
+)
+register_spec(
+    ModelSpec(
+        "qwen3",
+        hf_architectures=("Qwen3ForCausalLM",),
+        gguf_architectures=("qwen3",),
+        gguf_permuted_qk=False,
+        qk_norm=True,
+        head_norms=("self_attn.q_norm", "self_attn.k_norm"),
+    )
+)
+register_spec(
+    ModelSpec(
+        "phi3",
+        hf_architectures=("Phi3ForCausalLM",),
+        sliding_window=True,
+        gguf_permuted_qk=False,
+        hf_fused=(
+            FusedGroup(
+                "self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+            ),
+            FusedGroup("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+        ),
+    )
+)
+_SANDWICH_NORMS = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+)
+register_spec(
+    ModelSpec(
+        "gemma2",
+        hf_architectures=("Gemma2ForCausalLM",),
+        sliding_window=True,
+        gguf_permuted_qk=False,
+        block_kind="sandwich",
+        scaled_embedding=True,
+        norm_weight_offset=1.0,
+        block_norms=_SANDWICH_NORMS,
+        branch_norms=("post_attention_layernorm", "post_feedforward_layernorm"),
+        awq_groups=(  # the MLP reads pre_feedforward_layernorm (post_attention's is on the branch)
+            ScalingGroup(
+                "input_layernorm",
+                ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                "self_attn",
+            ),
+            ScalingGroup("self_attn.v_proj", ("self_attn.o_proj",)),
+            ScalingGroup("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
+            ScalingGroup("mlp.up_proj", ("mlp.down_proj",), needs=("mlp.gate_proj",)),
+        ),
+        gate_activation="gelu_tanh",
+        config_fields=(
+            "attn_softcap",
+            "final_softcap",
+            "query_pre_attn_scalar",
+            "full_attention_every",
+        ),
     )
 )

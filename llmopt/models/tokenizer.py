@@ -1,5 +1,11 @@
 """Tokenizers: a thin wrapper over HF `tokenizers`, built from a `tokenizer.json` or GGUF metadata.
 
+GGUF files carry two kinds: byte-level BPE (`tokenizer.ggml.model = "gpt2"`: SmolLM, Llama 3,
+Qwen2) and SentencePiece (`"llama"`: Llama 2, Mistral, TinyLlama). llama.cpp tokenizes the
+latter by merging adjacent pieces best-score-first, with `<0xXX>` byte tokens for characters
+the vocabulary lacks and `▁` for spaces; that is a BPE whose merges are ranked by the score
+of the merged piece, which is how it is rebuilt here.
+
 The wrapper adds what generation needs and `tokenizers` lacks: BOS/EOS ids, the model's chat
 template (rendered with jinja2 like HF transformers does), and a save format that HF tools read.
 """
@@ -8,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +26,8 @@ from llmopt.config_files import read_text
 from llmopt.models.hf_schema import HF_CONFIG, TOKENIZER_CONFIG, read_hf_json
 
 # GGUF token types (llama.cpp's llama_token_type)
-_CONTROL, _USER_DEFINED = 3, 4
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _BYTE = 1, 2, 3, 4, 6
+_SPACE = "\u2581"  # SentencePiece's space marker
 
 # How text is split before byte-level BPE, by `tokenizer.ggml.pre` (llama.cpp's names). Each
 # reproduces the pre-tokenizer of the model's original `tokenizer.json`.
@@ -191,22 +199,27 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, fields: dict[str, Any]) -> Tokenizer:
-        """Rebuild a byte-level BPE tokenizer from `tokenizer.ggml.*` values."""
+        """Rebuild a byte-level BPE or SentencePiece tokenizer from `tokenizer.ggml.*` values."""
         kind = fields.get("tokenizer.ggml.model")
-        if kind != "gpt2":
+        if kind not in ("gpt2", "llama"):
             raise ValueError(
                 f"GGUF tokenizer model {kind!r} is not supported; supported: 'gpt2' (byte-level "
-                "BPE: SmolLM, Llama 3, Qwen2); for SentencePiece models load the HF directory"
+                "BPE: SmolLM, Llama 3, Qwen2), 'llama' (SentencePiece: Llama 2, Mistral)"
             )
         tokens: list[str] = fields["tokenizer.ggml.tokens"]
-        merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges") or []]
-        vocab = {token: i for i, token in enumerate(tokens)}
-        backend = Backend(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-        backend.pre_tokenizer = _byte_level_pre_tokenizer(
-            fields.get("tokenizer.ggml.pre") or "default"
-        )
-        backend.decoder = decoders.ByteLevel()
         types = fields.get("tokenizer.ggml.token_type") or []
+        if types and len(types) != len(tokens):
+            raise ValueError(f"GGUF has {len(types)} token types for {len(tokens)} tokens")
+        if kind == "llama":
+            backend = _sentencepiece_backend(fields, tokens, types)
+        else:
+            merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges") or []]
+            vocab = {token: i for i, token in enumerate(tokens)}
+            backend = Backend(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+            backend.pre_tokenizer = _byte_level_pre_tokenizer(
+                fields.get("tokenizer.ggml.pre") or "default"
+            )
+            backend.decoder = decoders.ByteLevel()
         backend.add_special_tokens(
             [
                 AddedToken(tokens[i], special=True, normalized=False)
@@ -226,8 +239,62 @@ class Tokenizer:
             bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=fields.get("tokenizer.ggml.eos_token_id"),
             chat_template=fields.get("tokenizer.chat_template"),
-            add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
+            # llama.cpp adds BOS to SentencePiece vocabularies unless the file says otherwise
+            add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", kind == "llama")),
         )
+
+
+def _sentencepiece_backend(fields: dict[str, Any], tokens: list[str], types: list[int]) -> Backend:
+    """A byte-fallback BPE equal to llama.cpp's SentencePiece tokenizer (see the module doc)."""
+    scores = fields.get("tokenizer.ggml.scores")
+    if scores is None or len(scores) != len(tokens):
+        count = "none" if scores is None else len(scores)
+        raise ValueError(
+            f"a SentencePiece GGUF needs one tokenizer.ggml.scores entry per token; got {count} "
+            f"for {len(tokens)} tokens"
+        )
+    bad = [s for s in scores if not math.isfinite(s)]
+    if bad:
+        raise ValueError(f"tokenizer.ggml.scores holds non-finite values, e.g. {bad[0]}")
+    vocab = {token: i for i, token in enumerate(tokens)}
+    mergeable = {t for i, t in enumerate(tokens) if not types or types[i] in (_NORMAL, _UNKNOWN)}
+    unk_id = fields.get("tokenizer.ggml.unknown_token_id", 0 if tokens else None)
+    backend = Backend(
+        models.BPE(
+            vocab=vocab,
+            merges=_score_ranked_merges(tokens, scores, mergeable),
+            unk_token=tokens[unk_id] if unk_id is not None else None,
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    prefix = bool(fields.get("tokenizer.ggml.add_space_prefix", True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement=_SPACE, prepend_scheme="first" if prefix else "never", split=False
+    )
+    steps = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix:
+        steps.append(decoders.Strip(" ", 1, 0))
+    backend.decoder = decoders.Sequence(steps)
+    return backend
+
+
+def _score_ranked_merges(
+    tokens: list[str], scores: list[float], mergeable: set[str]
+) -> list[tuple[str, str]]:
+    """Every (left, right) split of a piece into two pieces, best merged score first (ties:
+    longer left part, then vocabulary order), as SentencePiece's BPE applies them."""
+    rank = {token: i for i, token in enumerate(tokens)}
+    ranked = []
+    for i, piece in enumerate(tokens):
+        if piece not in mergeable:
+            continue
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in mergeable and right in mergeable:
+                ranked.append((-scores[i], -len(left), -len(right), i, rank[left], left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
 
 
 @functools.lru_cache(maxsize=8)

@@ -234,7 +234,7 @@ def apply_tensor_parallel(
         return model
     sp = model.sequence_parallel
     spec = spec_for(model)
-    norms = []
+    norms, branch_norms = [], []
     for _, block in spec.named_blocks(model):
         for _, linear in spec.named_block_modules(block, spec.column_parallel):
             _shard_linear(linear, 0, group)
@@ -244,7 +244,11 @@ def apply_tensor_parallel(
         attention = spec.block_module(block, spec.attention)
         attention.num_heads //= tp
         attention.num_kv_heads //= tp
-        norms += [norm for _, norm in spec.named_block_modules(block, spec.block_norms)]
+        for name, norm in spec.named_block_modules(block, spec.block_norms):
+            (branch_norms if name in spec.branch_norms else norms).append(norm)
+        for _, norm in spec.named_block_modules(block, spec.head_norms):
+            norm.weight.tp_replicated = True  # each rank sees its own heads: sum the grads
+            norm.weight.register_hook(_sum_grad_over_tp(group))
     final_norm = spec.top_module(model, "final_norm")
     if final_norm is not None:
         norms.append(final_norm)
@@ -252,6 +256,10 @@ def apply_tensor_parallel(
         norm.register_forward_hook(_norm_output_hook(group, sp))
         norm.weight.tp_replicated = True
         if sp:
+            norm.weight.register_hook(_sum_grad_over_tp(group))
+    for norm in branch_norms:  # on the residual's layout already: no gather / copy hook
+        norm.weight.tp_replicated = True
+        if sp:  # each rank normalised its own tokens
             norm.weight.register_hook(_sum_grad_over_tp(group))
     rows = cfg.vocab_size // tp
     embedding = spec.top_module(model, "embedding")

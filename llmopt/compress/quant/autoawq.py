@@ -85,9 +85,12 @@ def export_autoawq(model: nn.Module, directory: str | Path, tokenizer: Any = Non
     """Write `model.safetensors` + `config.json` in AutoAWQ's GEMM layout."""
     from safetensors.torch import save_file
 
+    from llmopt.models.features import require_llama_checkpoint
+
     config = getattr(model, "quant_config", None)
     if config is None:
         raise ValueError("model is not quantized: quantize it first")
+    require_llama_checkpoint(model.config, "AutoAWQ export")
     directory = Path(directory)
     state: dict[str, torch.Tensor] = {}
     quantized = set()

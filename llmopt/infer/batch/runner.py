@@ -65,6 +65,9 @@ class PagedRunner:
     the model on a list of chunks."""
 
     def __init__(self, model: nn.Module, num_blocks: int, block_size: int) -> None:
+        from llmopt.models.features import require_llama_block
+
+        require_llama_block(model.config, "the paged batch runner")
         spec = spec_for(model)
         self.model = model
         self.decoder_layers = [_Layer(spec, b) for b in spec.blocks_of(model)]

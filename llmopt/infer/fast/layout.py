@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmopt.models.features import decoder_features
 from llmopt.models.spec import ModelSpec, spec_for
 
 F32, BF16, Q4, Q8 = 0, 1, 2, 3
@@ -132,6 +133,12 @@ def decoder_weights(model: nn.Module, int8_head: bool = False) -> dict[str, Any]
     """Everything the C++ decoder needs, read through `spec_for(model)`."""
     spec = spec_for(model)
     cfg = model.config
+    extra = decoder_features(cfg)
+    if extra:
+        raise UnsupportedModelError(
+            f"fast decode implements the Llama block; architecture {cfg.architecture!r} adds "
+            f"{', '.join(extra)}"
+        )
     if cfg.mlp_kind != "swiglu":
         raise UnsupportedModelError(
             f"fast decode implements SwiGLU MLPs, not mlp_kind={cfg.mlp_kind!r}"

@@ -1,0 +1,7 @@
+"""The error of model configurations, in its own module so config readers share it without cycles."""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A model configuration that cannot describe a working model."""
