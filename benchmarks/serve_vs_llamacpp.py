@@ -69,13 +69,16 @@ def stop(proc: subprocess.Popen) -> None:
 
 def llamacpp_settings(gguf: Path, threads: int, n_ctx: int, port: int) -> list[str]:
     """llama_cpp.server's command line. Its app serialises completions behind one lock on a
-    single `Llama` (no parallel slots in llama-cpp-python's server), so concurrency queues."""
+    single `Llama` (llama-cpp-python's server has no parallel slots), so concurrent requests
+    queue; `interrupt_requests` (default True) would end a running stream whenever another
+    request arrives, so it is turned off: every request runs to max_tokens."""
     return [
         sys.executable, "-m", "llama_cpp.server",
         "--model", str(gguf), "--model_alias", "smollm2-135m",
         "--host", "127.0.0.1", "--port", str(port),
         "--n_ctx", str(n_ctx), "--n_batch", "512",
         "--n_threads", str(threads), "--n_threads_batch", str(threads),
+        "--interrupt_requests", "False",
     ]  # fmt: skip
 
 

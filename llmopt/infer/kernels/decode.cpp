@@ -106,6 +106,35 @@ inline float dot_bf16(const uint16_t* w, const float* x, int64_t k) {
   return s;
 }
 
+// fp32 rows four at a time: each 16-float slice of x is loaded once for four weight rows
+// (1.25 loads per FMA instead of 2) and eight independent FMA chains stay in flight. One row at
+// a time left the fp32 GEMV below torch's mv; A/B on SmolLM2's shapes, 1 thread: 1.27x less
+// CPU time. (bf16 rows showed no gain this way and keep the one-row loop.)
+inline void dot4_f32(const float* w, int64_t k, const float* x, float* out) {
+  const float* r[4] = {w, w + k, w + 2 * k, w + 3 * k};
+  int64_t i = 0;
+  float s[4] = {0.f, 0.f, 0.f, 0.f};
+#ifdef LLMOPT_AVX512
+  __m512 a[4], b[4];
+  for (int j = 0; j < 4; ++j) a[j] = b[j] = _mm512_setzero_ps();
+  for (; i + 32 <= k; i += 32) {
+    const __m512 xv = _mm512_loadu_ps(x + i), xw = _mm512_loadu_ps(x + i + 16);
+    for (int j = 0; j < 4; ++j) {
+      a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(r[j] + i), xv, a[j]);
+      b[j] = _mm512_fmadd_ps(_mm512_loadu_ps(r[j] + i + 16), xw, b[j]);
+    }
+  }
+  for (; i + 16 <= k; i += 16) {
+    const __m512 xv = _mm512_loadu_ps(x + i);
+    for (int j = 0; j < 4; ++j) a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(r[j] + i), xv, a[j]);
+  }
+  for (int j = 0; j < 4; ++j) s[j] = _mm512_reduce_add_ps(_mm512_add_ps(a[j], b[j]));
+#endif
+  for (; i < k; ++i)
+    for (int j = 0; j < 4; ++j) s[j] += r[j][i] * x[i];
+  for (int j = 0; j < 4; ++j) out[j] = s[j];
+}
+
 // Activation quantized for coded GEMVs: int8 codes, one scale per 32 columns.
 struct QAct {
   std::vector<int8_t> q;
@@ -194,6 +223,13 @@ void gemv(const Linear& l, const float* x, float* y, QAct& act) {
   const float* bias = l.bias.defined() ? l.bias.data_ptr<float>() : nullptr;
   const int64_t grain = std::max<int64_t>(16, n / (8 * at::get_num_threads() + 1));
   at::parallel_for(0, n, grain, [&](int64_t r0, int64_t r1) {
+    if (l.kind == F32) {  // blocks of four rows, then the rest one by one
+      for (; r0 + 4 <= r1; r0 += 4) {
+        dot4_f32(l.w.data_ptr<float>() + r0 * k, k, x, y + r0);
+        if (bias)
+          for (int64_t j = 0; j < 4; ++j) y[r0 + j] += bias[r0 + j];
+      }
+    }
     for (int64_t r = r0; r < r1; ++r) {
       float v;
       if (l.kind == F32) {
