@@ -58,6 +58,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-hf", action="store_true", help="skip transformers fp32")
+    parser.add_argument(
+        "--llamacpp-extra-bufts", action="store_true", help="let llama.cpp use AMX/repacking"
+    )
     parser.add_argument("--out", default="runs/llamacpp_decode.json")
     args = parser.parse_args()
     try:
@@ -66,17 +69,17 @@ def main() -> None:
         parser.error(f"--threads {args.threads!r} must be comma-separated integers")
     if any(t < 1 for t in threads) or args.new_tokens < 2 or args.repeats < 1:
         parser.error("--threads must be >= 1, --new-tokens >= 2, --repeats >= 1")
-    try:
-        import llama_cpp
-        from llama_cpp import Llama
-    except ImportError as exc:
-        raise SystemExit(f"llama-cpp-python is not installed: {exc}") from None
+    from _llamacpp import require_llama_cpp, set_extra_buffers
+
+    llama_cpp = require_llama_cpp()
+    set_extra_buffers(args.llamacpp_extra_bufts)
     from decode import (  # this directory is on sys.path
         measure_read_bandwidth,
         time_hf,
         time_ours,
         weight_bytes_per_token,
     )
+    from llama_cpp import Llama
     from rich.console import Console
     from rich.table import Table
 
@@ -195,6 +198,7 @@ def main() -> None:
         "gguf": gguf.name,
         "llama_cpp": llama_cpp.__version__,
         "llama_cpp_system_info": llama_cpp.llama_print_system_info().decode(errors="replace"),
+        "llama_cpp_extra_buffer_types": args.llamacpp_extra_bufts,
         "prompt_tokens": len(prompt),
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,

@@ -58,13 +58,16 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="runs/llamacpp_interop.json")
+    parser.add_argument(
+        "--llamacpp-extra-bufts", action="store_true", help="let llama.cpp use AMX/repacking"
+    )
     args = parser.parse_args()
     if args.tokens < 1 or args.threads < 1:
         parser.error("--tokens and --threads must be >= 1")
-    try:
-        import llama_cpp
-    except ImportError as exc:
-        raise SystemExit(f"llama-cpp-python is not installed: {exc}") from None
+    from _llamacpp import require_llama_cpp, set_extra_buffers
+
+    llama_cpp = require_llama_cpp()
+    set_extra_buffers(args.llamacpp_extra_bufts)
 
     import torch
     from rich.console import Console

@@ -67,13 +67,16 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def llamacpp_settings(gguf: Path, threads: int, n_ctx: int, port: int) -> list[str]:
+def llamacpp_settings(gguf: Path, threads: int, n_ctx: int, port: int, extra: bool) -> list[str]:
     """llama_cpp.server's command line. Its app serialises completions behind one lock on a
     single `Llama` (llama-cpp-python's server has no parallel slots), so concurrent requests
     queue; `interrupt_requests` (default True) would end a running stream whenever another
-    request arrives, so it is turned off: every request runs to max_tokens."""
+    request arrives, so it is turned off: every request runs to max_tokens. Started through
+    _llamacpp.py, which turns llama.cpp's extra buffer types (AMX, repacking) off unless
+    `extra`: AMX faults on the development VM."""
     return [
-        sys.executable, "-m", "llama_cpp.server",
+        sys.executable, str(Path(__file__).with_name("_llamacpp.py")),
+        *(["--extra-bufts"] if extra else []), "--",
         "--model", str(gguf), "--model_alias", "smollm2-135m",
         "--host", "127.0.0.1", "--port", str(port),
         "--n_ctx", str(n_ctx), "--n_batch", "512",
@@ -121,6 +124,9 @@ def main() -> int:
     parser.add_argument("--time-limit", type=float, default=120.0, help="seconds per level")
     parser.add_argument("--n-ctx", type=int, default=2048, help="llama.cpp context")
     parser.add_argument("--startup-timeout", type=float, default=300.0)
+    parser.add_argument(
+        "--llamacpp-extra-bufts", action="store_true", help="let llama.cpp use AMX/repacking"
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/serve_vs_llamacpp.json"))
     args = parser.parse_args()
     try:
@@ -129,12 +135,9 @@ def main() -> int:
         parser.error(f"--concurrency {args.concurrency!r} must be comma-separated integers")
     if args.threads < 1 or args.requests < 1 or args.max_tokens < 1 or min(levels) < 1:
         parser.error("--threads, --requests, --max-tokens and every level must be >= 1")
-    try:
-        import llama_cpp.server  # noqa: F401
-    except ImportError as exc:
-        raise SystemExit(
-            f"llama-cpp-python (with its server extras) is not installed: {exc}"
-        ) from None
+    from _llamacpp import require_llama_cpp
+
+    require_llama_cpp("llama_cpp.server")
     from rich.console import Console
 
     from llmopt.models.registry import resolve
@@ -147,7 +150,9 @@ def main() -> int:
     urls = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
     argv = {
         "llmopt": llmopt_settings(args.model, ports["llmopt"], max(levels)),
-        "llama.cpp": llamacpp_settings(gguf, args.threads, args.n_ctx, ports["llama.cpp"]),
+        "llama.cpp": llamacpp_settings(
+            gguf, args.threads, args.n_ctx, ports["llama.cpp"], args.llamacpp_extra_bufts
+        ),
     }
     logs = {k: args.out.with_name(f"{args.out.stem}.{k.replace('.', '')}.log") for k in argv}
     args.out.parent.mkdir(parents=True, exist_ok=True)
