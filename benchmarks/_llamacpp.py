@@ -33,15 +33,15 @@ def set_extra_buffers(enabled: bool) -> None:
     """Make every `Llama(...)` created afterwards use (or not) llama.cpp's extra buffer types."""
     import llama_cpp.llama_cpp as capi
 
-    original = getattr(capi.llama_model_default_params, "__wrapped__", None)
-    original = original or capi.llama_model_default_params
+    current = capi.llama_model_default_params
+    original = getattr(current, "llmopt_original", current)  # (ctypes' __wrapped__ is a stub)
 
     def default_params():  # noqa: ANN202 (a ctypes struct)
         params = original()
         params.use_extra_bufts = enabled
         return params
 
-    default_params.__wrapped__ = original  # type: ignore[attr-defined]
+    default_params.llmopt_original = original  # type: ignore[attr-defined]
     capi.llama_model_default_params = default_params
 
 
