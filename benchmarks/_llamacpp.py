@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 from types import ModuleType
+from typing import Any
 
 
 def require_llama_cpp(what: str = "llama_cpp") -> ModuleType:
@@ -43,6 +44,16 @@ def set_extra_buffers(enabled: bool) -> None:
 
     default_params.llmopt_original = original  # type: ignore[attr-defined]
     capi.llama_model_default_params = default_params
+
+
+def last_logits(llm: Any) -> Any:
+    """Logits [vocab] of the last evaluated token (a copy). `Llama.scores` is not filled unless
+    the model was created with logits_all=True (llama-cpp-python 0.3.36 samples natively)."""
+    import llama_cpp
+    import numpy as np
+
+    ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+    return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),)).copy()
 
 
 def main(argv: list[str]) -> None:

@@ -28,17 +28,17 @@ import torch
 
 def time_llamacpp(llm: Any, prompt: list[int], new_tokens: int) -> tuple[float, float]:
     """(prefill seconds, seconds for new_tokens - 1 greedy decode steps)."""
-    import numpy as np
+    from _llamacpp import last_logits
 
     llm.reset()
     t0 = time.perf_counter()
     llm.eval(prompt)
     prefill = time.perf_counter() - t0
-    token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    token = int(last_logits(llm).argmax())
     t0 = time.perf_counter()
     for _ in range(new_tokens - 1):
         llm.eval([token])
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        token = int(last_logits(llm).argmax())
     return prefill, time.perf_counter() - t0
 
 

@@ -29,15 +29,15 @@ PROMPTS = (
 
 def llamacpp_greedy(llm: Any, prompt_ids: list[int], n: int) -> tuple[list[int], Any]:
     """(n greedy tokens, logits at the prompt's last position) from a loaded llama.cpp model."""
-    import numpy as np
+    from _llamacpp import last_logits
 
     llm.reset()
     llm.eval(prompt_ids)
-    first = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
-    out = [int(np.argmax(first))]
+    first = last_logits(llm)
+    out = [int(first.argmax())]
     while len(out) < n:
         llm.eval([out[-1]])
-        out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        out.append(int(last_logits(llm).argmax()))
     return out, first
 
 
