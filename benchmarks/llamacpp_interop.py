@@ -4,7 +4,7 @@ Exports a model (default SmolLM2-135M) with `llmopt.export.export_gguf` in each 
 loads the file in llama.cpp (through llama-cpp-python), and compares, prompt by prompt, its
 greedy tokens (fed our token ids, so tokenizers cannot differ) with llmopt's own greedy decode
 of the same file, and the logits both give at the prompt's last position. A file llama.cpp
-refuses is reported as not loaded with its error. Exits 1 if F16/Q8_0 disagree or fail to load.
+refuses is reported as not loaded with its error. Exits 1 if a file does not load or F16 disagrees.
 
     python benchmarks/llamacpp_interop.py --types f16 q8_0 q4_0 q4_1 q4_k \\
         --out runs/llamacpp_interop.json
@@ -133,8 +133,11 @@ def main() -> int:
     )
     report = {"run": run_info(), "llama_cpp": llama_cpp.__version__, "args": vars(args)}
     write_report(console, args.out, {**report, "results": results})
-    strict = [r for r in results if r["type"] in ("f16", "q8_0")]
-    return 0 if strict and all(r.get("identical") for r in strict) else 1
+    # F16 must decode identically; quantized types only must load (llama.cpp rounds activations
+    # to 8 bits in its Q8_0/Q4 dot products, llmopt keeps them fp32, so near-ties may flip)
+    strict = [r for r in results if r["type"] == "f16"]
+    loaded = all(r["loads"] for r in results)
+    return 0 if loaded and (not strict or all(r["identical"] for r in strict)) else 1
 
 
 if __name__ == "__main__":
