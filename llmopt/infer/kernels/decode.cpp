@@ -106,6 +106,35 @@ inline float dot_bf16(const uint16_t* w, const float* x, int64_t k) {
   return s;
 }
 
+// fp32 rows four at a time: each 16-float slice of x is loaded once for four weight rows
+// (1.25 loads per FMA instead of 2) and eight independent FMA chains stay in flight. One row at
+// a time left the fp32 GEMV below torch's mv; A/B on SmolLM2's shapes, 1 thread: 1.27x less
+// CPU time. (bf16 rows showed no gain this way and keep the one-row loop.)
+inline void dot4_f32(const float* w, int64_t k, const float* x, float* out) {
+  const float* r[4] = {w, w + k, w + 2 * k, w + 3 * k};
+  int64_t i = 0;
+  float s[4] = {0.f, 0.f, 0.f, 0.f};
+#ifdef LLMOPT_AVX512
+  __m512 a[4], b[4];
+  for (int j = 0; j < 4; ++j) a[j] = b[j] = _mm512_setzero_ps();
+  for (; i + 32 <= k; i += 32) {
+    const __m512 xv = _mm512_loadu_ps(x + i), xw = _mm512_loadu_ps(x + i + 16);
+    for (int j = 0; j < 4; ++j) {
+      a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(r[j] + i), xv, a[j]);
+      b[j] = _mm512_fmadd_ps(_mm512_loadu_ps(r[j] + i + 16), xw, b[j]);
+    }
+  }
+  for (; i + 16 <= k; i += 16) {
+    const __m512 xv = _mm512_loadu_ps(x + i);
+    for (int j = 0; j < 4; ++j) a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(r[j] + i), xv, a[j]);
+  }
+  for (int j = 0; j < 4; ++j) s[j] = _mm512_reduce_add_ps(_mm512_add_ps(a[j], b[j]));
+#endif
+  for (; i < k; ++i)
+    for (int j = 0; j < 4; ++j) s[j] += r[j][i] * x[i];
+  for (int j = 0; j < 4; ++j) out[j] = s[j];
+}
+
 // Activation quantized for coded GEMVs: int8 codes, one scale per 32 columns.
 struct QAct {
   std::vector<int8_t> q;
@@ -134,54 +163,86 @@ void quantize_act(const float* x, int64_t k, QAct& a) {
   }
 }
 
-// sum over 64-column chunks of scale(group) * (xs0 * dot(lo, xq0) + xs1 * dot(hi, xq1))
-template <bool FOUR>
-inline float dot_coded(const uint8_t* w, const float* sc, int64_t group, const QAct& a,
-                       int64_t k) {
-  int64_t chunks = k / 64;
-  float s = 0.f;
+// R rows at once (row j at w + j * ws, its scales at sc + j * ss): sum over 64-column chunks of
+// scale(group) * (xs0 * dot(lo, xq0) + xs1 * dot(hi, xq1)). The activation codes are loaded once
+// per chunk for all R rows; each row's arithmetic is the same as with R = 1 (same result).
+template <bool FOUR, int R>
+inline void dot_coded(const uint8_t* w, int64_t ws, const float* sc, int64_t ss, int64_t group,
+                      const QAct& a, int64_t k, float* out) {
+  const int64_t chunks = k / 64;
 #ifdef LLMOPT_AVX512
-  __m256 acc = _mm256_setzero_ps();
+  __m256 acc[R];
+  for (int j = 0; j < R; ++j) acc[j] = _mm256_setzero_ps();
   const __m256i mask = _mm256_set1_epi8(0x0F);
   for (int64_t c = 0; c < chunks; ++c) {
-    float g = sc[(c * 64) / group];
-    __m256i lo, hi;
-    if (FOUR) {
-      __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 32));
-      lo = _mm256_and_si256(v, mask);
-      hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-    } else {
-      lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 64));
-      hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 64 + 32));
+    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + c * 64));
+    const __m256i x1 =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + c * 64 + 32));
+    const float xs0 = a.scale[2 * c], xs1 = a.scale[2 * c + 1];
+    for (int j = 0; j < R; ++j) {
+      const uint8_t* wr = w + j * ws;
+      const float g = sc[j * ss + (c * 64) / group];
+      __m256i lo, hi;
+      if (FOUR) {
+        __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + c * 32));
+        lo = _mm256_and_si256(v, mask);
+        hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+      } else {
+        lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + c * 64));
+        hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + c * 64 + 32));
+      }
+      __m256i d0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, x0);
+      __m256i d1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), hi, x1);
+      acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_set1_ps(g * xs0), acc[j]);
+      acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_set1_ps(g * xs1), acc[j]);
     }
-    __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + c * 64));
-    __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + c * 64 + 32));
-    __m256i d0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, x0);
-    __m256i d1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), hi, x1);
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_set1_ps(g * a.scale[2 * c]), acc);
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_set1_ps(g * a.scale[2 * c + 1]), acc);
   }
-  __m128 r = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-  r = _mm_add_ss(r, _mm_movehdup_ps(r));
-  s = _mm_cvtss_f32(r);
+  for (int j = 0; j < R; ++j) {
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(acc[j]), _mm256_extractf128_ps(acc[j], 1));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    r = _mm_add_ss(r, _mm_movehdup_ps(r));
+    out[j] = _mm_cvtss_f32(r);
+  }
 #else
-  for (int64_t c = 0; c < chunks; ++c) {
-    float g = sc[(c * 64) / group];
-    int d0 = 0, d1 = 0;
-    for (int j = 0; j < 32; ++j) {
-      int lo = FOUR ? (w[c * 32 + j] & 0x0F) : w[c * 64 + j];
-      int hi = FOUR ? (w[c * 32 + j] >> 4) : w[c * 64 + 32 + j];
-      d0 += lo * a.q[c * 64 + j];
-      d1 += hi * a.q[c * 64 + 32 + j];
+  for (int j = 0; j < R; ++j) {
+    const uint8_t* wr = w + j * ws;
+    float s = 0.f;
+    for (int64_t c = 0; c < chunks; ++c) {
+      float g = sc[j * ss + (c * 64) / group];
+      int d0 = 0, d1 = 0;
+      for (int i = 0; i < 32; ++i) {
+        int lo = FOUR ? (wr[c * 32 + i] & 0x0F) : wr[c * 64 + i];
+        int hi = FOUR ? (wr[c * 32 + i] >> 4) : wr[c * 64 + 32 + i];
+        d0 += lo * a.q[c * 64 + i];
+        d1 += hi * a.q[c * 64 + 32 + i];
+      }
+      s += g * (a.scale[2 * c] * d0 + a.scale[2 * c + 1] * d1);
     }
-    s += g * (a.scale[2 * c] * d0 + a.scale[2 * c + 1] * d1);
+    out[j] = s;
   }
 #endif
-  return s;
 }
 
-// y[n] = W x (+ bias); `act` is scratch for coded kinds.
+// Rows [r, r + R) of a coded linear into y (zero points and bias applied).
+template <int R>
+inline void coded_rows(const Linear& l, int64_t r, const QAct& act, const float* gsum,
+                       const float* bias, float* y) {
+  const int64_t g = l.groups(), k = l.k;
+  const float* sc = l.scales.data_ptr<float>() + r * g;
+  const uint8_t* w = l.w.data_ptr<uint8_t>();
+  float v[R];
+  if (l.kind == Q4)
+    dot_coded<true, R>(w + r * (k / 2), k / 2, sc, g, l.group, act, k, v);
+  else
+    dot_coded<false, R>(w + r * k, k, sc, g, l.group, act, k, v);
+  for (int j = 0; j < R; ++j) {
+    const float* zs = l.zs.data_ptr<float>() + (r + j) * g;
+    for (int64_t i = 0; i < g; ++i) v[j] -= zs[i] * gsum[i];
+    y[r + j] = bias ? v[j] + bias[r + j] : v[j];
+  }
+}
+
+// y[n] = W x (+ bias); `act` is scratch for coded kinds. Rows go four at a time, then one by one.
 void gemv(const Linear& l, const float* x, float* y, QAct& act) {
   const int64_t n = l.n, k = l.k;
   std::vector<float> gsum;
@@ -194,23 +255,24 @@ void gemv(const Linear& l, const float* x, float* y, QAct& act) {
   const float* bias = l.bias.defined() ? l.bias.data_ptr<float>() : nullptr;
   const int64_t grain = std::max<int64_t>(16, n / (8 * at::get_num_threads() + 1));
   at::parallel_for(0, n, grain, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      float v;
+    int64_t rows = 1;
+    for (int64_t r = r0; r < r1; r += rows) {
+      rows = l.kind != BF16 && r + 4 <= r1 ? 4 : 1;
       if (l.kind == F32) {
-        v = dot_f32(l.w.data_ptr<float>() + r * k, x, k);
+        if (rows == 4) {
+          dot4_f32(l.w.data_ptr<float>() + r * k, k, x, y + r);
+        } else {
+          y[r] = dot_f32(l.w.data_ptr<float>() + r * k, x, k);
+        }
+        for (int64_t j = 0; bias && j < rows; ++j) y[r + j] += bias[r + j];
       } else if (l.kind == BF16) {
         auto* w = reinterpret_cast<const uint16_t*>(l.w.data_ptr<at::BFloat16>());
-        v = dot_bf16(w + r * k, x, k);
+        y[r] = dot_bf16(w + r * k, x, k) + (bias ? bias[r] : 0.f);
+      } else if (rows == 4) {
+        coded_rows<4>(l, r, act, gsum.data(), bias, y);
       } else {
-        const int64_t g = l.groups();
-        const float* sc = l.scales.data_ptr<float>() + r * g;
-        const float* zs = l.zs.data_ptr<float>() + r * g;
-        const uint8_t* w = l.w.data_ptr<uint8_t>();
-        v = l.kind == Q4 ? dot_coded<true>(w + r * (k / 2), sc, l.group, act, k)
-                         : dot_coded<false>(w + r * k, sc, l.group, act, k);
-        for (int64_t j = 0; j < g; ++j) v -= zs[j] * gsum[j];
+        coded_rows<1>(l, r, act, gsum.data(), bias, y);
       }
-      y[r] = bias ? v + bias[r] : v;
     }
   });
 }
