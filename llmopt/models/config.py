@@ -227,6 +227,9 @@ class ModelConfig:
             path = Path(path_or_dict)
             path = path / "config.json" if path.is_dir() else path
             where, hf = str(path), read_json(path, "HF config")
+        archs = hf.get("architectures")
+        if archs is None or isinstance(archs, list) and all(isinstance(a, str) for a in archs):
+            _hf_spec(hf)  # an unknown architecture is the first thing to say, before its keys
         check_hf_config(hf, where)
         spec = _hf_spec(hf)
         refuse_math_keys(hf, spec)
