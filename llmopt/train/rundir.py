@@ -2,7 +2,7 @@
 
 Reusing a directory without `--resume` used to mix two runs: the new run's checkpoint was the
 one rotation deleted, `latest` dangled, and the log went on from the old run's. Now a directory
-holding a run (anything besides the launcher's `run_config.json`) is refused unless `--resume`
+holding a run (anything besides what a launcher wrote for it, `LAUNCH_FILES`) is refused unless `--resume`
 continues it or `--overwrite` deletes what a run writes there (checkpoints, log, loss plot)
 first. Checkpoint directories a killed save left half-written (`step_N.partial`) and
 temporaries of killed writers are swept at start.
@@ -21,6 +21,9 @@ if TYPE_CHECKING:
     from llmopt.parallel.grid import RankGrid
 
 LAUNCH_CONFIG = "run_config.json"  # written by `llmopt train` before torchrun starts
+# what launchers write before the trainer starts: `llmopt train`'s config, and `llmopt
+# distill`'s config, starting student and training text (they check the directory first)
+LAUNCH_FILES = frozenset({LAUNCH_CONFIG, "distill_config.json", "student_init", "train_text.txt"})
 RUN_OUTPUTS = ("checkpoints", "train_log.jsonl", "loss.png", LAUNCH_CONFIG)
 
 
@@ -34,7 +37,7 @@ def previous_run(out: Path) -> list[str]:
         if out.exists():
             raise RunDirError(f"out_dir {out} exists and is not a directory")
         return []
-    return sorted(p.name for p in out.iterdir() if p.name != LAUNCH_CONFIG)
+    return sorted(p.name for p in out.iterdir() if p.name not in LAUNCH_FILES)
 
 
 def check_run_dir(out: str | Path, resume: bool, overwrite: bool) -> None:

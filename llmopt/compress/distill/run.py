@@ -23,6 +23,7 @@ import torch
 from llmopt.artifacts import atomic_write_text
 from llmopt.compress.distill.objective import DistillConfigError, check_kd_settings
 from llmopt.train.config import TrainConfig
+from llmopt.train.rundir import check_run_dir
 
 CONFIG_FILE = "distill_config.json"
 
@@ -64,6 +65,7 @@ def prepare(settings: DistillSettings, train: TrainConfig) -> Path:
     from llmopt.models.loading import load_model, load_tokenizer, save_pretrained
 
     out = check_out(train.out_dir, settings.teacher, settings.student)
+    check_run_dir(out, train.resume, train.overwrite)  # before this launch writes anything
     try:
         tokenizer = load_tokenizer(settings.teacher)
     except (ValueError, FileNotFoundError) as exc:
