@@ -112,7 +112,7 @@ def test_gate_cli_refuses_bad_thresholds(capsys):
     base = ["eval", "gate", "--model", "smollm2-135m", "--ref", "smollm2-135m"]
     assert main([*base, "--min-top1", "1.5"]) == 2
     assert capsys.readouterr().err.strip() == (
-        "llmopt eval: error: min_top1=1.5 must be a finite number in [0.0, 1.0]"
+        "llmopt eval: error: --min-top1 1.5 must be >= 0 and <= 1"
     )
     with pytest.raises(SystemExit) as exc:
         main([*base, "--max-kl", "nan"])
