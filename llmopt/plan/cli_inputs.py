@@ -43,7 +43,11 @@ def build_model(args: argparse.Namespace) -> ModelConfig:
     from llmopt.models.presets import get_preset
 
     spec = args.model
+    if not spec.strip():
+        raise ValueError("--model is empty: give a preset name, a config.json or an HF directory")
     path = Path(spec)
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ValueError(f"--model {spec}: the directory holds no config.json")
     if spec.endswith(".json") or path.is_dir():
         from llmopt.models.moe_hf import planner_config_from_hf
 
