@@ -39,27 +39,61 @@ MIXES = {
         "corpus:stdlib-comments=0.1667"
     ),
 }
-# label -> (method, mix label, n_samples, seq_len, QuantConfig overrides)
+MINMAX = {"gptq_range_grid": 0}  # each group's range = its min/max (the default before issue 19)
+RANGE = {"gptq_range_grid": 50}  # each group's range searched (the default since)
+# label -> (method, mix label, n_samples, seq_len, QuantConfig overrides); GPTQ rows name
+# their range rule, so a row means the same thing whatever the defaults are
 VARIANTS: dict[str, tuple[str, str, int, int, dict[str, Any]]] = {
     "rtn": ("rtn", "mix25", 16, 512, {}),
-    # calibration source and size
-    "gptq-ao bible 16x512": ("gptq", "bible", 16, 512, {}),
-    "gptq-ao mix25 16x512": ("gptq", "mix25", 16, 512, {}),
-    "gptq-ao mix50 16x512": ("gptq", "mix50", 16, 512, {}),
-    "gptq-ao mix25 32x512": ("gptq", "mix25", 32, 512, {}),
-    "gptq-ao mix50 32x512": ("gptq", "mix50", 32, 512, {}),
-    "gptq-ao bible 32x512": ("gptq", "bible", 32, 512, {}),
-    "gptq-ao mix25 64x128": ("gptq", "mix25", 64, 128, {}),
-    # GPTQ knobs (mix25, 16x512)
-    "gptq mix25 no act-order": ("gptq", "mix25", 16, 512, {"gptq_act_order": False}),
-    "gptq-ao mix25 damp=0.1": ("gptq", "mix25", 16, 512, {"gptq_damp": 0.1}),
-    "gptq-ao mix25 damp=0.001": ("gptq", "mix25", 16, 512, {"gptq_damp": 0.001}),
+    # calibration source and size, min/max ranges (the recipe issue 19 measured)
+    "gptq-ao bible 16x512": ("gptq", "bible", 16, 512, MINMAX),
+    "gptq-ao mix25 16x512": ("gptq", "mix25", 16, 512, MINMAX),
+    "gptq-ao mix50 16x512": ("gptq", "mix50", 16, 512, MINMAX),
+    "gptq-ao mix25 32x512": ("gptq", "mix25", 32, 512, MINMAX),
+    "gptq-ao mix50 32x512": ("gptq", "mix50", 32, 512, MINMAX),
+    "gptq-ao bible 32x512": ("gptq", "bible", 32, 512, MINMAX),
+    "gptq-ao mix25 64x128": ("gptq", "mix25", 64, 128, MINMAX),
+    # GPTQ knobs, min/max ranges (mix25, 16x512)
+    "gptq mix25 no act-order": ("gptq", "mix25", 16, 512, {**MINMAX, "gptq_act_order": False}),
+    "gptq-ao mix25 damp=0.1": ("gptq", "mix25", 16, 512, {**MINMAX, "gptq_damp": 0.1}),
+    "gptq-ao mix25 damp=0.001": ("gptq", "mix25", 16, 512, {**MINMAX, "gptq_damp": 0.001}),
     "gptq-ao mix25 not true-seq": (
         "gptq",
         "mix25",
         16,
         512,
-        {"gptq_true_sequential": False},
+        {**MINMAX, "gptq_true_sequential": False},
+    ),
+    "gptq-ao mix25 lazy groups": ("gptq", "mix25", 16, 512, {**MINMAX, "gptq_groups": "lazy"}),
+    # the group range searched (H_jj-weighted rounding error), then one knob at a time
+    "gptq-ao mix25 + range": ("gptq", "mix25", 16, 512, RANGE),
+    "gptq-ao bible + range": ("gptq", "bible", 16, 512, RANGE),
+    "gptq-ao mix50 + range": ("gptq", "mix50", 16, 512, RANGE),
+    "gptq-ao mix25 32x512 + range": ("gptq", "mix25", 32, 512, RANGE),
+    "gptq-ao mix25 64x128 + range": ("gptq", "mix25", 64, 128, RANGE),
+    "gptq mix25 no act-order + range": (
+        "gptq",
+        "mix25",
+        16,
+        512,
+        {**RANGE, "gptq_act_order": False},
+    ),
+    "gptq-ao mix25 lazy + range": ("gptq", "mix25", 16, 512, {**RANGE, "gptq_groups": "lazy"}),
+    "gptq-ao mix25 + range shrink=0.35": (
+        "gptq",
+        "mix25",
+        16,
+        512,
+        {**RANGE, "gptq_max_shrink": 0.35},
+    ),
+    "gptq-ao mix25 + range seed=1": ("gptq", "mix25", 16, 512, {**RANGE, "calib_seed": 1}),
+    "gptq-ao mix25 + range seed=2": ("gptq", "mix25", 16, 512, {**RANGE, "calib_seed": 2}),
+    "gptq-ao mix25 + range damp=0.001": (
+        "gptq",
+        "mix25",
+        16,
+        512,
+        {**RANGE, "gptq_damp": 0.001},
     ),
     # AWQ: source, then its search knobs (mix25, 16x512)
     "awq bible 16x512": ("awq", "bible", 16, 512, {}),
@@ -101,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     for label in labels:
         method, mix_label, n, seq_len, overrides = VARIANTS[label]
         mix = MIXES[mix_label]
-        calib = calibration_set(tokenizer, mix, n, seq_len)
+        calib = calibration_set(tokenizer, mix, n, seq_len, overrides.get("calib_seed", 0))
         console.print(f"[bold]{label}[/bold]")
         t0, c0 = time.perf_counter(), time.process_time()
         q = quantize_model(

@@ -148,3 +148,18 @@ def test_cli_rejects_bad_calib_before_loading(tmp_path, capsys):
     assert cli_main([*argv, "--calib", "corpus:web-bible=x", "--out", str(tmp_path / "x")]) == 2
     assert "weight 'x' is not a number" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_default_gptq_searches_the_group_range():
+    # the measured fix for GPTQ's in-domain loss under the broad mix (docs/benchmarks/quant.md)
+    assert QuantConfig().gptq_range_grid > 0
+    with pytest.raises(ValueError, match="gptq_groups='dynamic'; valid choices: lazy, static"):
+        QuantConfig(gptq_groups="dynamic")
+    with pytest.raises(ValueError, match=r"gptq_max_shrink=1.0 must be in \[0, 1\)"):
+        QuantConfig(gptq_max_shrink=1.0)
+
+
+def test_cli_names_a_bad_range_grid_by_its_flag(tmp_path, capsys):
+    argv = ["quantize", "--model", str(tmp_path / "missing"), "--method", "gptq"]
+    assert cli_main([*argv, "--range-grid", "-1", "--out", str(tmp_path / "x")]) == 2
+    assert "--range-grid -1 must be >= 0" in capsys.readouterr().err

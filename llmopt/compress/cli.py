@@ -13,7 +13,7 @@ FORMATS = ("llmopt", "autoawq", "gptq", "compressed-tensors", "gguf")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from llmopt.compress.quant.config import METHODS
+    from llmopt.compress.quant.config import METHODS, QuantConfig
     from llmopt.compress.quant.formats import VALID_BITS
 
     p = subparsers.add_parser(
@@ -42,6 +42,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="GPTQ: visit columns by decreasing Hessian diagonal (default on)",
     )
     p.add_argument(
+        "--range-grid",
+        type=int,
+        default=QuantConfig.gptq_range_grid,
+        help="GPTQ: search each group's range in 1/N steps for the least Hessian-weighted "
+        "rounding error (0: min/max; default %(default)s)",
+    )
+    p.add_argument(
         "--lm-head", dest="quantize_head", action="store_true", help="also quantize the LM head"
     )
     p.add_argument(
@@ -67,7 +74,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "whole once the new one is complete)",
     )
     p.add_argument("--json", action="store_true", help="print a JSON summary")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, check=check_args)
 
 
 def _check_export_options(args: argparse.Namespace) -> None:
@@ -100,6 +107,15 @@ def _export(qmodel, args: argparse.Namespace, tokenizer):
     return export_gguf(qmodel, args.out, tokenizer, qtype=args.gguf_type, source=args.model)
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Counts named by their flags, before anything loads."""
+    from llmopt import cli_args
+
+    cli_args.integer(args, "calib_samples", 1)
+    cli_args.integer(args, "calib_seq_len", 1)
+    cli_args.integer(args, "range_grid", 0)
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -120,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
         calib_samples=args.calib_samples,
         calib_seq_len=args.calib_seq_len,
         gptq_act_order=args.act_order,
+        gptq_range_grid=args.range_grid,
         quantize_lm_head=args.quantize_head,
     )
     if config.needs_calibration:

@@ -11,6 +11,7 @@ from llmopt.compress.quant.linear import BACKENDS
 from llmopt.config_files import check_fields, dataclass_schema
 
 METHODS = ("rtn", "awq", "gptq")
+GPTQ_GROUPS = ("lazy", "static")  # llmopt.compress.quant.gptq
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,11 @@ class QuantConfig:
     gptq_block_size: int = 128
     gptq_act_order: bool = True  # measured better at W4 and W3 (docs/benchmarks/quant.md)
     gptq_true_sequential: bool = True
+    gptq_groups: str = "static"  # with act-order: "static" (original weight) or "lazy"
+    # each group's range shrunk in 1/grid steps for the least H_jj-weighted rounding error
+    # (0: min/max); what made GPTQ hold in and out of domain (docs/benchmarks/quant.md)
+    gptq_range_grid: int = 50
+    gptq_max_shrink: float = 0.2
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -68,6 +74,14 @@ class QuantConfig:
             raise ValueError(f"awq_max_shrink={self.awq_max_shrink} must be in [0, 1)")
         if not 0.0 < self.gptq_damp < 1.0:
             raise ValueError(f"gptq_damp={self.gptq_damp} must be in (0, 1)")
+        if self.gptq_groups not in GPTQ_GROUPS:
+            raise ValueError(
+                f"gptq_groups={self.gptq_groups!r}; valid choices: {', '.join(GPTQ_GROUPS)}"
+            )
+        if self.gptq_range_grid < 0:
+            raise ValueError(f"gptq_range_grid={self.gptq_range_grid} must be >= 0 (0 = min/max)")
+        if not 0.0 <= self.gptq_max_shrink < 1.0:
+            raise ValueError(f"gptq_max_shrink={self.gptq_max_shrink} must be in [0, 1)")
         if self.gptq_block_size < 1:
             raise ValueError(f"gptq_block_size={self.gptq_block_size} must be >= 1")
 

@@ -67,11 +67,13 @@ def compute_qparams(
     group_size: int,
     sym: bool,
     max_abs: torch.Tensor | None = None,
+    shrink: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-group (scale fp32 with fp16-representable values, integer zero as float) [out, G].
 
-    `max_abs` [out, G] optionally clips the range (AWQ's clipping search, GPTQ's static
-    groups reuse it): the group's values are clamped to [-max_abs, max_abs] first.
+    `max_abs` [out, G] optionally clips the range (AWQ's clipping search): the group's values
+    are clamped to [-max_abs, max_abs] first. `shrink` scales the range [min, max] toward 0
+    (GPTQ's range search).
     """
     check_bits_group(bits, group_size)
     maxq = 2**bits - 1
@@ -81,6 +83,7 @@ def compute_qparams(
     if max_abs is not None:
         wmax = torch.minimum(wmax, max_abs)
         wmin = torch.maximum(wmin, -max_abs)
+    wmax, wmin = wmax * shrink, wmin * shrink
     if sym:
         absmax = torch.maximum(wmax.abs(), wmin.abs())
         scale = absmax / (2 ** (bits - 1) - 1)

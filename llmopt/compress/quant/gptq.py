@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmopt.compress.quant.config import QuantConfig
+from llmopt.compress.quant.config import GPTQ_GROUPS, QuantConfig
 from llmopt.compress.quant.formats import (
     PackedWeight,
     compute_qparams,
@@ -76,9 +76,17 @@ def gptq_solve(
     damp: float = 0.01,
     block_size: int = 128,
     act_order: bool = False,
+    groups: str = "lazy",
+    range_grid: int = 0,
+    max_shrink: float = 0.2,
 ) -> tuple[PackedWeight, float]:
     """GPTQ-quantize one weight [out, in] given its input Hessian [in, in].
 
+    With act-order, `groups="static"` fixes every group's parameters from the original weight;
+    `"lazy"` fixes them when the group's first column is reached, from the weights as the
+    error feedback has updated them by then (still contiguous groups, so the format is the
+    same). `range_grid` > 0 searches each group's range, shrunk by up to `max_shrink`, for the
+    least H_jj-weighted rounding error instead of taking min/max.
     Returns the packed weight and the summed proxy loss sum((w - q)^2 / U_jj^2) / 2.
     """
     w = weight.detach().float().clone()
@@ -90,20 +98,25 @@ def gptq_solve(
     gs = effective_group(in_f, group_size)
     maxq = 2**bits - 1
 
-    scales = torch.zeros(out_f, num_groups(in_f, group_size))
+    if groups not in GPTQ_GROUPS:
+        raise ValueError(f"groups={groups!r}; valid choices: {', '.join(GPTQ_GROUPS)}")
+    hdiag = torch.diag(h).clone()
+    n_groups = num_groups(in_f, group_size)
+    scales = torch.zeros(out_f, n_groups)
     zeros = torch.zeros_like(scales)
-    static = group_size == -1 or act_order  # params fixed before any error feedback
+    # params fixed before any error feedback (one group per row has nothing to wait for)
+    static = group_size == -1 or (act_order and groups == "static")
     if static:
-        scales, zeros = compute_qparams(w, bits, group_size, sym)
-    perm = torch.argsort(torch.diag(h), descending=True) if act_order else torch.arange(in_f)
+        scales, zeros = _search_qparams(w, hdiag, bits, group_size, sym, range_grid, max_shrink)
+    ready = torch.full((n_groups,), static)
+    perm = torch.argsort(hdiag, descending=True) if act_order else torch.arange(in_f)
+    where = torch.argsort(perm)  # original column -> position in the permuted order
     w = w[:, perm]
     h = h[perm][:, perm]
 
     h += damp * torch.mean(torch.diag(h)) * torch.eye(in_f)
     u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
 
-    if group_size != -1 and not act_order:
-        block_size = max(gs, block_size // gs * gs)  # groups never straddle a lazy block
     codes = torch.zeros(out_f, in_f, dtype=torch.uint8)
     loss = 0.0
     for i1 in range(0, in_f, block_size):
@@ -114,10 +127,18 @@ def gptq_solve(
         for i in range(i2 - i1):
             col = int(perm[i1 + i])
             g = col // gs
-            if not static and col % gs == 0:
-                scales[:, g : g + 1], zeros[:, g : g + 1] = compute_qparams(
-                    w1[:, i : i + gs], bits, -1, sym
+            if not ready[g]:
+                # the group's columns as the feedback has left them: none is quantized yet
+                pos = where[g * gs : min((g + 1) * gs, in_f)]
+                cur = torch.empty(out_f, len(pos))
+                inside = pos < i2
+                cur[:, inside] = w1[:, pos[inside] - i1]
+                later = pos[~inside]
+                cur[:, ~inside] = w[:, later] - err1[:, :i] @ u[i1 : i1 + i, later]
+                scales[:, g : g + 1], zeros[:, g : g + 1] = _search_qparams(
+                    cur, hdiag[g * gs : g * gs + len(pos)], bits, -1, sym, range_grid, max_shrink
                 )
+                ready[g] = True
             s, z = scales[:, g], zeros[:, g]
             col_w = w1[:, i]
             q = torch.clamp(torch.round(col_w / s) + z, 0, maxq)
@@ -138,6 +159,39 @@ def gptq_solve(
         in_features=in_f,
     )
     return packed, loss
+
+
+def _search_qparams(
+    w: torch.Tensor,
+    hdiag: torch.Tensor,
+    bits: int,
+    group_size: int,
+    sym: bool,
+    grid: int,
+    max_shrink: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group params; with `grid` > 0 the range shrink (1 - k/grid, up to `max_shrink`)
+    with the least sum_j H_jj (w_j - q_j)^2 per (row, group), else plain min/max."""
+    best_s, best_z = compute_qparams(w, bits, group_size, sym)
+    if grid <= 0:
+        return best_s, best_z
+    gs = effective_group(w.shape[1], group_size)
+    rep = lambda t: t.repeat_interleave(gs, dim=1)[:, : w.shape[1]]  # noqa: E731
+    cols = torch.arange(w.shape[1]) // gs
+
+    def group_error(s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        q = torch.clamp(torch.round(w / rep(s)) + rep(z), 0, 2**bits - 1)
+        err = (w - (q - rep(z)) * rep(s)) ** 2 * hdiag[None, :]
+        return torch.zeros_like(s).index_add_(1, cols, err)
+
+    best_err = group_error(best_s, best_z)
+    for k in range(1, int(max_shrink * grid) + 1):
+        s, z = compute_qparams(w, bits, group_size, sym, shrink=1 - k / grid)
+        err = group_error(s, z)
+        better = err < best_err
+        best_s, best_z = torch.where(better, s, best_s), torch.where(better, z, best_z)
+        best_err = torch.minimum(err, best_err)
+    return best_s, best_z
 
 
 def gptq_quantize(
@@ -176,6 +230,9 @@ def gptq_quantize(
                         damp=config.gptq_damp,
                         block_size=config.gptq_block_size,
                         act_order=config.gptq_act_order,
+                        groups=config.gptq_groups,
+                        range_grid=config.gptq_range_grid,
+                        max_shrink=config.gptq_max_shrink,
                     )
                     # later stages see this layer's quantized output (fp matmul of the
                     # dequantised weight: same numbers as QuantLinear, faster for calibration)
