@@ -80,6 +80,7 @@ class StepOutput:
     grad_norm: float | None
     pipeline: StepResult
     metrics: dict[str, float] = field(default_factory=dict)  # the objective's, if any
+    applied: bool = True  # False: a non-finite step skipped (`step(skip_nonfinite=True)`)
 
 
 class Engine:
@@ -206,15 +207,22 @@ class Engine:
         optimizer: torch.optim.Optimizer,
         max_norm: float | None = None,
         num_tokens: int | None = None,
+        skip_nonfinite: bool = False,
     ) -> StepOutput:
         """One optimizer step on this DP replica's batch; the logged loss is the global mean
-        over supervised tokens (`forward_backward`)."""
+        over supervised tokens (`forward_backward`). With `skip_nonfinite`, a NaN/inf loss or
+        gradient norm applies no update; both are reduced over the grid, so ranks agree."""
         result = self.forward_backward(tokens, labels, num_tokens)
-        norm = self.clip_grad_norm_(max_norm)
-        optimizer.step()
-        self.update_params()
+        norm = self.grad_norm()
+        loss = self.global_loss(result)
+        applied = not skip_nonfinite or (math.isfinite(loss) and math.isfinite(norm))
+        if applied:
+            clip_to(self, norm, max_norm)
+            optimizer.step()
+            self.update_params()
         self.zero_grad()
-        return StepOutput(self.global_loss(result), norm, result, self.objective_metrics())
+        metrics = self.objective_metrics() if applied else {}
+        return StepOutput(loss, norm, result, metrics, applied)
 
     def objective_metrics(self) -> dict[str, float]:
         """What a custom objective logs for the step just run (uncounted: logging)."""

@@ -1,8 +1,8 @@
 """Never train on NaN: a step whose loss or gradient norm is not finite updates nothing.
 
-`guarded_step` is `Engine.step` with a check between the backward pass and the update: the
-global loss and gradient norm are identical on every rank (both are reduced over the whole
-grid), so every rank takes the same decision without another collective. A bad step leaves
+`NonFiniteGuard.step` is `Engine.step(skip_nonfinite=True)` plus the count: the global loss
+and gradient norm are identical on every rank (both are reduced over the whole grid), so
+every rank takes the same decision without another collective. A bad step leaves
 masters and optimizer moments as they were; up to `skip_limit` of them are skipped (their
 batch dropped), the next one stops the run with `NonFiniteError`, and no checkpoint of it is
 written: the last good one stays the newest. `check_finite_state` is the last line before a
@@ -11,13 +11,11 @@ save: a checkpoint holding NaN/inf is never written, however the values got ther
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 
-from llmopt.parallel.data_parallel import clip_to
 from llmopt.parallel.engine import Engine
 
 
@@ -53,16 +51,10 @@ class NonFiniteGuard:
     ) -> GuardedStep:
         """One optimizer step (`step` is 0-based), unless its loss or gradient norm is not
         finite: then no update, and `NonFiniteError` once more than `skip_limit` were bad."""
-        result = engine.forward_backward(inputs, targets, num_tokens=num_tokens)
-        norm = engine.grad_norm()
-        loss = engine.global_loss(result)
-        if math.isfinite(loss) and math.isfinite(norm):
-            clip_to(engine, norm, max_norm)
-            optimizer.step()
-            engine.update_params()
-            engine.zero_grad()
-            return GuardedStep(loss, norm, skipped=False, metrics=engine.objective_metrics())
-        engine.zero_grad()
+        out = engine.step(inputs, targets, optimizer, max_norm, num_tokens, skip_nonfinite=True)
+        loss, norm = out.loss, out.grad_norm
+        if out.applied:
+            return GuardedStep(loss, norm, skipped=False, metrics=out.metrics)
         self.skipped.append(step + 1)
         if len(self.skipped) > self.skip_limit:
             raise NonFiniteError(
