@@ -18,8 +18,9 @@ import torch
 
 from llmopt.cli import main
 from llmopt.eval.gate import GateThresholds, apply_gates
-from llmopt.eval.kl import kl_divergence
+from llmopt.eval.kl import KLResult, kl_divergence
 from llmopt.eval.multi_text import (
+    TextsGateReport,
     TextSpecError,
     check_text_specs,
     gate_texts,
@@ -161,6 +162,10 @@ def test_gate_passes_one_text_fails_another_naming_it(setup, capsys):
     assert line == f"llmopt eval gate: gate failed on 1 of 2 texts: {digits}: {failed}"
     assert out["reason"] == line.removeprefix("llmopt eval gate: ")
     single = _json(capsys, [*base, *gates, "--text", digits, "--json"], code=1)
+    assert list(single) == [
+        *("model", "ref", "text", "ctx", "stride"),
+        *("passed", "reason", "gates", "kl"),
+    ]
     assert _timeless(out["results"][1]) == _timeless(single)
     assert single["reason"] == f"gate failed: {failed}"
     capsys.readouterr()
@@ -168,6 +173,33 @@ def test_gate_passes_one_text_fails_another_naming_it(setup, capsys):
     assert capsys.readouterr().out.startswith(
         f"llmopt eval gate: all gates passed on 2 texts: {plain}: mean KL 0 nats <= max 100 "
         f"nats | {digits}: mean KL "
+    )
+
+
+def test_reason_names_every_failing_text_on_one_line():
+    def result(mean: float, top1: float) -> KLResult:
+        return KLResult(mean, mean, mean, top1, 0.0, 10, ppl=10.0, ref_ppl=10.0)
+
+    limits = GateThresholds(max_kl=0.5, min_top1=0.9)
+    judged = {
+        "a.txt": apply_gates(result(0.7, 0.95), limits),
+        "corpus:web-bible": apply_gates(result(0.1, 0.95), limits),
+        "b, c.txt": apply_gates(result(0.6, 0.8), limits),
+    }
+    report = TextsGateReport(judged)
+    assert not report.passed and report.failed == ("a.txt", "b, c.txt")
+    assert report.reason() == (
+        "gate failed on 2 of 3 texts: a.txt: mean KL 0.7 nats > max 0.5 nats | b, c.txt: "
+        "mean KL 0.6 nats > max 0.5 nats; top-1 agreement 0.8 < min 0.9"
+    )
+    one = TextsGateReport({"a.txt": judged["a.txt"]})
+    assert (
+        one.reason() == judged["a.txt"].reason() == "gate failed: mean KL 0.7 nats > max 0.5 nats"
+    )
+    passing = TextsGateReport({"x": judged["corpus:web-bible"], "y": judged["corpus:web-bible"]})
+    assert passing.passed and passing.reason() == (
+        "all gates passed on 2 texts: x: mean KL 0.1 nats <= max 0.5 nats; top-1 agreement 0.95 "
+        ">= min 0.9 | y: mean KL 0.1 nats <= max 0.5 nats; top-1 agreement 0.95 >= min 0.9"
     )
 
 

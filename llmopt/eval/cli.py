@@ -21,8 +21,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "eval",
         help="perplexity and KL-divergence evaluation on real text",
-        description="Evaluate a model on text: `ppl` (sliding-window perplexity, HF convention) "
-        "or `kl` (KL divergence from a reference model, llama.cpp's statistics).",
+        description="Evaluate a model on one or more texts (--text repeats; the model loads "
+        "once): `ppl` (sliding-window perplexity, HF convention), `kl` (KL divergence from a "
+        "reference model, llama.cpp's statistics) or `gate` (pass/fail on those statistics).",
     )
     sub = parser.add_subparsers(dest="metric", metavar="METRIC", required=True)
     ppl = sub.add_parser(
@@ -47,7 +48,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "gate",
         help="pass/fail --model against --ref on KL, perplexity increase and top-1",
         description="Accuracy gates before deployment: exits 1 with a one-line reason naming each "
-        "failed gate and its value, 0 when all pass (statistics as in `kl`).",
+        "failed gate and its value (and its text, with several --text), 0 when all pass on every "
+        "text (statistics as in `kl`).",
     )
     _common(gate, default_ctx=512)
     gate.add_argument("--ref", required=True, help="reference model (same tokenizer)")
@@ -79,7 +81,9 @@ def _common(parser: argparse.ArgumentParser, default_ctx: int) -> None:
     )
     parser.add_argument("--ctx", type=int, default=default_ctx, help="window length in tokens")
     parser.add_argument("--stride", type=int, default=None, help="window step (default ctx/2)")
-    parser.add_argument("--max-tokens", type=int, default=None, help="evaluate the first N tokens")
+    parser.add_argument(
+        "--max-tokens", type=int, default=None, help="evaluate the first N tokens of each text"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
