@@ -101,10 +101,10 @@ def test_ppl_per_text_equals_single_text_runs(setup, capsys):
     singles = [_json(capsys, [*base, "--text", t]) for t in texts]
     assert [_timeless(r) for r in both["results"]] == [_timeless(s) for s in singles]
     # a single text keeps the shape it always had
-    assert list(singles[0]) == ["model", "text", "dtype", "ctx", "stride", "ppl", "nll"] + [
-        "tokens_scored",
-        "tokens_per_s",
-    ]
+    keys = ["model", "text", "dtype", "ctx", "stride", "ppl", "nll", "tokens_scored"]
+    assert list(singles[0]) == [*keys, "tokens_per_s"]
+    swapped = _json(capsys, [*base, "--text", texts[1], "--text", texts[0]])  # order-free
+    assert [_timeless(r) for r in swapped["results"]] == [_timeless(s) for s in singles[::-1]]
     assert singles[0]["tokens_scored"] == 95 and singles[0]["stride"] == 16
     assert singles[0]["ppl"] != singles[1]["ppl"]
     assert main([*base[:-1], "--text", texts[0], "--text", texts[1]]) == 0
