@@ -14,13 +14,16 @@ from contextlib import contextmanager
 from llmopt import cli_args, jsonout
 from llmopt.infer.cli import add_model_arguments, check_model_args, torch_dtype
 
+DEFAULT_TEXT = "corpus:web-bible"
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "eval",
         help="perplexity and KL-divergence evaluation on real text",
-        description="Evaluate a model on text: `ppl` (sliding-window perplexity, HF convention) "
-        "or `kl` (KL divergence from a reference model, llama.cpp's statistics).",
+        description="Evaluate a model on one or more texts (--text repeats; the model loads "
+        "once): `ppl` (sliding-window perplexity, HF convention), `kl` (KL divergence from a "
+        "reference model, llama.cpp's statistics) or `gate` (pass/fail on those statistics).",
     )
     sub = parser.add_subparsers(dest="metric", metavar="METRIC", required=True)
     ppl = sub.add_parser(
@@ -45,7 +48,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "gate",
         help="pass/fail --model against --ref on KL, perplexity increase and top-1",
         description="Accuracy gates before deployment: exits 1 with a one-line reason naming each "
-        "failed gate and its value, 0 when all pass (statistics as in `kl`).",
+        "failed gate and its value (and its text, with several --text), 0 when all pass on every "
+        "text (statistics as in `kl`).",
     )
     _common(gate, default_ctx=512)
     gate.add_argument("--ref", required=True, help="reference model (same tokenizer)")
@@ -70,21 +74,37 @@ def _common(parser: argparse.ArgumentParser, default_ctx: int) -> None:
     add_model_arguments(parser)
     parser.add_argument(
         "--text",
-        default="corpus:web-bible",
-        help="UTF-8 text file or corpus:NAME (default corpus:web-bible, the World English Bible)",
+        action="append",
+        default=None,
+        help="UTF-8 text file or corpus:NAME, repeatable: each text is evaluated and reported "
+        f"(default {DEFAULT_TEXT}, the World English Bible)",
     )
     parser.add_argument("--ctx", type=int, default=default_ctx, help="window length in tokens")
     parser.add_argument("--stride", type=int, default=None, help="window step (default ctx/2)")
-    parser.add_argument("--max-tokens", type=int, default=None, help="evaluate the first N tokens")
+    parser.add_argument(
+        "--max-tokens", type=int, default=None, help="evaluate the first N tokens of each text"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """What `eval` can refuse before loading: `--stride 0` is not "the default stride"."""
+    """What `eval` can refuse before loading: `--stride 0` is not "the default stride", a
+    missing file or an unknown corpus among the texts, the same text twice."""
+    from llmopt.data.corpus import CORPORA
+    from llmopt.eval.multi_text import check_text_specs
+
     check_model_args(args)
-    cli_args.text(args, "text")
-    if not args.text.startswith("corpus:"):  # before the tokenizer and model load
-        cli_args.text_file(args, "text")
+    args.text = text_specs(args)
+    for spec in args.text:  # each text checked as the single --text always was
+        one = argparse.Namespace(text=spec)
+        cli_args.text(one, "text")
+        if not spec.startswith("corpus:"):
+            cli_args.text_file(one, "text")
+        elif spec.removeprefix("corpus:") not in CORPORA:
+            raise cli_args.ArgumentError(
+                f"--text {spec}: unknown corpus; known corpora: {', '.join(CORPORA)}"
+            )
+    check_text_specs(args.text, "--text")
     cli_args.text(args, "ref")
     cli_args.integer(args, "ctx", 2)
     cli_args.integer(args, "stride", 1, args.ctx)
@@ -92,6 +112,14 @@ def check_args(args: argparse.Namespace) -> None:
     cli_args.number(args, "max_kl", 0.0)
     cli_args.number(args, "max_ppl_increase", 0.0)
     cli_args.number(args, "min_top1", 0.0, 1.0)
+
+
+def text_specs(args: argparse.Namespace) -> list[str]:
+    """The --text values in order (the default when none was given; a lone string as one)."""
+    texts = getattr(args, "text", None)
+    if texts is None:
+        return [DEFAULT_TEXT]
+    return [texts] if isinstance(texts, str) else list(texts)
 
 
 def _number(text: str) -> float:
@@ -113,29 +141,9 @@ def _fraction(text: str) -> float:
     return _percent(text) / 100.0 if text.endswith("%") else _number(text)
 
 
-def load_tokens(tokenizer, text_spec: str, max_tokens: int | None) -> list[int]:
-    """Token ids of a text, tokenising only about as much text as `max_tokens` needs."""
-    from llmopt.data.corpus import load_text
-
-    if max_tokens is not None and max_tokens < 2:
-        raise ValueError(f"--max-tokens {max_tokens} must be >= 2")
-    max_chars = None if max_tokens is None else max_tokens * 16
-    while True:
-        text = load_text(text_spec, max_chars=max_chars)
-        ids = tokenizer.encode(text, add_bos=tokenizer.add_bos)
-        if (
-            max_tokens is None
-            or len(ids) >= max_tokens
-            or max_chars is None
-            or len(text) < max_chars
-        ):
-            return ids if max_tokens is None else ids[:max_tokens]
-        max_chars *= 4
-
-
 @contextmanager
-def _progress(enabled: bool, label: str):
-    """A rich progress bar on stderr, or a no-op callback."""
+def _progress(enabled: bool, metric: str):
+    """A rich progress bar on stderr fed `(text label, done, total)`, or a no-op (None)."""
     if not enabled:
         yield None
         return
@@ -143,84 +151,101 @@ def _progress(enabled: bool, label: str):
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     with Progress(
-        TextColumn(label),
+        TextColumn("{task.description}"),
         BarColumn(),
         TextColumn("{task.completed}/{task.total} tokens"),
         TimeRemainingColumn(),
         console=Console(stderr=True),
         transient=True,
     ) as bar:
-        task = bar.add_task(label, total=None)
-        yield lambda done, total: bar.update(task, completed=done, total=total)
+        task = bar.add_task(metric, total=None)
+
+        def update(label: str, done: int, total: int) -> None:
+            bar.update(task, description=f"{metric} {label}", completed=done, total=total)
+
+        yield update
 
 
-def _setup(args: argparse.Namespace):
+def _setup(args: argparse.Namespace, with_ref: bool = False):
+    """Tokenizers, then every text's tokens, then the model(s): a bad text or a vocabulary
+    mismatch is refused before any weights load."""
     import torch
 
+    from llmopt.eval.multi_text import load_texts
     from llmopt.models.loading import load_model, load_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
     tokenizer = load_tokenizer(args.model)
-    tokens = load_tokens(tokenizer, args.text, args.max_tokens)
+    if with_ref:
+        ref_tokenizer = load_tokenizer(args.ref)
+        if ref_tokenizer.vocab_size != tokenizer.vocab_size:
+            raise ValueError(
+                f"--ref {args.ref} has a {ref_tokenizer.vocab_size}-token vocabulary, --model "
+                f"{args.model} {tokenizer.vocab_size}; KL needs the same tokenizer"
+            )
+    texts = load_texts(tokenizer, text_specs(args), args.max_tokens, "--text")
     model = load_model(args.model, dtype=torch_dtype(args.dtype))
+    ref = load_model(args.ref, dtype=torch_dtype(args.ref_dtype)) if with_ref else None
     stride = args.stride or max(1, args.ctx // 2)
-    return tokenizer, tokens, model, stride
+    return texts, model, ref, stride
+
+
+def _print_json(head: dict, per_text: list[dict]) -> None:
+    """One text: its object as it always was; several: `head` (the model, the reference, the
+    verdict) with the per-text objects, each as a run on that text alone prints it, as
+    `results`."""
+    payload = per_text[0] if len(per_text) == 1 else {**head, "results": per_text}
+    print(jsonout.dumps(payload, indent=2))
 
 
 def run_ppl(args: argparse.Namespace) -> int:
-    from llmopt.eval.perplexity import perplexity
+    from llmopt.eval.multi_text import perplexity_texts
 
-    _, tokens, model, stride = _setup(args)
+    texts, model, _, stride = _setup(args)
     with _progress(not args.json and sys.stderr.isatty(), "perplexity") as progress:
-        result = perplexity(model, tokens, ctx=args.ctx, stride=stride, progress=progress)
-    summary = {
-        "model": args.model,
-        "text": args.text,
-        "dtype": args.dtype,
-        "ctx": args.ctx,
-        "stride": stride,
-        **dataclasses.asdict(result),
-    }
+        results = perplexity_texts(model, texts, ctx=args.ctx, stride=stride, progress=progress)
     if args.json:
-        print(jsonout.dumps(summary, indent=2))
-    else:
+        per_text = [
+            {"model": args.model, "text": label, "dtype": args.dtype, "ctx": args.ctx}
+            | {"stride": stride, **dataclasses.asdict(r)}
+            for label, r in results.items()
+        ]
+        _print_json({"model": args.model}, per_text)
+        return 0
+    for label, r in results.items():
         print(
-            f"perplexity {result.ppl:.4f} (nll {result.nll:.4f} nats/token) over "
-            f"{result.tokens_scored} tokens, ctx {args.ctx}, stride {stride}, "
-            f"{result.tokens_per_s:.0f} tokens/s"
+            f"{label}: perplexity {r.ppl:.4f} (nll {r.nll:.4f} nats/token) over "
+            f"{r.tokens_scored} tokens, ctx {args.ctx}, stride {stride}, "
+            f"{r.tokens_per_s:.0f} tokens/s"
         )
     return 0
 
 
-def _setup_pair(args: argparse.Namespace):
-    from llmopt.models.loading import load_model, load_tokenizer
-
-    tokenizer, tokens, model, stride = _setup(args)
-    ref_tokenizer = load_tokenizer(args.ref)
-    if ref_tokenizer.vocab_size != tokenizer.vocab_size:
-        raise ValueError(
-            f"--ref {args.ref} has a {ref_tokenizer.vocab_size}-token vocabulary, --model "
-            f"{args.model} {tokenizer.vocab_size}; KL needs the same tokenizer"
-        )
-    ref = load_model(args.ref, dtype=torch_dtype(args.ref_dtype))
-    return tokens, model, ref, stride
+def _pair_head(args: argparse.Namespace, text: str, stride: int) -> dict:
+    return {"model": args.model, "ref": args.ref, "text": text, "ctx": args.ctx, "stride": stride}
 
 
 def run_gate(args: argparse.Namespace) -> int:
-    from llmopt.eval.gate import GateThresholds, run_gates
+    from llmopt.eval.gate import GateThresholds
+    from llmopt.eval.multi_text import gate_texts
 
     thresholds = GateThresholds(
         max_kl=args.max_kl, max_ppl_increase_pct=args.max_ppl_increase, min_top1=args.min_top1
     )
-    tokens, model, ref, stride = _setup_pair(args)
+    texts, model, ref, stride = _setup(args, with_ref=True)
     with _progress(not args.json and sys.stderr.isatty(), "accuracy gates") as progress:
-        report = run_gates(
-            model, ref, tokens, thresholds, ctx=args.ctx, stride=stride, progress=progress
+        report = gate_texts(
+            model, ref, texts, thresholds, ctx=args.ctx, stride=stride, progress=progress
         )
     if args.json:
-        summary = {"model": args.model, "ref": args.ref, "text": args.text, "ctx": args.ctx}
-        print(jsonout.dumps({**summary, "stride": stride, **report.to_dict()}, indent=2))
+        head = {"model": args.model, "ref": args.ref, "passed": report.passed}
+        head["reason"] = report.reason()
+        per_text = [
+            {**_pair_head(args, label, stride), **r.to_dict()}
+            for label, r in report.reports.items()
+        ]
+        _print_json(head, per_text)
     if not report.passed:
         print(f"llmopt eval gate: {report.reason()}", file=sys.stderr)
     elif not args.json:
@@ -229,37 +254,36 @@ def run_gate(args: argparse.Namespace) -> int:
 
 
 def run_kl(args: argparse.Namespace) -> int:
-    from llmopt.eval.kl import kl_divergence
+    from llmopt.eval.multi_text import kl_texts
 
-    tokens, model, ref, stride = _setup_pair(args)
+    texts, model, ref, stride = _setup(args, with_ref=True)
     with _progress(not args.json and sys.stderr.isatty(), "KL divergence") as progress:
-        result = kl_divergence(model, ref, tokens, ctx=args.ctx, stride=stride, progress=progress)
-    summary = {
-        "model": args.model,
-        "ref": args.ref,
-        "text": args.text,
-        "ctx": args.ctx,
-        "stride": stride,
-        **dataclasses.asdict(result),
-    }
+        results = kl_texts(model, ref, texts, ctx=args.ctx, stride=stride, progress=progress)
     if args.json:
-        print(jsonout.dumps(summary, indent=2))
+        per_text = [
+            {**_pair_head(args, label, stride), **dataclasses.asdict(r)}
+            for label, r in results.items()
+        ]
+        _print_json({"model": args.model, "ref": args.ref}, per_text)
         return 0
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"KL({args.ref} || {args.model}) over {result.tokens} tokens")
+    table = Table(title=f"KL({args.ref} || {args.model}), ctx {args.ctx}, stride {stride}")
     table.add_column("statistic")
-    table.add_column("value", justify="right")
-    for name, value in [
-        ("mean KL (nats)", f"{result.mean:.6f}"),
-        ("median KL", f"{result.median:.6f}"),
-        ("p99 KL", f"{result.p99:.6f}"),
-        ("top-1 agreement", f"{100 * result.top1_agreement:.2f}%"),
-        ("RMS Δp", f"{100 * result.rms_delta_p:.3f}%"),
-        ("ppl (model)", f"{result.ppl:.4f}"),
-        ("ppl (ref)", f"{result.ref_ppl:.4f}"),
-    ]:
-        table.add_row(name, value)
+    for label in results:
+        table.add_column(label, justify="right", overflow="fold")  # a long path wraps, whole
+    rows = [
+        ("tokens", lambda r: f"{r.tokens}"),
+        ("mean KL (nats)", lambda r: f"{r.mean:.6f}"),
+        ("median KL", lambda r: f"{r.median:.6f}"),
+        ("p99 KL", lambda r: f"{r.p99:.6f}"),
+        ("top-1 agreement", lambda r: f"{100 * r.top1_agreement:.2f}%"),
+        ("RMS Δp", lambda r: f"{100 * r.rms_delta_p:.3f}%"),
+        ("ppl (model)", lambda r: f"{r.ppl:.4f}"),
+        ("ppl (ref)", lambda r: f"{r.ref_ppl:.4f}"),
+    ]
+    for name, cell in rows:
+        table.add_row(name, *(cell(r) for r in results.values()))
     Console().print(table)
     return 0
