@@ -65,13 +65,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval", default=DEFAULT_EVAL, help="evaluation corpora, first = in-domain")
     p.add_argument("--eval-tokens", type=int, default=1024, help="per corpus")
     p.add_argument("--decode-tokens", type=int, default=16)
+    p.add_argument("--decode", default="auto", choices=("auto", "fast", "eager"))
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--work", default="runs/compress_order")
     p.add_argument("--out", default="runs/compress_order.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     console = Console(width=max(Console().width, 140))
-    ev = {"max_tokens": args.eval_tokens, "ctx": 256, "decode_tokens": args.decode_tokens}
+    ev = {"max_tokens": args.eval_tokens, "ctx": 256, "decode_tokens": args.decode_tokens,
+          "decode": args.decode}  # fmt: skip
     chosen = orders(args)
     unknown = sorted(set(args.orders.split(",")) - set(chosen))
     if unknown:
