@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
             for s in (Sparsity.parse(text) for text in args.sparsities.split(","))
             for m in args.methods.split(",")
         }  # every option validated before any work
-    except (PruneConfigError, ValueError) as err:
+    except PruneConfigError as err:
         parser.error(str(err))
     tokenizer = load_tokenizer(args.model)
     try:
@@ -90,9 +90,12 @@ def main(argv: list[str] | None = None) -> None:
     except CorpusError as err:
         parser.error(f"--eval: {err}")
     first = next(iter(configs.values()))
-    calib = calibration_set(
-        tokenizer, first.calib, first.calib_samples, first.calib_seq_len, first.calib_seed
-    )  # the windows `calibration_tokens` gives, with their coverage report
+    try:  # the windows `calibration_tokens` gives, with their coverage report
+        calib = calibration_set(
+            tokenizer, first.calib, first.calib_samples, first.calib_seq_len, first.calib_seed
+        )
+    except CorpusError as err:
+        parser.error(str(err) if str(err).startswith("--calib") else f"--calib: {err}")
     model = load_model(args.model)
     ref = reference_copy(model)
     result = {

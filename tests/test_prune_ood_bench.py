@@ -81,6 +81,8 @@ def test_prune_quality_scores_each_corpus_like_a_direct_run(model_dir, tmp_path)
         (["--eval", "corpus:web-bible,corpus:nope"], "--eval: unknown corpus 'nope'"),
         (["--sparsities", "4:4"], "4:4"),
         (["--methods", "magnitude,foo"], "unknown pruning method 'foo'"),
+        (["--calib", "corpus:torch-docs"], "'torch-docs' is reserved for out-of-domain"),
+        (["--calib", "corpus:nope"], "--calib: unknown corpus 'nope'"),
     ],
 )
 def test_prune_quality_bad_input_is_one_line(model_dir, tmp_path, capsys, extra, message):
