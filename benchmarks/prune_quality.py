@@ -1,19 +1,32 @@
 """Accuracy of magnitude, Wanda and SparseGPT pruning on a real model (default SmolLM2-135M).
 
-For each (sparsity, method): pruning time (wall and CPU), perplexity on a fixed web-bible slice
-(the corpus's first tokens; calibration windows come from its second half), KL(dense || pruned)
-statistics and top-1 agreement against the dense model, and the bytes the saved pruned linears
-take relative to dense fp16 (N:M packed; unstructured stored dense + 1-bit mask).
+For each (sparsity, method): pruning time (wall and CPU), and on every evaluation corpus
+perplexity, KL(dense || pruned) statistics and top-1 agreement against the dense model
+(`quant_quality`'s scoring: the first --eval-tokens of each corpus, ctx = stride windows),
+and the bytes the saved pruned linears take relative to dense fp16 (N:M packed; unstructured
+stored dense + 1-bit mask). Calibration windows (Wanda, SparseGPT) come from the second half
+of `--calib` (default: `PruneConfig`'s, the WEB Bible), disjoint from the evaluation slice; the
+out-of-domain corpora (`corpus.EVAL_ONLY`) are never calibration sources.
 
-    OMP_NUM_THREADS=1 python benchmarks/prune_quality.py --sparsities 0.5 --out runs/prune_50.json
+    OMP_NUM_THREADS=1 python benchmarks/prune_quality.py --sparsities 0.5,2:4 --out runs/prune.json
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
+from _report import run_info, table, write_report
+from quant_quality import (
+    DEFAULT_EVAL,
+    eval_sets,
+    quality_cells,
+    quality_columns,
+    reference_copy,
+    score,
+)
 
 
 def stored_ratio(pruned: torch.nn.Module) -> float:
@@ -32,110 +45,109 @@ def stored_ratio(pruned: torch.nn.Module) -> float:
     return stored / dense
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--methods", default="magnitude,wanda,sparsegpt")
     parser.add_argument("--sparsities", default="0.5,2:4", help="comma-separated: 0.5, 2:4, 4:8")
+    parser.add_argument("--calib", default=None, help="calibration text (default: PruneConfig's)")
     parser.add_argument("--calib-tokens", type=int, default=8192)
     parser.add_argument("--calib-seq-len", type=int, default=512)
-    parser.add_argument("--eval-tokens", type=int, default=4096)
+    parser.add_argument(
+        "--eval", default=DEFAULT_EVAL, help="evaluation corpora, first = in-domain"
+    )
+    parser.add_argument("--eval-tokens", type=int, default=4096, help="per corpus")
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--out", default="runs/prune_quality.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from rich.console import Console
-    from rich.table import Table
 
-    from llmopt.artifacts import atomic_write_json
-    from llmopt.compress.prune import PruneConfig, Sparsity, prune_model
-    from llmopt.compress.quant.calibration import calibration_tokens
-    from llmopt.data.corpus import load_text
-    from llmopt.eval.kl import kl_divergence
-    from llmopt.eval.perplexity import perplexity
+    from llmopt.compress.prune import PruneConfig, PruneConfigError, Sparsity, prune_model
+    from llmopt.compress.quant.calibration import calibration_set
+    from llmopt.data.corpus import CorpusError
     from llmopt.models.loading import load_model, load_tokenizer
 
-    console = Console()
-    sparsities = [Sparsity.parse(s) for s in args.sparsities.split(",")]
-    methods = args.methods.split(",")
-    configs = {
-        (str(s), m): PruneConfig(
-            method=m,
-            sparsity=s,
-            calib_tokens=args.calib_tokens,
-            calib_seq_len=args.calib_seq_len,
-        )
-        for s in sparsities
-        for m in methods
-    }  # every option validated before any work
-    model = load_model(args.model)
+    console = Console(width=max(Console().width, 160))
+    calib_option = {} if args.calib is None else {"calib": args.calib}
+    try:
+        configs = {
+            (str(s), m): PruneConfig(
+                method=m,
+                sparsity=s,
+                calib_tokens=args.calib_tokens,
+                calib_seq_len=args.calib_seq_len,
+                **calib_option,
+            )
+            for s in (Sparsity.parse(text) for text in args.sparsities.split(","))
+            for m in args.methods.split(",")
+        }  # every option validated before any work
+    except PruneConfigError as err:
+        parser.error(str(err))
     tokenizer = load_tokenizer(args.model)
-    text = load_text("corpus:web-bible", max_chars=args.eval_tokens * 8)
-    eval_ids = tokenizer.encode(text)[: args.eval_tokens]
-    if len(eval_ids) < args.eval_tokens:
-        raise SystemExit(f"only {len(eval_ids)} evaluation tokens; lower --eval-tokens")
+    try:
+        sets = eval_sets(tokenizer, args.eval, args.eval_tokens)
+    except CorpusError as err:
+        parser.error(f"--eval: {err}")
     first = next(iter(configs.values()))
-    calib = calibration_tokens(
-        tokenizer, first.calib, first.calib_samples, first.calib_seq_len, first.calib_seed
-    )
-    ctx = args.ctx
-    ref = perplexity(model, eval_ids, ctx=ctx, stride=ctx)
-    console.print(f"dense {args.model} (fp32): ppl {ref.ppl:.3f} on {len(eval_ids)} tokens")
+    try:  # the windows `calibration_tokens` gives, with their coverage report
+        calib = calibration_set(
+            tokenizer, first.calib, first.calib_samples, first.calib_seq_len, first.calib_seed
+        )
+    except CorpusError as err:
+        parser.error(str(err) if str(err).startswith("--calib") else f"--calib: {err}")
+    model = load_model(args.model)
+    ref = reference_copy(model)
     result = {
         "model": args.model,
-        "eval_tokens": len(eval_ids),
-        "ctx": ctx,
-        "calib_tokens": int(calib.numel()),
-        "calib_seq_len": args.calib_seq_len,
-        "dense_ppl": ref.ppl,
+        **run_info(),
+        "eval_tokens": args.eval_tokens,
+        "eval": list(sets),
+        "ctx": args.ctx,
+        "calibration": calib.coverage,
         "rows": [],
     }
+    cells = []
     for (sparsity, method), config in configs.items():
         console.print(f"[bold]{method} {sparsity}[/bold]")
         t0, c0 = time.perf_counter(), time.process_time()
-        pruned = prune_model(model, config=config, calib_tokens=calib, progress=True)
+        pruned = prune_model(model, config=config, calib_tokens=calib.tokens, progress=True)
         seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
-        kl = kl_divergence(pruned, model, eval_ids, ctx=ctx, stride=ctx)
+        stats = score(pruned, ref, sets, args.ctx)
         row = {
             "sparsity": sparsity,
             "method": method,
             "pruned_fraction": pruned.prune_report["pruned_fraction"],
-            "ppl": kl.ppl,
-            "kl_mean": kl.mean,
-            "kl_median": kl.median,
-            "kl_p99": kl.p99,
-            "top1": kl.top1_agreement,
-            "rms_delta_p": kl.rms_delta_p,
+            "eval": stats,
             "stored_vs_fp16": stored_ratio(pruned),
             "prune_seconds": seconds,
             "prune_cpu_seconds": cpu,
         }
         console.print(
-            f"  ppl {kl.ppl:.3f}  KL {kl.mean:.4f}  top-1 {kl.top1_agreement:.3f}  "
-            f"{seconds:.0f} s wall / {cpu:.0f} s CPU"
+            "  "
+            + "  ".join(
+                f"{k}: ppl {v['ppl']:.2f} KL {v['kl_mean']:.4f} top-1 {v['top1']:.3f}"
+                for k, v in stats.items()
+            )
+            + f"  ({seconds:.0f} s wall / {cpu:.0f} s CPU)"
         )
         result["rows"].append(row)
-        atomic_write_json(args.out, result)  # after every row: a killed run keeps its rows
+        cells.append(
+            (
+                *quality_cells(f"{method} {sparsity}", stats),
+                f"{row['stored_vs_fp16']:.4f}",
+                f"{cpu:.0f}",
+            )
+        )
+        write_report(console, Path(args.out), result)  # after every row: a killed run keeps them
         del pruned
 
-    table = Table(
-        title=f"Pruning {args.model}: {len(eval_ids)} web-bible tokens, dense ppl {ref.ppl:.2f}"
-    )
-    for col in ("sparsity", "method", "ppl", "KL mean", "KL p99", "top-1", "bytes/fp16", "CPU s"):
-        table.add_column(col, justify="left" if col in ("sparsity", "method") else "right")
-    for r in result["rows"]:
-        table.add_row(
-            r["sparsity"],
-            r["method"],
-            f"{r['ppl']:.2f}",
-            f"{r['kl_mean']:.3f}",
-            f"{r['kl_p99']:.2f}",
-            f"{r['top1']:.3f}",
-            f"{r['stored_vs_fp16']:.3f}",
-            f"{r['prune_cpu_seconds']:.0f}",
-        )
-    console.print(table)
-    console.print(f"wrote {args.out}")
+    dense = ["dense fp32"]
+    for name in sets:
+        dense += [f"{result['rows'][0]['eval'][name]['ref_ppl']:.2f}", "0", "1.000"]
+    title = f"Pruning {args.model}: {args.eval_tokens} tokens per corpus"
+    columns = (*quality_columns(sets), "bytes/fp16", "CPU s")
+    console.print(table(title, columns, [(*dense, "1", "-"), *cells]))
 
 
 if __name__ == "__main__":
