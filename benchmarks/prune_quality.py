@@ -5,7 +5,7 @@ perplexity, KL(dense || pruned) statistics and top-1 agreement against the dense
 (`quant_quality`'s scoring: the first --eval-tokens of each corpus, ctx = stride windows),
 and the bytes the saved pruned linears take relative to dense fp16 (N:M packed; unstructured
 stored dense + 1-bit mask). Calibration windows (Wanda, SparseGPT) come from the second half
-of `--calib` (default: `PruneConfig`'s, the WEB Bible), disjoint from the evaluation slice; the
+of `--calib` (default: `PruneConfig`'s, the broad `mix:default`), disjoint from the evaluation slice; the
 out-of-domain corpora (`corpus.EVAL_ONLY`) are never calibration sources.
 
     OMP_NUM_THREADS=1 python benchmarks/prune_quality.py --sparsities 0.5,2:4 --out runs/prune.json

@@ -78,14 +78,22 @@ def test_bad_options_are_refused():
 def test_cli_prune_sparsegpt_then_load(tmp_path, hf_dir, capsys):
     out = tmp_path / "p"
     argv = ["prune", "--model", str(hf_dir), "--method", "sparsegpt", "--sparsity", "2:4"]
-    argv += ["--calib-tokens", "128", "--calib-seq-len", "64", "--out", str(out), "--json"]
+    argv += ["--calib-tokens", "256", "--calib-seq-len", "64", "--out", str(out), "--json"]
     assert cli_main(argv) == 0
     summary = json.loads(capsys.readouterr().out)
+    # the default calibration is the broad mix: one 64-token window from each of its sources
+    drawn = {s["source"]: s["tokens"] for s in summary["calibration"]["sources"]}
+    assert drawn == {
+        "corpus:web-bible": 64,
+        "corpus:py-docs": 64,
+        "corpus:stdlib-docs": 64,
+        "corpus:stdlib-comments": 64,
+    }
     assert summary["method"] == "sparsegpt" and summary["sparsity"] == "2:4"
     assert summary["pruned_fraction"] == 0.5
     assert summary["pruned_linear_bytes"] / summary["pruned_linear_fp16_bytes"] == 9 / 16
     model = load_pruned(out)
-    assert model.prune_config.calib_tokens == 128
+    assert model.prune_config.calib_tokens == 256
     assert model(torch.tensor([[1, 2, 3]])).shape == (1, 3, 49152)
     from llmopt.models.tokenizer import Tokenizer
 

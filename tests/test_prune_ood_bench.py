@@ -31,6 +31,9 @@ def _load(name: str):
     return module
 
 
+MIX_SOURCES = ("web-bible", "py-docs", "stdlib-docs", "stdlib-comments")
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A tiny model with SmolLM2's vocabulary and tokenizer (compress_order's ctx is 256)."""
@@ -52,15 +55,16 @@ def model_dir(tmp_path_factory):
 def test_prune_quality_scores_each_corpus_like_a_direct_run(model_dir, tmp_path):
     out = tmp_path / "p.json"
     argv = ["--model", str(model_dir), "--methods", "magnitude,wanda", "--sparsities", "2:4"]
-    argv += ["--calib-tokens", "128", "--calib-seq-len", "64", "--eval-tokens", "128"]
+    argv += ["--calib-tokens", "256", "--calib-seq-len", "64", "--eval-tokens", "128"]
     _load("prune_quality").main([*argv, "--ctx", "64", "--out", str(out)])
     data = json.loads(out.read_text())
     assert data["eval"] == CORPORA and [r["method"] for r in data["rows"]] == ["magnitude", "wanda"]
     sources = [s["source"] for s in data["calibration"]["sources"]]
-    assert sources == ["corpus:web-bible"]  # PruneConfig's default; never an EVAL_ONLY corpus
+    # PruneConfig's default, the broad mix; never an EVAL_ONLY corpus
+    assert sorted(sources) == [f"corpus:{n}" for n in sorted(MIX_SOURCES)]
     assert not {s.removeprefix("corpus:") for s in sources} & EVAL_ONLY
     model, tok = load_model(model_dir), load_tokenizer(model_dir)
-    calib = calibration_tokens(tok, "corpus:web-bible", 2, 64, 0)
+    calib = calibration_tokens(tok, "mix:default", 4, 64, 0)
     for row in data["rows"]:
         assert set(row["eval"]) == set(CORPORA) and row["stored_vs_fp16"] == 0.5625
         config = PruneConfig(method=row["method"], sparsity=Sparsity.parse("2:4"))

@@ -197,6 +197,8 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from llmopt.compress.quant.calibration import describe_coverage
+
     table = Table(
         title=f"llmopt quantize: {config.method.upper()} W{config.bits} g{config.group_size}"
     )
@@ -214,10 +216,7 @@ def run(args: argparse.Namespace) -> int:
         ("size on disk", f"{summary['disk_bytes'] / 2**20:.2f} MiB"),
     ]
     if coverage is not None:
-        drawn = ", ".join(
-            f"{s['source'].removeprefix('corpus:')} {s['tokens']}" for s in coverage["sources"]
-        )
-        rows.append(("calibration tokens", f"{coverage['tokens']} ({drawn})"))
+        rows.append(("calibration tokens", describe_coverage(coverage)))
     if "awq_mean_alpha" in summary:
         rows.append(("AWQ mean α", f"{summary['awq_mean_alpha']}"))
     for row in rows:

@@ -200,7 +200,7 @@ def _calib(tokenizer, stage: dict, seq_len_default: int = 256):
 
     seq = int(stage.get("calib_seq_len", seq_len_default))
     n = max(1, int(stage.get("calib_tokens", 16 * seq)) // seq)
-    return calibration_tokens(tokenizer, stage.get("calib", "corpus:web-bible"), n, seq)
+    return calibration_tokens(tokenizer, stage.get("calib", "mix:default"), n, seq)
 
 
 def _prune(stage: dict, source: str, out: Path, tokenizer) -> Path:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="fraction pruned in (0, 1), e.g. 0.5, or N:M kept, e.g. 2:4",
     )
     p.add_argument(
-        "--calib", default="corpus:web-bible", help="calibration text (Wanda, SparseGPT)"
+        "--calib",
+        default="mix:default",
+        help="calibration sources (Wanda, SparseGPT): SOURCE[=WEIGHT],... as for quantize; "
+        "mix:default is web-bible, py-docs, stdlib-docs, stdlib-comments",
     )
     p.add_argument(
         "--calib-tokens",
@@ -67,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
     from llmopt.compress.prune.apply import prune_model
     from llmopt.compress.prune.config import PruneConfig, Sparsity
     from llmopt.compress.prune.io import check_out_dir, save_pruned
-    from llmopt.compress.quant.calibration import calibration_tokens
+    from llmopt.compress.quant.calibration import calibration_set, describe_coverage
+    from llmopt.data.mix import parse_mix
     from llmopt.models.loading import load_model, load_tokenizer
 
     config = PruneConfig(
@@ -79,15 +84,20 @@ def run(args: argparse.Namespace) -> int:
         damp=args.damp,
         block_size=args.block_size,
     )
+    if config.needs_calibration:
+        parse_mix(config.calib)  # a bad --calib fails before the model loads
     source = source_path(args.model)
     check_out_dir(args.out, source)  # before minutes of calibration
     model = load_model(args.model, dtype=torch.float32)
     tokenizer = load_tokenizer(args.model)
-    calib = None
+    calib = coverage = None
     if config.needs_calibration:
-        calib = calibration_tokens(
+        calib_set = calibration_set(
             tokenizer, config.calib, config.calib_samples, config.calib_seq_len, config.calib_seed
         )
+        calib, coverage = calib_set.tokens, calib_set.coverage
+        for warning in coverage["warnings"]:
+            print(f"warning: {warning}", file=sys.stderr)
     start, cpu_start = time.perf_counter(), time.process_time()
     pruned = prune_model(model, config=config, calib_tokens=calib, progress=not args.json)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
@@ -107,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
         "pruned_linear_fp16_bytes": meta["pruned_linear_fp16_bytes"],
         "disk_bytes": sum(f.stat().st_size for f in out.iterdir() if f.is_file()),
     }
+    if coverage is not None:
+        summary["calibration"] = coverage
     if args.json:
         print(dumps(summary, indent=2))
         return 0
@@ -127,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
             f"{summary['pruned_linear_bytes'] / 2**20:.2f} MiB = {ratio:.3f}x fp16 ({layout})",
         ),
         ("size on disk", f"{summary['disk_bytes'] / 2**20:.2f} MiB"),
+        *([("calibration tokens", describe_coverage(coverage))] if coverage else []),
     ):
         table.add_row(*row)
     Console().print(table)

@@ -103,7 +103,7 @@ class PruneConfig:
 
     method: str = "sparsegpt"
     sparsity: Sparsity = field(default_factory=lambda: Sparsity(0.5))
-    calib: str = "corpus:web-bible"
+    calib: str = "mix:default"  # llmopt.data.mix: Bible-only loses out of domain (issue 19)
     calib_tokens: int = 8192
     calib_seq_len: int = 512
     calib_seed: int = 0

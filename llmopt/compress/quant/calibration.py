@@ -41,6 +41,14 @@ class CalibrationSet:
         }
 
 
+def describe_coverage(coverage: dict[str, Any]) -> str:
+    """`8192 (web-bible 2048, py-docs 2048, ...)`: what a CLI prints as calibration tokens."""
+    drawn = ", ".join(
+        f"{s['source'].removeprefix('corpus:')} {s['tokens']}" for s in coverage["sources"]
+    )
+    return f"{coverage['tokens']} ({drawn})"
+
+
 def calibration_set(
     tokenizer,
     spec: str = DEFAULT_MIX,
