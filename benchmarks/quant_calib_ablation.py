@@ -34,9 +34,8 @@ MIXES = {
         "corpus:web-bible=0.25,corpus:py-docs=0.25,corpus:stdlib-docs=0.25,"
         "corpus:stdlib-comments=0.25"
     ),
-    "mix50": (
-        "corpus:web-bible=0.5,corpus:py-docs=0.1667,corpus:stdlib-docs=0.1667,"
-        "corpus:stdlib-comments=0.1667"
+    "mix50": (  # the default since: weight 3 for the Bible, 7 of 16 windows
+        "corpus:web-bible=3,corpus:py-docs=1,corpus:stdlib-docs=1,corpus:stdlib-comments=1"
     ),
 }
 MINMAX = {"gptq_range_grid": 0}  # each group's range = its min/max (the default before issue 19)
@@ -88,6 +87,32 @@ VARIANTS: dict[str, tuple[str, str, int, int, dict[str, Any]]] = {
     ),
     "gptq-ao mix25 + range seed=1": ("gptq", "mix25", 16, 512, {**RANGE, "calib_seed": 1}),
     "gptq-ao mix25 + range seed=2": ("gptq", "mix25", 16, 512, {**RANGE, "calib_seed": 2}),
+    "gptq-ao mix25 32x512 + range seed=1": (
+        "gptq",
+        "mix25",
+        32,
+        512,
+        {**RANGE, "calib_seed": 1},
+    ),
+    "gptq-ao mix25 32x512 + range seed=2": (
+        "gptq",
+        "mix25",
+        32,
+        512,
+        {**RANGE, "calib_seed": 2},
+    ),
+    "gptq-ao mix50 + range seed=1": ("gptq", "mix50", 16, 512, {**RANGE, "calib_seed": 1}),
+    "gptq-ao mix50 + range seed=2": ("gptq", "mix50", 16, 512, {**RANGE, "calib_seed": 2}),
+    "gptq-ao bible + range seed=1": ("gptq", "bible", 16, 512, {**RANGE, "calib_seed": 1}),
+    "gptq-ao bible seed=1": ("gptq", "bible", 16, 512, {**MINMAX, "calib_seed": 1}),
+    "gptq-ao mix25 seed=1": ("gptq", "mix25", 16, 512, {**MINMAX, "calib_seed": 1}),
+    "gptq-ao mix50 + range shrink=0.35": (
+        "gptq",
+        "mix50",
+        16,
+        512,
+        {**RANGE, "gptq_max_shrink": 0.35},
+    ),
     "gptq-ao mix25 + range damp=0.001": (
         "gptq",
         "mix25",
@@ -98,6 +123,7 @@ VARIANTS: dict[str, tuple[str, str, int, int, dict[str, Any]]] = {
     # AWQ: source, then its search knobs (mix25, 16x512)
     "awq bible 16x512": ("awq", "bible", 16, 512, {}),
     "awq mix25 16x512": ("awq", "mix25", 16, 512, {}),
+    "awq mix50 16x512": ("awq", "mix50", 16, 512, {}),
     "awq mix50 32x512": ("awq", "mix50", 32, 512, {}),
     "awq mix25 grid=10": ("awq", "mix25", 16, 512, {"awq_grid": 10}),
     "awq mix25 no clip": ("awq", "mix25", 16, 512, {"awq_clip": False}),

@@ -39,7 +39,8 @@ def test_parse_mix_normalises_weights_and_expands_the_default():
     assert parse_mix("corpus:py-docs") == (MixPart("corpus:py-docs", 1.0),)
     default = parse_mix("mix:default")
     assert default == parse_mix(DEFAULT_MIX) and len(default) == 4
-    assert {p.weight for p in default} == {0.25}
+    assert [p.weight for p in default] == [0.5, 1 / 6, 1 / 6, 1 / 6]  # prose half
+    assert allocate(default, 16) == [7, 3, 3, 3]  # the measured default (quant.md)
 
 
 @pytest.mark.parametrize(

@@ -31,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--calib",
         default="mix:default",
         help="calibration sources (AWQ, GPTQ): SOURCE[=WEIGHT],... with SOURCE corpus:NAME or "
-        "a text file; mix:default is web-bible, py-docs, stdlib-docs, stdlib-comments (0.25 each)",
+        "a text file; mix:default is web-bible=3, py-docs, stdlib-docs, stdlib-comments=1 each",
     )
     p.add_argument("--calib-samples", type=int, default=16, help="calibration sequences")
     p.add_argument("--calib-seq-len", type=int, default=512, help="tokens per sequence")
