@@ -124,6 +124,7 @@ VARIANTS: dict[str, tuple[str, str, int, int, dict[str, Any]]] = {
     "awq bible 16x512": ("awq", "bible", 16, 512, {}),
     "awq mix25 16x512": ("awq", "mix25", 16, 512, {}),
     "awq mix50 16x512": ("awq", "mix50", 16, 512, {}),
+    "awq mix50 16x512 seed=1": ("awq", "mix50", 16, 512, {"calib_seed": 1}),
     "awq mix50 32x512": ("awq", "mix50", 32, 512, {}),
     "awq mix25 grid=10": ("awq", "mix25", 16, 512, {"awq_grid": 10}),
     "awq mix25 no clip": ("awq", "mix25", 16, 512, {"awq_clip": False}),
