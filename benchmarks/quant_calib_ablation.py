@@ -125,6 +125,13 @@ VARIANTS: dict[str, tuple[str, str, int, int, dict[str, Any]]] = {
     "awq mix25 16x512": ("awq", "mix25", 16, 512, {}),
     "awq mix50 16x512": ("awq", "mix50", 16, 512, {}),
     "awq mix50 16x512 seed=1": ("awq", "mix50", 16, 512, {"calib_seed": 1}),
+    "awq mix50 search=16 seed=1": (
+        "awq",
+        "mix50",
+        16,
+        512,
+        {"awq_search_samples": 16, "calib_seed": 1},
+    ),
     "awq mix50 32x512": ("awq", "mix50", 32, 512, {}),
     "awq mix25 grid=10": ("awq", "mix25", 16, 512, {"awq_grid": 10}),
     "awq mix25 no clip": ("awq", "mix25", 16, 512, {"awq_clip": False}),
