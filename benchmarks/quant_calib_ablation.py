@@ -125,6 +125,8 @@ VARIANTS: dict[str, tuple[str, str, int, int, dict[str, Any]]] = {
     "awq mix25 16x512": ("awq", "mix25", 16, 512, {}),
     "awq mix50 16x512": ("awq", "mix50", 16, 512, {}),
     "awq mix50 16x512 seed=1": ("awq", "mix50", 16, 512, {"calib_seed": 1}),
+    "awq mix50 16x512 seed=2": ("awq", "mix50", 16, 512, {"calib_seed": 2}),
+    "awq bible 16x512 seed=1": ("awq", "bible", 16, 512, {"calib_seed": 1}),
     "awq mix50 search=16 seed=1": (
         "awq",
         "mix50",
