@@ -40,6 +40,9 @@ MIXES = {
 }
 MINMAX = {"gptq_range_grid": 0}  # each group's range = its min/max (the default before issue 19)
 RANGE = {"gptq_range_grid": 50}  # each group's range searched (the default since)
+CLIP512 = {
+    "awq_clip_tokens": 512
+}  # AWQ's clipping scored on 512 random tokens (the default before)
 # label -> (method, mix label, n_samples, seq_len, QuantConfig overrides); GPTQ rows name
 # their range rule, so a row means the same thing whatever the defaults are
 VARIANTS: dict[str, tuple[str, str, int, int, dict[str, Any]]] = {
@@ -113,6 +116,20 @@ VARIANTS: dict[str, tuple[str, str, int, int, dict[str, Any]]] = {
         512,
         {**RANGE, "gptq_max_shrink": 0.35},
     ),
+    "gptq-ao mix50 + range shrink=0.35 seed=1": (
+        "gptq",
+        "mix50",
+        16,
+        512,
+        {**RANGE, "gptq_max_shrink": 0.35, "calib_seed": 1},
+    ),  # fmt: skip
+    "gptq-ao mix50 + range shrink=0.35 seed=2": (
+        "gptq",
+        "mix50",
+        16,
+        512,
+        {**RANGE, "gptq_max_shrink": 0.35, "calib_seed": 2},
+    ),  # fmt: skip
     "gptq-ao mix25 + range damp=0.001": (
         "gptq",
         "mix25",
@@ -120,25 +137,38 @@ VARIANTS: dict[str, tuple[str, str, int, int, dict[str, Any]]] = {
         512,
         {**RANGE, "gptq_damp": 0.001},
     ),
-    # AWQ: source, then its search knobs (mix25, 16x512)
-    "awq bible 16x512": ("awq", "bible", 16, 512, {}),
-    "awq mix25 16x512": ("awq", "mix25", 16, 512, {}),
-    "awq mix50 16x512": ("awq", "mix50", 16, 512, {}),
-    "awq mix50 16x512 seed=1": ("awq", "mix50", 16, 512, {"calib_seed": 1}),
-    "awq mix50 16x512 seed=2": ("awq", "mix50", 16, 512, {"calib_seed": 2}),
-    "awq bible 16x512 seed=1": ("awq", "bible", 16, 512, {"calib_seed": 1}),
+    # AWQ: source, then its search knobs (mix25, 16x512), clipping scored on 512 tokens
+    "awq bible 16x512": ("awq", "bible", 16, 512, CLIP512),
+    "awq mix25 16x512": ("awq", "mix25", 16, 512, CLIP512),
+    "awq mix50 16x512": ("awq", "mix50", 16, 512, CLIP512),
+    "awq mix50 16x512 seed=1": ("awq", "mix50", 16, 512, {**CLIP512, "calib_seed": 1}),
+    "awq mix50 16x512 seed=2": ("awq", "mix50", 16, 512, {**CLIP512, "calib_seed": 2}),
+    "awq bible 16x512 seed=1": ("awq", "bible", 16, 512, {**CLIP512, "calib_seed": 1}),
     "awq mix50 search=16 seed=1": (
         "awq",
         "mix50",
         16,
         512,
-        {"awq_search_samples": 16, "calib_seed": 1},
-    ),
-    "awq mix50 32x512": ("awq", "mix50", 32, 512, {}),
-    "awq mix25 grid=10": ("awq", "mix25", 16, 512, {"awq_grid": 10}),
+        {**CLIP512, "awq_search_samples": 16, "calib_seed": 1},
+    ),  # fmt: skip
+    "awq mix50 32x512": ("awq", "mix50", 32, 512, CLIP512),
+    "awq mix25 grid=10": ("awq", "mix25", 16, 512, {**CLIP512, "awq_grid": 10}),
     "awq mix25 no clip": ("awq", "mix25", 16, 512, {"awq_clip": False}),
-    "awq mix25 search=16": ("awq", "mix25", 16, 512, {"awq_search_samples": 16}),
+    "awq mix25 search=16": ("awq", "mix25", 16, 512, {**CLIP512, "awq_search_samples": 16}),
 }
+
+# the clipping search's token sample, the source of AWQ's seed-to-seed spread (issue 19), with
+# plain and duo (activation and weight) scales; clip=all is the default since
+for _clip in (512, 2048, 4096, None):
+    for _seed in (0, 1, 2):
+        _suffix = f" seed={_seed}" if _seed else ""
+        _knobs = {"awq_clip_tokens": _clip, **({"calib_seed": _seed} if _seed else {})}
+        _name = "all" if _clip is None else _clip
+        if _clip != 512:
+            VARIANTS[f"awq mix50 clip={_name}{_suffix}"] = ("awq", "mix50", 16, 512, _knobs)
+        VARIANTS[f"awq mix50 duo clip={_name}{_suffix}"] = (
+            "awq", "mix50", 16, 512, {**_knobs, "awq_duo_scaling": True}
+        )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

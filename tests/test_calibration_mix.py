@@ -164,3 +164,9 @@ def test_cli_names_a_bad_range_grid_by_its_flag(tmp_path, capsys):
     argv = ["quantize", "--model", str(tmp_path / "missing"), "--method", "gptq"]
     assert cli_main([*argv, "--range-grid", "-1", "--out", str(tmp_path / "x")]) == 2
     assert "--range-grid -1 must be >= 0" in capsys.readouterr().err
+
+
+def test_cli_names_a_bad_clip_token_count_by_its_flag(tmp_path, capsys):
+    argv = ["quantize", "--model", str(tmp_path / "missing"), "--method", "awq"]
+    assert cli_main([*argv, "--clip-tokens", "0", "--out", str(tmp_path / "x")]) == 2
+    assert "--clip-tokens 0 must be >= 1" in capsys.readouterr().err

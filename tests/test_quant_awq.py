@@ -138,3 +138,76 @@ def test_awq_model_error_below_rtn_and_input_untouched(quantized_outliers):
 def test_awq_requires_calibration_tokens(tiny_model):
     with pytest.raises(ValueError, match="method 'awq' needs calibration tokens"):
         quantize_model(tiny_model, "awq")
+
+
+def test_weight_mean_is_each_channels_share_of_its_group_max():
+    from llmopt.compress.quant.awq import _weight_mean
+
+    w1 = torch.tensor([[1.0, -2.0, 4.0], [3.0, 0.0, -6.0]])
+    w2 = torch.tensor([[0.5, 0.5, -1.0]])
+    # groups of 2 over 3 inputs: columns {0, 1} and {2} (padded)
+    expected = torch.tensor([(0.5 + 1.0 + 1.0) / 3, (1.0 + 0.0 + 1.0) / 3, (1.0 + 1.0 + 1.0) / 3])
+    assert torch.allclose(_weight_mean([w1, w2], 2), expected)
+
+
+def test_duo_scaling_searches_other_scales_and_never_loses_to_rtn_on_its_sample():
+    model = outlier_model()
+    calib = _tokens(1, 8)
+    plain = quantize_model(model, "awq", bits=4, group_size=32, calib_tokens=calib)
+    duo = quantize_model(
+        model, "awq", bits=4, group_size=32, calib_tokens=calib, awq_duo_scaling=True
+    )
+    plain_groups = [g for layer in plain.quant_report["layers"] for g in layer["groups"]]
+    duo_groups = [g for layer in duo.quant_report["layers"] for g in layer["groups"]]
+    assert len(duo_groups) == len(plain_groups) > 0
+    for g in duo_groups:
+        assert g["loss_awq"] <= g["loss_rtn"]
+    # the same α grid, a different objective: the first block's losses differ
+    first_plain, first_duo = plain_groups[0], duo_groups[0]
+    assert first_duo["loss_awq"] != first_plain["loss_awq"]
+    ev = _tokens(3, 4)
+    with torch.no_grad():
+        ref = model(ev)
+        e_duo = (duo(ev) - ref).pow(2).mean()
+        e_rtn = (quantize_model(model, "rtn", bits=4, group_size=32)(ev) - ref).pow(2).mean()
+    assert e_duo < 0.5 * e_rtn, (e_duo, e_rtn)
+
+
+def _direct_clip_errors(w, x, max_abs, group_size):
+    """Each (row, group)'s partial-output MSE over the tokens, computed the long way."""
+    from llmopt.compress.quant.formats import fake_quantize
+
+    q = fake_quantize(w, 4, group_size, False, max_abs=max_abs)
+    errs = []
+    for g0 in range(0, w.shape[1], group_size):
+        cols = slice(g0, g0 + group_size)
+        errs.append(((x[:, cols] @ (q - w)[:, cols].t()) ** 2).mean(0))
+    return torch.stack(errs, dim=1)  # [out, G]
+
+
+def test_clip_search_on_the_gram_matrix_equals_the_direct_search():
+    from llmopt.compress.quant.awq import search_clip
+    from llmopt.compress.quant.config import QuantConfig
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(24, 80, generator=gen)
+    x = torch.randn(300, 80, generator=gen) * torch.linspace(0.1, 5, 80)
+    config = QuantConfig(method="awq", group_size=32, awq_clip_grid=10, awq_max_shrink=0.5)
+    best_max, before, after = search_clip(w, x, config)
+    org_max = torch.nn.functional.pad(w.abs(), (0, 16)).reshape(24, 3, 32).amax(-1)
+    direct = torch.stack(
+        [_direct_clip_errors(w, x, org_max * (1 - i / 10), 32) for i in range(6)]
+    )  # [steps, out, G]
+    choice = direct.argmin(0)
+    assert torch.allclose(best_max, org_max * (1 - choice / 10))
+    assert before == pytest.approx(direct[0].sum(1).mean().item(), rel=1e-4)
+    assert after == pytest.approx(direct.amin(0).sum(1).mean().item(), rel=1e-4)
+    assert (choice > 0).any() and after < before  # clipping pays on this data
+
+
+def test_clip_tokens_default_to_all_and_refuse_zero():
+    from llmopt.compress.quant.config import QuantConfig
+
+    assert QuantConfig().awq_clip_tokens is None
+    with pytest.raises(ValueError, match=r"awq_clip_tokens=0 must be >= 1 or None \(all\)"):
+        QuantConfig(awq_clip_tokens=0)

@@ -146,6 +146,7 @@ def test_cli_quantize_awq_then_load(tmp_path, hf_dir, capsys):
     out = tmp_path / "q"
     argv = ["quantize", "--model", str(hf_dir), "--method", "awq", "--group-size", "32"]
     argv += ["--calib-samples", "4", "--calib-seq-len", "64", "--out", str(out), "--json"]
+    argv += ["--clip-tokens", "100", "--duo-scaling", "--calib-seed", "3"]
     assert cli_main(argv) == 0
     captured = capsys.readouterr()
     summary = json.loads(captured.out)
@@ -156,6 +157,8 @@ def test_cli_quantize_awq_then_load(tmp_path, hf_dir, capsys):
     assert summary["quant_linear_fp16_bytes"] / summary["quant_linear_bytes"] > 3.0
     model = load_model(str(out))
     assert model.quant_config.method == "awq"
+    config = model.quant_config  # the AWQ flags reach the recipe that is stored
+    assert (config.awq_clip_tokens, config.awq_duo_scaling, config.calib_seed) == (100, True, 3)
     text = "In the beginning God created"
     assert load_tokenizer(str(out)).encode(text) == load_tokenizer(str(hf_dir)).encode(text)
 

@@ -35,6 +35,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--calib-samples", type=int, default=16, help="calibration sequences")
     p.add_argument("--calib-seq-len", type=int, default=512, help="tokens per sequence")
+    p.add_argument("--calib-seed", type=int, default=0, help="seed of the calibration draw")
+    p.add_argument(
+        "--clip-tokens",
+        type=int,
+        default=None,
+        help="AWQ: score the clipping search on this many random calibration tokens "
+        "(default: all of them)",
+    )
+    p.add_argument(
+        "--duo-scaling",
+        action="store_true",
+        help="AWQ: scales from activations and weights, x^a / w^(1-a), as AutoAWQ",
+    )
     p.add_argument(
         "--act-order",
         action=argparse.BooleanOptionalAction,
@@ -114,6 +127,7 @@ def check_args(args: argparse.Namespace) -> None:
     cli_args.integer(args, "calib_samples", 1)
     cli_args.integer(args, "calib_seq_len", 1)
     cli_args.integer(args, "range_grid", 0)
+    cli_args.integer(args, "clip_tokens", 1)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -135,6 +149,9 @@ def run(args: argparse.Namespace) -> int:
         calib=args.calib,
         calib_samples=args.calib_samples,
         calib_seq_len=args.calib_seq_len,
+        calib_seed=args.calib_seed,
+        awq_clip_tokens=args.clip_tokens,
+        awq_duo_scaling=args.duo_scaling,
         gptq_act_order=args.act_order,
         gptq_range_grid=args.range_grid,
         quantize_lm_head=args.quantize_head,

@@ -20,9 +20,10 @@ class QuantConfig:
 
     Calibration sizes default small on purpose: AWQ and GPTQ must finish on a 2-core CPU for
     SmolLM2-135M in minutes. `awq_search_samples` of the calibration sequences score the
-    α grid (the activation statistics use all of them); `awq_clip_tokens` tokens score the
-    clipping search. `modules` narrows the architecture's block linears (its `ModelSpec`) by
-    block-relative name or last name component; empty means all of them.
+    α grid (the activation statistics use all of them); the clipping search scores
+    `awq_clip_tokens` random tokens, or all of them (None). `modules` narrows the
+    architecture's block linears (its `ModelSpec`) by block-relative name or last name
+    component; empty means all of them.
     """
 
     method: str = "rtn"
@@ -40,10 +41,11 @@ class QuantConfig:
     # AWQ
     awq_grid: int = 20
     awq_search_samples: int = 4
+    awq_duo_scaling: bool = False  # s = x^α / w^(1-α), as AutoAWQ
     awq_clip: bool = True
     awq_clip_grid: int = 20
     awq_max_shrink: float = 0.5
-    awq_clip_tokens: int = 512
+    awq_clip_tokens: int | None = None  # None: every calibration token (issue 19)
     # GPTQ
     gptq_damp: float = 0.01
     gptq_block_size: int = 128
@@ -68,8 +70,10 @@ class QuantConfig:
         for name in ("calib_samples", "calib_seq_len", "awq_grid", "awq_search_samples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.awq_clip_grid < 1 or self.awq_clip_tokens < 1:
-            raise ValueError("awq_clip_grid and awq_clip_tokens must be >= 1")
+        if self.awq_clip_grid < 1:
+            raise ValueError(f"awq_clip_grid={self.awq_clip_grid} must be >= 1")
+        if self.awq_clip_tokens is not None and self.awq_clip_tokens < 1:
+            raise ValueError(f"awq_clip_tokens={self.awq_clip_tokens} must be >= 1 or None (all)")
         if not 0.0 <= self.awq_max_shrink < 1.0:
             raise ValueError(f"awq_max_shrink={self.awq_max_shrink} must be in [0, 1)")
         if not 0.0 < self.gptq_damp < 1.0:
