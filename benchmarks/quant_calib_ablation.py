@@ -39,12 +39,12 @@ MIXES = {
     ),
 }
 MINMAX = {"gptq_range_grid": 0}  # each group's range = its min/max (the default before issue 19)
-RANGE = {"gptq_range_grid": 50}  # each group's range searched (the default since)
-CLIP512 = {
-    "awq_clip_tokens": 512
-}  # AWQ's clipping scored on 512 random tokens (the default before)
-# label -> (method, mix label, n_samples, seq_len, QuantConfig overrides); GPTQ rows name
-# their range rule, so a row means the same thing whatever the defaults are
+RANGE = {"gptq_range_grid": 50, "gptq_max_shrink": 0.2}  # range searched, shrink <= 20%
+# AWQ's clipping scored on 512 random tokens (the default before)
+CLIP512 = {"awq_clip_tokens": 512}
+# label -> (method, mix label, n_samples, seq_len, QuantConfig overrides); rows name their range
+# and clipping rules, so a row means the same thing whatever the defaults are. Today's
+# defaults: "gptq-ao mix50 + range shrink=0.35" and "awq mix50 clip=all".
 VARIANTS: dict[str, tuple[str, str, int, int, dict[str, Any]]] = {
     "rtn": ("rtn", "mix25", 16, 512, {}),
     # calibration source and size, min/max ranges (the recipe issue 19 measured)
@@ -130,6 +130,9 @@ VARIANTS: dict[str, tuple[str, str, int, int, dict[str, Any]]] = {
         512,
         {**RANGE, "gptq_max_shrink": 0.35, "calib_seed": 2},
     ),  # fmt: skip
+    "gptq-ao mix50 32x512 + range": ("gptq", "mix50", 32, 512, RANGE),
+    "gptq-ao mix50 32x512 + range seed=1": ("gptq", "mix50", 32, 512, {**RANGE, "calib_seed": 1}),
+    "gptq-ao mix50 32x512 + range seed=2": ("gptq", "mix50", 32, 512, {**RANGE, "calib_seed": 2}),
     "gptq-ao mix25 + range damp=0.001": (
         "gptq",
         "mix25",

@@ -81,7 +81,7 @@ def gptq_solve(
     act_order: bool = False,
     groups: str = "static",
     range_grid: int = 0,
-    max_shrink: float = 0.2,
+    max_shrink: float = 0.35,
 ) -> tuple[PackedWeight, float]:
     """GPTQ-quantize one weight [out, in] given its input Hessian [in, in].
 
