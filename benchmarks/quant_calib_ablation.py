@@ -88,25 +88,6 @@ VARIANTS: dict[str, tuple[str, str, int, int, dict[str, Any]]] = {
         512,
         {**RANGE, "gptq_max_shrink": 0.35},
     ),
-    "gptq-ao mix25 + range seed=1": ("gptq", "mix25", 16, 512, {**RANGE, "calib_seed": 1}),
-    "gptq-ao mix25 + range seed=2": ("gptq", "mix25", 16, 512, {**RANGE, "calib_seed": 2}),
-    "gptq-ao mix25 32x512 + range seed=1": (
-        "gptq",
-        "mix25",
-        32,
-        512,
-        {**RANGE, "calib_seed": 1},
-    ),
-    "gptq-ao mix25 32x512 + range seed=2": (
-        "gptq",
-        "mix25",
-        32,
-        512,
-        {**RANGE, "calib_seed": 2},
-    ),
-    "gptq-ao mix50 + range seed=1": ("gptq", "mix50", 16, 512, {**RANGE, "calib_seed": 1}),
-    "gptq-ao mix50 + range seed=2": ("gptq", "mix50", 16, 512, {**RANGE, "calib_seed": 2}),
-    "gptq-ao bible + range seed=1": ("gptq", "bible", 16, 512, {**RANGE, "calib_seed": 1}),
     "gptq-ao bible seed=1": ("gptq", "bible", 16, 512, {**MINMAX, "calib_seed": 1}),
     "gptq-ao mix25 seed=1": ("gptq", "mix25", 16, 512, {**MINMAX, "calib_seed": 1}),
     "gptq-ao mix50 + range shrink=0.35": (
@@ -116,23 +97,7 @@ VARIANTS: dict[str, tuple[str, str, int, int, dict[str, Any]]] = {
         512,
         {**RANGE, "gptq_max_shrink": 0.35},
     ),
-    "gptq-ao mix50 + range shrink=0.35 seed=1": (
-        "gptq",
-        "mix50",
-        16,
-        512,
-        {**RANGE, "gptq_max_shrink": 0.35, "calib_seed": 1},
-    ),  # fmt: skip
-    "gptq-ao mix50 + range shrink=0.35 seed=2": (
-        "gptq",
-        "mix50",
-        16,
-        512,
-        {**RANGE, "gptq_max_shrink": 0.35, "calib_seed": 2},
-    ),  # fmt: skip
     "gptq-ao mix50 32x512 + range": ("gptq", "mix50", 32, 512, RANGE),
-    "gptq-ao mix50 32x512 + range seed=1": ("gptq", "mix50", 32, 512, {**RANGE, "calib_seed": 1}),
-    "gptq-ao mix50 32x512 + range seed=2": ("gptq", "mix50", 32, 512, {**RANGE, "calib_seed": 2}),
     "gptq-ao mix25 + range damp=0.001": (
         "gptq",
         "mix25",
@@ -144,9 +109,6 @@ VARIANTS: dict[str, tuple[str, str, int, int, dict[str, Any]]] = {
     "awq bible 16x512": ("awq", "bible", 16, 512, CLIP512),
     "awq mix25 16x512": ("awq", "mix25", 16, 512, CLIP512),
     "awq mix50 16x512": ("awq", "mix50", 16, 512, CLIP512),
-    "awq mix50 16x512 seed=1": ("awq", "mix50", 16, 512, {**CLIP512, "calib_seed": 1}),
-    "awq mix50 16x512 seed=2": ("awq", "mix50", 16, 512, {**CLIP512, "calib_seed": 2}),
-    "awq bible 16x512 seed=1": ("awq", "bible", 16, 512, {**CLIP512, "calib_seed": 1}),
     "awq mix50 search=16 seed=1": (
         "awq",
         "mix50",
@@ -159,6 +121,28 @@ VARIANTS: dict[str, tuple[str, str, int, int, dict[str, Any]]] = {
     "awq mix25 no clip": ("awq", "mix25", 16, 512, {"awq_clip": False}),
     "awq mix25 search=16": ("awq", "mix25", 16, 512, {**CLIP512, "awq_search_samples": 16}),
 }
+
+
+# the same recipe on other calibration draws: "LABEL seed=N"
+for _base, _seeds in {
+    "gptq-ao mix25 + range": (1, 2),
+    "gptq-ao mix25 32x512 + range": (1, 2),
+    "gptq-ao mix50 + range": (1, 2),
+    "gptq-ao bible + range": (1,),
+    "gptq-ao mix50 + range shrink=0.35": (1, 2),
+    "gptq-ao mix50 32x512 + range": (1, 2),
+    "awq mix50 16x512": (1, 2),
+    "awq bible 16x512": (1,),
+}.items():
+    _method, _mix, _n, _seq, _knobs = VARIANTS[_base]
+    for _seed in _seeds:
+        VARIANTS[f"{_base} seed={_seed}"] = (
+            _method,
+            _mix,
+            _n,
+            _seq,
+            {**_knobs, "calib_seed": _seed},
+        )
 
 # the clipping search's token sample, the source of AWQ's seed-to-seed spread (issue 19), with
 # plain and duo (activation and weight) scales; clip=all is the default since
