@@ -113,13 +113,11 @@ def test_transformers_4_key_spelling_reads_the_same_config(phi3_dir):
     assert ModelConfig.from_hf_config(hf4) == ModelConfig.from_hf_config(hf5)
 
 
-def test_fast_decode_refuses_the_window_and_takes_phi3_without_one(phi3_dir):
-    from llmopt.infer.fast.layout import UnsupportedModelError, decoder_weights
+def test_fast_decode_serves_phi3_with_its_window(phi3_dir):
+    from llmopt.infer.fast import FastDecoder
 
     ours = load_model(phi3_dir[1])
-    with pytest.raises(UnsupportedModelError, match=r"sliding-window attention \(window 10\)"):
-        decoder_weights(ours)
-    unwindowed = type(ours)(ours.config.replace(sliding_window=None))
-    unwindowed.load_state_dict(ours.state_dict())
-    weights = decoder_weights(unwindowed)  # split qkv / gate_up: the Llama layout
-    assert (weights["heads"], weights["kv_heads"], len(weights["layers"]["qkv"])) == (4, 2, 2)
+    ids = list(range(3, 17))  # longer than the window of 10
+    with torch.no_grad():
+        want = ours(torch.tensor([ids]))[0, -1]
+    torch.testing.assert_close(FastDecoder(ours, 20).prefill(ids), want, rtol=0, atol=1e-4)

@@ -106,14 +106,10 @@ def test_tensor_parallel_gradients_of_the_qk_norms_equal_the_unsharded_model():
 
 def test_fast_decode_and_the_paged_runner_refuse_the_qk_norms(qwen3_dir):
     from llmopt.infer.batch.runner import PagedRunner
-    from llmopt.infer.fast.layout import UnsupportedModelError, decoder_weights
     from llmopt.infer.generate import decode_path
     from llmopt.models.features import UnsupportedArchitectureError
 
     ours = load_model(qwen3_dir[1])
-    with pytest.raises(UnsupportedModelError, match="'qwen3' adds per-head q/k RMSNorm"):
-        decoder_weights(ours)
-    path, reason = decode_path(ours, None)  # generate() falls back to the eager model
-    assert path == "eager" and "per-head q/k RMSNorm" in reason
+    assert decode_path(ours, None) == ("fast", None)  # the fused kernels serve the q/k norms
     with pytest.raises(UnsupportedArchitectureError, match="paged batch runner"):
         PagedRunner(ours, num_blocks=4, block_size=8)

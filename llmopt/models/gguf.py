@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -199,20 +199,27 @@ class GGUFFile:
         return array.reshape(shape)
 
     def state_dict(
-        self, config: ModelConfig, dtype: torch.dtype
+        self, config: ModelConfig, dtype: torch.dtype, skip: Collection[str] = ()
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """(our name, tensor) pairs, Q/K rows un-permuted where llama.cpp permuted them."""
-        permuted = self.spec.gguf_permuted_qk
+        """(our name, tensor) pairs, Q/K rows un-permuted where llama.cpp permuted them.
+        Tensors of the modules named in `skip` are left out (not even dequantized)."""
         for gguf_name in self.tensors:
             if gguf_name == "rope_freqs.weight":  # read into config.rope_scaling
                 continue
             name = self.our_name(gguf_name)
-            array = self.dequantized(gguf_name)
-            if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
-                array = unpermute_rope_rows(array, config.num_heads)
-            elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
-                array = unpermute_rope_rows(array, config.num_kv_heads)
+            if name.rsplit(".", 1)[0] in skip:
+                continue
+            array = self.hf_rows(name, self.dequantized(gguf_name), config)
             yield name, torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
+
+    def hf_rows(self, name: str, rows: np.ndarray, config: ModelConfig) -> np.ndarray:
+        """Rows of tensor `name` (our name; any array with one entry per output row, e.g. the
+        codes or scales of a packed weight) in HF's RoPE layout."""
+        if self.spec.gguf_permuted_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
+            return unpermute_rope_rows(rows, config.num_heads)
+        if self.spec.gguf_permuted_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
+            return unpermute_rope_rows(rows, config.num_kv_heads)
+        return rows
 
 
 def llama3_scaling_from_factors(

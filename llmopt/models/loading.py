@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from llmopt.models.config import ModelConfig
 from llmopt.models.directory_formats import (
@@ -65,10 +66,32 @@ def resolve_spec(spec: str | Path) -> tuple[str, Path]:
 
 
 def load_model(
-    spec: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    spec: str | Path,
+    *,
+    dtype: torch.dtype | str = torch.float32,
+    device: torch.device | str = "cpu",
 ) -> Transformer:
     """The model named or located by `spec`, in eval mode, with weights in `dtype` on `device`;
-    weights holding NaN/inf are refused (`llmopt.models.finite`)."""
+    weights holding NaN/inf are refused (`llmopt.models.finite`).
+
+    `dtype="auto"` keeps weights as the file holds them: a GGUF's Q4_0/Q4_1/Q8_0/Q4_K/Q6_K
+    tensors stay packed (`llmopt.models.packed`: the same bytes llama.cpp reads, served by the
+    fused CPU kernels; the eager forward dequantizes on the fly), its other tensors fp32; other
+    sources load as float32. What serving and generation use. A torch dtype (the default
+    float32) dequantizes everything: what training, quantization and evaluation need.
+    """
+    if isinstance(dtype, str):
+        if dtype != "auto":
+            raise ValueError(f"dtype={dtype!r}; pass a torch dtype or 'auto'")
+        kind, path = resolve_spec(spec)
+        if kind == "gguf":
+            from llmopt.models.gguf import open_gguf
+            from llmopt.models.packed import load_packed_gguf
+
+            model = load_packed_gguf(open_gguf(path), device=device)
+            check_finite_weights(model, str(spec))
+            return model
+        dtype = torch.float32
     model = _load_model(spec, dtype=dtype, device=device)
     check_finite_weights(model, str(spec))
     return model
@@ -109,17 +132,26 @@ def model_from_tensors(
     *,
     device: torch.device | str = "cpu",
     source: str = "checkpoint",
+    modules: dict[str, nn.Module] | None = None,
 ) -> Transformer:
     """Assemble a `Transformer` from (name, tensor) pairs without initialising it first.
 
     Every parameter must be supplied with the shape the config implies; a tied head may be
-    supplied or not (it is the embedding either way).
+    supplied or not (it is the embedding either way). `modules` (qualified name -> module,
+    e.g. packed linears) replace the model's own before loading; their tensors are not
+    expected among `tensors`.
     """
     with torch.device("meta"):
         model = Transformer(config)
-    expected = {name: p.shape for name, p in model.state_dict().items()}
+    for name, module in (modules or {}).items():
+        model.set_submodule(name, module.to(device))
+    expected = {
+        name: p.shape
+        for name, p in model.state_dict().items()
+        if name.rsplit(".", 1)[0] not in (modules or {})
+    }
     if config.tie_embeddings:
-        expected.pop("lm_head.weight")
+        expected.pop("lm_head.weight", None)
     state: dict[str, torch.Tensor] = {}
     for name, tensor in tensors:
         if config.tie_embeddings and name == "lm_head.weight":
@@ -142,7 +174,7 @@ def model_from_tensors(
         )
         raise ValueError(f"{source} lacks tensors the config needs: {shown}")
     model.load_state_dict(state, strict=False, assign=True)
-    if config.tie_embeddings:
+    if config.tie_embeddings and "lm_head" not in (modules or {}):
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = RotaryEmbedding(config).to(device)  # non-persistent buffers stayed on meta
     return model.eval()

@@ -1,14 +1,20 @@
-"""Fast batch-1 decoding: fused layout + one C++ call per token (see decoder.py, layout.py)."""
+"""Fused CPU forward: all layers of one engine step in one C++ call (see model.py, layout.py).
+
+`FusedModel` runs a step (decode tokens, prefill chunks, verify runs of several sequences)
+over the paged KV cache; `FastDecoder` is its batch-1 use for `generate`.
+"""
 
 from __future__ import annotations
 
 from torch import nn
 
-from llmopt.infer.fast.decoder import FastDecoder, KernelsUnavailableError, prepare_layout
+from llmopt.infer.fast.decoder import FastDecoder
 from llmopt.infer.fast.layout import UnsupportedModelError
+from llmopt.infer.fast.model import FusedModel, KernelsUnavailableError, compiled
 
 __all__ = [
     "FastDecoder",
+    "FusedModel",
     "KernelsUnavailableError",
     "UnsupportedModelError",
     "fast_decode_unavailable",
@@ -16,12 +22,12 @@ __all__ = [
 
 
 def fast_decode_unavailable(model: nn.Module, int8_head: bool = False) -> str | None:
-    """None when `model` can use the fast path, else the reason it cannot (one line)."""
+    """None when `model` can use the fused kernels, else the reason it cannot (one line)."""
     param = next(model.parameters(), None)
     if param is None or param.device.type != "cpu":
-        return "the fast decode kernels run on CPU only"
+        return "the fused kernels run on CPU only"
     try:
-        prepare_layout(model, int8_head)
+        compiled(model, int8_head)
     except (KernelsUnavailableError, UnsupportedModelError) as exc:
         return str(exc)
     return None

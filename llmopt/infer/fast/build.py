@@ -15,7 +15,16 @@ import platform
 from pathlib import Path
 from types import ModuleType
 
-SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "decode.cpp"
+KERNELS = Path(__file__).resolve().parent.parent / "kernels"
+SOURCES = (
+    "bindings.cpp",
+    "model.cpp",
+    "step.cpp",
+    "attention.cpp",
+    "coded.cpp",
+    "dense.cpp",
+    "math.cpp",
+)
 _STATE: dict[str, object] = {}
 
 
@@ -29,9 +38,11 @@ def _build_name() -> str:
     """Hash of the source, torch version and CPU, so a change rebuilds instead of reusing."""
     import torch
 
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256()
+    for path in sorted(KERNELS.glob("*.[ch]*")):  # every source and header
+        digest.update(path.name.encode() + path.read_bytes())
     digest.update(f"{torch.__version__}|{platform.machine()}|{_cpu_flags()}".encode())
-    return f"llmopt_decode_{digest.hexdigest()[:12]}"
+    return f"llmopt_fused_{digest.hexdigest()[:12]}"
 
 
 def _cpu_flags() -> str:
@@ -60,7 +71,7 @@ def load_kernels(verbose: bool = False) -> ModuleType | None:
         build.mkdir(parents=True, exist_ok=True)
         module = cpp_extension.load(
             name=name,
-            sources=[str(SOURCE)],
+            sources=[str(KERNELS / name) for name in SOURCES],
             build_directory=str(build),
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],

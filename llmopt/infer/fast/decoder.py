@@ -1,121 +1,97 @@
-"""`FastDecoder`: prefill with the eager model, then one C++ call per decoded token.
+"""`FastDecoder`: batch-1 generation through the fused step, over a one-sequence paged cache.
 
-Prefill stays in PyTorch (a [1, T] forward is matmul-bound and torch's GEMMs are good); its
-keys/values are copied once into the decoder's fp32 static cache. Each decode step is then a
-single call into decode.cpp: no per-op dispatch, fused QKV and gate/up GEMVs, and batch-1
-kernels for fp32/bf16/INT8/INT4 weights.
-
-Kernel layouts are built once per model (and rebuilt if any parameter is replaced or edited in
-place); a decoder is cheap to create per generation, since it only allocates the cache.
+A thin wrapper over `FusedModel`: the prompt goes through the same C++ forward as the decode
+steps (one call per `chunk` prompt tokens), then each decoded token is one call. The cache is
+paged like the engine's (blocks of `block_size` rows, the block table 0, 1, 2, ...), so this
+is the engine's step at batch 1.
 """
 
 from __future__ import annotations
 
-import weakref
-from typing import Any
-
 import torch
 from torch import nn
 
-from llmopt.infer.fast.build import build_error, load_kernels
-from llmopt.infer.fast.layout import KernelWeight, decoder_weights, weight_bytes_per_token
-
-
-class KernelsUnavailableError(RuntimeError):
-    """The C++ decode kernels could not be built on this machine."""
-
-
-_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _fingerprint(model: nn.Module) -> tuple:
-    tensors = list(model.parameters()) + list(model.buffers())
-    return tuple((t.data_ptr(), t.dtype, t._version) for t in tensors)
-
-
-def _to_cpp(kmod: Any, w: KernelWeight) -> Any:
-    none = torch.empty(0)
-    scales = none if w.scales is None else w.scales
-    zs = none if w.zs is None else w.zs
-    return kmod.make_linear(w.kind, w.w, scales, zs, w.bias, w.group)
-
-
-def prepare_layout(model: nn.Module, int8_head: bool) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(python weights, C++ linears) for `model`, cached while its parameters are unchanged."""
-    kmod = load_kernels()
-    if kmod is None:
-        raise KernelsUnavailableError(f"fast decode kernels unavailable: {build_error()}")
-    key = (_fingerprint(model), int8_head)
-    cached = _LAYOUTS.get(model)
-    if cached is not None and cached[0] == key:
-        return cached[1], cached[2]
-    weights = decoder_weights(model, int8_head=int8_head)
-    layers = weights["layers"]
-    cpp = {
-        name: [_to_cpp(kmod, w) for w in layers[name]] for name in ("qkv", "o", "gate_up", "down")
-    }
-    cpp["head"] = _to_cpp(kmod, weights["head"])
-    _LAYOUTS[model] = (key, weights, cpp)
-    return weights, cpp
+from llmopt.infer.fast.model import FusedModel
 
 
 class FastDecoder:
-    """Static-cache batch-1 decoder over `model`'s weights for up to `max_len` positions."""
+    """Batch-1 decoder over `model` for up to `max_len` positions."""
 
-    def __init__(self, model: nn.Module, max_len: int, *, int8_head: bool = False) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        max_len: int,
+        *,
+        int8_head: bool = False,
+        threads: int | None = None,
+        block_size: int = 16,
+        chunk: int = 256,
+    ) -> None:
         cfg = model.config
         if not 0 < max_len <= cfg.max_seq_len:
             raise ValueError(f"max_len={max_len} must be in [1, max_seq_len={cfg.max_seq_len}]")
-        self.model = model
-        self.int8_head = int8_head
-        weights, cpp = prepare_layout(model, int8_head)
-        self.bytes_per_token = weight_bytes_per_token(weights)
-        self.kinds = sorted(
-            {w.kind for key in ("qkv", "o", "gate_up", "down") for w in weights["layers"][key]}
-        )
-        rotary = model.rotary
-        self._cpp = load_kernels().Decoder(
-            weights["heads"],
-            weights["kv_heads"],
-            weights["head_dim"],
-            max_len,
-            weights["eps"],
-            weights["embed"],
-            weights["layers"]["in"],
-            weights["layers"]["post"],
-            weights["final_norm"],
-            cpp["qkv"],
-            cpp["o"],
-            cpp["gate_up"],
-            cpp["down"],
-            cpp["head"],
-            rotary.cos,
-            rotary.sin,
-        )
+        self.runner = FusedModel(model, threads=threads, int8_head=int8_head)
+        self.bytes_per_token = self.runner.bytes_per_token
+        self.kinds = self.runner.kinds
         self.max_len = max_len
+        self.block_size = block_size
+        self.chunk = chunk
+        blocks = -(-max_len // block_size)
+        shape = self.runner.kv_shape(blocks * block_size)
+        self.k_cache = torch.zeros(shape)
+        self.v_cache = torch.zeros(shape)
+        self.block_table = torch.arange(blocks, dtype=torch.int32).view(1, blocks)
         self.length = 0
+        # the one-token step's metadata, updated in place
+        self._tok = torch.zeros(1, dtype=torch.long)
+        self._pos = torch.zeros(1, dtype=torch.long)
+        self._len = torch.ones(1, dtype=torch.long)
+        self._qs = torch.tensor([0, 1])
+        self._last = torch.zeros(1, dtype=torch.long)
+
+    def _run(self, tokens: torch.Tensor, positions: torch.Tensor, seq_len: torch.Tensor,
+             query_start: torch.Tensor, last: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        logits = self.runner.forward_tensors(
+            tokens,
+            positions,
+            positions,  # block table 0, 1, 2, ...: position p lives in row p
+            query_start,
+            seq_len,
+            self.block_table,
+            last,
+            self.k_cache,
+            self.v_cache,
+            self.block_size,
+        )
+        return logits[0]
 
     @torch.inference_mode()
     def prefill(self, prompt_ids: list[int]) -> torch.Tensor:
-        """Logits [vocab] after the prompt (eager forward), its keys/values cached."""
-        from llmopt.models.llama import KVCache
-
+        """Logits [vocab] after the prompt, its keys/values cached."""
         n = len(prompt_ids)
         if not 0 < n < self.max_len:
             raise ValueError(f"prompt of {n} tokens must be in [1, {self.max_len - 1}]")
-        param = next(self.model.parameters())
-        cache = KVCache.for_model(self.model, batch_size=1, max_len=n)
-        tokens = torch.tensor([prompt_ids], dtype=torch.long, device=param.device)
-        logits = self.model(tokens, cache, last_only=True)[0, -1].float()
-        self._cpp.k_cache[:, :, :n].copy_(cache.k[:, 0, :, :n])
-        self._cpp.v_cache[:, :, :n].copy_(cache.v[:, 0, :, :n])
+        ids = torch.tensor(prompt_ids, dtype=torch.long)
+        logits = None
+        for start in range(0, n, self.chunk):
+            end = min(n, start + self.chunk)
+            logits = self._run(
+                ids[start:end],
+                torch.arange(start, end),
+                torch.tensor([end]),
+                torch.tensor([0, end - start]),
+                torch.tensor([end - start - 1]),
+            )
         self.length = n
         return logits
 
     def step(self, token: int) -> torch.Tensor:
-        """Logits [vocab] after `token` (fp32; a buffer the next step overwrites)."""
+        """Logits [vocab] after `token` (fp32, a new tensor)."""
         if self.length >= self.max_len:
             raise ValueError(f"decoder cache full: {self.length} of {self.max_len} positions")
-        logits = self._cpp.step(int(token), self.length)
+        self._tok[0] = int(token)
+        self._pos[0] = self.length
+        self._len[0] = self.length + 1
+        logits = self._run(self._tok, self._pos, self._len, self._qs, self._last)
         self.length += 1
         return logits

@@ -1,193 +1,257 @@
-"""The fast decode layout: a plain model's weights regrouped for the C++ decode step.
+"""The fused layout of a model: its weights regrouped for the C++ forward, read through its spec.
 
-Applied by a function, never by editing the model: `decoder_weights(model)` reads the blocks
-through the architecture's `ModelSpec` (fused groups, row-parallel outputs, norms), concatenates
-each fused group (QKV, gate/up) into one weight so a layer is four GEMVs, and converts each
-weight to a kernel kind:
-
-- fp32 / fp16 `nn.Linear` -> fp32 rows; bf16 -> bf16 rows (both multiplied by fp32 activations),
-- `QuantLinear` 4-bit -> codes repacked two per byte so one AVX2 load splits into two 32-column
-  blocks (byte j of each 64-column chunk holds column j low, column 32 + j high); 8-bit -> codes,
-- optionally an INT8 head (per-row symmetric codes), 4x fewer bytes than the fp32 tied head.
-
-Everything the kernels need is derived here; the model keeps its own tensors untouched.
+Applied by a function, never by editing the model: `fused_layout(model)` walks the blocks
+through the architecture's `ModelSpec` (fused groups, row-parallel outputs, block and head
+norms) and the modules' own attributes (each attention core's window, scale and soft-cap), so
+every registered architecture maps onto one C++ block with switches:
+- q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3), one sliding window or per-layer windows
+  (Mistral, Phi-3, Gemma 2), sandwich norms, sqrt(hidden)-scaled embeddings, GeGLU / GELU MLPs,
+  attention and final-logit soft-capping, query_pre_attn_scalar (Gemma 2).
+Each projection becomes kernel weights (`tiles.py`): parts of a fused group that share a
+format are concatenated into one; parts that do not (e.g. a GGUF mixing Q4_K and Q6_K) stay
+separate segments of the same projection.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from llmopt.models.features import decoder_features
+from llmopt.infer.fast.tiles import (
+    CODED,
+    KernelWeight,
+    coded_view,
+    coded_weight,
+    float_weight,
+    int8_rows,
+)
 from llmopt.models.spec import ModelSpec, spec_for
 
-F32, BF16, Q4, Q8 = 0, 1, 2, 3
-KIND_NAMES = {F32: "fp32", BF16: "bf16", Q4: "int4", Q8: "int8"}
+MLP_SILU_GATED, MLP_GELU_GATED, MLP_GELU = 0, 1, 2
 
 
 class UnsupportedModelError(ValueError):
-    """The model has a shape or layer kind the fast decode step does not implement."""
+    """The model holds a layer kind the fused kernels do not implement."""
 
 
 @dataclass
-class KernelWeight:
-    """One GEMV's operands in kernel layout (see decode.cpp `make_linear`)."""
-
-    kind: int
-    w: torch.Tensor
-    scales: torch.Tensor | None = None  # fp32 [out, groups] (coded kinds)
-    zs: torch.Tensor | None = None  # scale * zero point, fp32 [out, groups]
-    bias: torch.Tensor | None = None
-    group: int = -1
-
-    def nbytes(self) -> int:
-        """Bytes one GEMV reads (weights, scales, zero terms, bias)."""
-        tensors = (self.w, self.scales, self.zs, self.bias)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+class LayerLayout:
+    norms: list[torch.Tensor]
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    qkv: list[KernelWeight]
+    o: list[KernelWeight]
+    up: list[KernelWeight]
+    down: list[KernelWeight]
+    window: int  # 0: every key
 
 
-def _is_quant(module: nn.Module) -> bool:
-    return hasattr(module, "qweight") and hasattr(module, "bits") and hasattr(module, "scales")
+@dataclass
+class FusedLayout:
+    shape: dict[str, Any]
+    embed: KernelWeight
+    layers: list[LayerLayout]
+    final_norm: torch.Tensor
+    head: list[KernelWeight]
+    cos: torch.Tensor
+    sin: torch.Tensor
+    kinds: list[str] = field(default_factory=list)  # weight formats of the block projections
+
+    def nbytes_per_token(self) -> int:
+        """Bytes one token reads: every projection once, norms, the head, one embedding row."""
+        total = sum(
+            w.nbytes()
+            for layer in self.layers
+            for part in (layer.qkv, layer.o, layer.up, layer.down)
+            for w in part
+        )
+        for layer in self.layers:
+            norms = [*layer.norms, layer.q_norm, layer.k_norm]
+            total += sum(t.numel() * 4 for t in norms if t is not None)
+        total += sum(w.nbytes() for w in self.head) + self.final_norm.numel() * 4
+        return total + self.embed.nbytes() // self.embed.n
 
 
-def _float_weight(module: nn.Module) -> torch.Tensor:
-    if _is_quant(module):
+def _check_module(module: nn.Module, what: str) -> None:
+    from llmopt.models.layers import SoftcappedLinear
+
+    if type(module) in (nn.Linear, SoftcappedLinear):
+        return
+    if coded_view(module) is not None or hasattr(module, "dequantize"):
+        return
+    raise UnsupportedModelError(
+        f"fused kernels read nn.Linear, QuantLinear or packed GGUF weights; {what} is "
+        f"{type(module).__name__}"
+    )
+
+
+def _float_of(module: nn.Module) -> torch.Tensor:
+    if hasattr(module, "dequantize"):
         return module.dequantize(torch.float32)
     return module.weight.detach()
 
 
-def _bias(modules: list[nn.Module]) -> torch.Tensor | None:
-    biases = [getattr(m, "bias", None) for m in modules]
-    if all(b is None for b in biases):
-        return None
-    outs = [_float_weight(m).shape[0] if b is None else b.numel() for m, b in zip(modules, biases)]
-    return torch.cat(
-        [torch.zeros(n) if b is None else b.detach().float() for n, b in zip(outs, biases)]
-    )
+def projection(modules: list[nn.Module], what: str) -> list[KernelWeight]:
+    """Kernel weights computing `modules` (linears reading one input), outputs concatenated."""
+    for module in modules:
+        _check_module(module, what)
+    segments: list[KernelWeight] = []
+    pending: list = []  # coded views waiting to be fused
+    for module in modules:
+        view = coded_view(module)
+        if view is not None and (not pending or pending[0].key() == view.key()):
+            pending.append(view)
+            continue
+        if pending:
+            segments.append(coded_weight(pending))
+            pending = []
+        if view is not None:
+            pending = [view]
+            continue
+        bias = getattr(module, "bias", None)
+        segments.append(
+            float_weight(_float_of(module), None if bias is None else bias.detach().float())
+        )
+    if pending:
+        segments.append(coded_weight(pending))
+    return _merge_float(segments)
 
 
-def _coded(modules: list[nn.Module]) -> KernelWeight | None:
-    """Fused codes of QuantLinears sharing bits and group size, or None if not kernel-able."""
-    from llmopt.compress.quant.formats import unpack_codes
-
-    first = modules[0]
-    same = all(_is_quant(m) for m in modules) and all(
-        (m.bits, m.group_size, m.in_features) == (first.bits, first.group_size, first.in_features)
-        for m in modules
-    )
-    k, group = first.in_features, first.group_size
-    if not same or k % 64 or (group != -1 and group % 64):
-        return None
-    codes = torch.cat([unpack_codes(m.qweight, m.bits, k) for m in modules])
-    scales = torch.cat([m.scales.float() for m in modules])
-    zs = scales * torch.cat([m.zeros.float() for m in modules])
-    if first.bits <= 4:
-        chunks = codes.view(codes.shape[0], k // 64, 2, 32)
-        w = (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).reshape(codes.shape[0], k // 2)
-        kind = Q4
-    else:
-        w, kind = codes, Q8
-    return KernelWeight(kind, w.contiguous(), scales, zs, _bias(modules), group)
+def _merge_float(segments: list[KernelWeight]) -> list[KernelWeight]:
+    """Adjacent float segments of one dtype become one weight (one GEMM instead of several)."""
+    merged: list[KernelWeight] = []
+    for seg in segments:
+        prev = merged[-1] if merged else None
+        if prev is not None and seg.kind != CODED and prev.kind == seg.kind:
+            bias = None
+            if prev.bias is not None or seg.bias is not None:
+                bias = torch.cat([
+                    prev.bias if prev.bias is not None else torch.zeros(prev.n),
+                    seg.bias if seg.bias is not None else torch.zeros(seg.n),
+                ])  # fmt: skip
+            merged[-1] = float_weight(torch.cat([prev.w, seg.w]), bias)
+        else:
+            merged.append(seg)
+    return merged
 
 
-def kernel_weight(modules: list[nn.Module]) -> KernelWeight:
-    """The GEMV for `modules` (linears reading one input) concatenated along output rows."""
-    for m in modules:  # other wrappers (FP8, tensor-parallel) keep weights we cannot read
-        if type(m) is not nn.Linear and not _is_quant(m):
-            raise UnsupportedModelError(
-                f"fast decode reads nn.Linear or QuantLinear, not {type(m).__name__}"
-            )
-    if any(_is_quant(m) for m in modules):
-        coded = _coded(modules)
-        if coded is not None:
-            return coded
-        # mixed or kernel-incompatible codes: exact dequantized fp32 rows instead
-        w = torch.cat([_float_weight(m).float() for m in modules])
-        return KernelWeight(F32, w.contiguous(), bias=_bias(modules))
-    parts = [_float_weight(m) for m in modules]
-    w = parts[0] if len(parts) == 1 else torch.cat(parts)  # a single weight is not copied
-    if w.dtype == torch.bfloat16:
-        return KernelWeight(BF16, w.contiguous(), bias=_bias(modules))
-    return KernelWeight(F32, w.float().contiguous(), bias=_bias(modules))
-
-
-def int8_rows(weight: torch.Tensor) -> KernelWeight:
-    """Per-row symmetric INT8 codes of a weight (q - 128) * s, s = max|row| / 127."""
-    w = weight.detach().float()
-    s = w.abs().amax(1, keepdim=True).clamp_min(1e-12) / 127
-    codes = (torch.round(w / s).clamp(-127, 127) + 128).to(torch.uint8)
-    return KernelWeight(Q8, codes.contiguous(), s, s * 128, None, -1)
-
-
-def _role(spec: ModelSpec, prefix: str, names: tuple[str, ...]) -> str:
+def _one(spec: ModelSpec, block: nn.Module, prefix: str, names: tuple[str, ...]) -> nn.Module:
     for name in names:
         if name.startswith(prefix + "."):
-            return name
+            module = spec.block_module(block, name)
+            if module is not None:
+                return module
     raise UnsupportedModelError(f"spec {spec.architecture!r} has no linear under {prefix!r}")
 
 
-def decoder_weights(model: nn.Module, int8_head: bool = False) -> dict[str, Any]:
-    """Everything the C++ decoder needs, read through `spec_for(model)`."""
+def _mlp_kind(model: nn.Module, spec: ModelSpec) -> int:
+    if model.config.mlp_kind == "gelu":
+        return MLP_GELU
+    if spec.gate_activation == "gelu_tanh":
+        return MLP_GELU_GATED
+    if spec.gate_activation == "silu":
+        return MLP_SILU_GATED
+    raise UnsupportedModelError(f"gate activation {spec.gate_activation!r} is not implemented")
+
+
+def _layer(model: nn.Module, spec: ModelSpec, block: nn.Module, index: int) -> LayerLayout:
+    fused = {g.name: g.parts for g in spec.fused}
+    where = f"layer {index}"
+    norms = [spec.block_module(block, name) for name in spec.block_norms]
+    if any(n is None for n in norms):
+        raise UnsupportedModelError(f"{where} lacks one of the norms {spec.block_norms}")
+    qkv = [m for _, m in spec.named_block_modules(block, fused["qkv"])]
+    if len(qkv) != 3:
+        raise UnsupportedModelError(f"{where} lacks one of {fused['qkv']}")
+    up = [m for _, m in spec.named_block_modules(block, fused["gate_up"])]
+    head_norms = dict(spec.named_block_modules(block, spec.head_norms))
+    core = spec.block_module(block, spec.attention_core)
+    window = getattr(core, "window", None)
+    return LayerLayout(
+        norms=[n.weight.detach().float().contiguous() for n in norms],
+        q_norm=_norm_weight(head_norms, "q_norm"),
+        k_norm=_norm_weight(head_norms, "k_norm"),
+        qkv=projection(qkv, f"{where} qkv"),
+        o=projection([_one(spec, block, spec.attention, spec.row_parallel)], f"{where} o"),
+        up=projection(up, f"{where} gate/up"),
+        down=projection([_one(spec, block, spec.feed_forward, spec.row_parallel)], f"{where} down"),
+        window=int(window) if window else 0,
+    )
+
+
+def _norm_weight(found: dict[str, nn.Module], suffix: str) -> torch.Tensor | None:
+    for name, module in found.items():
+        if name.endswith(suffix):
+            return module.weight.detach().float().contiguous()
+    return None
+
+
+def fused_layout(model: nn.Module, int8_head: bool = False) -> FusedLayout:
+    """Everything the C++ forward needs, read through `spec_for(model)` (module docstring)."""
     spec = spec_for(model)
     cfg = model.config
-    extra = decoder_features(cfg)
-    if extra:
-        raise UnsupportedModelError(
-            f"fast decode implements the Llama block; architecture {cfg.architecture!r} adds "
-            f"{', '.join(extra)}"
-        )
-    if cfg.mlp_kind != "swiglu":
-        raise UnsupportedModelError(
-            f"fast decode implements SwiGLU MLPs, not mlp_kind={cfg.mlp_kind!r}"
-        )
-    fused = {g.name: g.parts for g in spec.fused}
-    if set(fused) != {"qkv", "gate_up"}:
-        raise UnsupportedModelError(
-            f"fast decode needs fused groups 'qkv' and 'gate_up', spec has {sorted(fused)}"
-        )
-    o_name = _role(spec, spec.attention, spec.row_parallel)
-    down_name = _role(spec, spec.feed_forward, spec.row_parallel)
     blocks = spec.blocks_of(model)
+    if not isinstance(blocks, nn.ModuleList) or len(blocks) != cfg.num_layers:
+        raise UnsupportedModelError("fused kernels run whole models, not pipeline stages")
+    top = {name: spec.top_module(model, name) for name in ("embedding", "final_norm", "head")}
+    if any(m is None for m in top.values()):
+        raise UnsupportedModelError("fused kernels need the embedding, final norm and head")
     attn = spec.block_module(blocks[0], spec.attention)
-    layers: dict[str, list] = {"qkv": [], "o": [], "gate_up": [], "down": [], "in": [], "post": []}
-    in_norm, post_norm = spec.block_norms
-    for block in blocks:
-        parts = {}
-        for key, names in (("qkv", fused["qkv"]), ("gate_up", fused["gate_up"])):
-            mods = [spec.block_module(block, n) for n in names]
-            if any(m is None for m in mods):
-                raise UnsupportedModelError(f"block lacks one of {names}")
-            parts[key] = kernel_weight(mods)
-        layers["qkv"].append(parts["qkv"])
-        layers["gate_up"].append(parts["gate_up"])
-        layers["o"].append(kernel_weight([spec.block_module(block, o_name)]))
-        layers["down"].append(kernel_weight([spec.block_module(block, down_name)]))
-        layers["in"].append(spec.block_module(block, in_norm).weight.detach())
-        layers["post"].append(spec.block_module(block, post_norm).weight.detach())
-    embed = spec.top_module(model, "embedding").weight.detach()
-    if embed.dtype not in (torch.float32, torch.bfloat16):
-        embed = embed.float()
-    head_module = spec.top_module(model, "head")
-    head = int8_rows(_float_weight(head_module)) if int8_head else kernel_weight([head_module])
-    return {
+    core = spec.block_module(blocks[0], spec.attention_core)
+    layers = [_layer(model, spec, block, i) for i, block in enumerate(blocks)]
+    head_module = top["head"]
+    _check_module(head_module, "the head")
+    head = (
+        [coded_weight([int8_rows(_float_of(head_module))])]
+        if int8_head
+        else projection([head_module], "the head")
+    )
+    embed = _embedding(top["embedding"], head_module, head)
+    scale = getattr(core, "scale", None)
+    shape = {
+        "hidden": cfg.hidden_size,
         "heads": attn.num_heads,
         "kv_heads": attn.num_kv_heads,
         "head_dim": attn.head_dim,
+        "inter": cfg.intermediate_size,
+        "vocab": cfg.vocab_size,
         "eps": float(cfg.rms_norm_eps),
-        "embed": embed.contiguous(),
-        "final_norm": spec.top_module(model, "final_norm").weight.detach(),
-        "layers": layers,
-        "head": head,
+        "sandwich": spec.block_kind == "sandwich",
+        "mlp": _mlp_kind(model, spec),
+        "embed_scale": math.sqrt(cfg.hidden_size) if spec.scaled_embedding else 1.0,
+        "attn_scale": float(scale) if scale is not None else 0.0,
+        "attn_softcap": float(getattr(core, "softcap", None) or 0.0),
+        "final_softcap": float(cfg.final_softcap or 0.0),
     }
+    kinds = sorted(
+        {w.name for layer in layers for p in (layer.qkv, layer.o, layer.up, layer.down) for w in p}
+    )
+    rotary = model.rotary
+    return FusedLayout(
+        shape=shape,
+        embed=embed,
+        layers=layers,
+        final_norm=top["final_norm"].weight.detach().float().contiguous(),
+        head=head,
+        cos=rotary.cos.float().contiguous(),
+        sin=rotary.sin.float().contiguous(),
+        kinds=kinds,
+    )
 
 
-def weight_bytes_per_token(weights: dict[str, Any]) -> int:
-    """Bytes the fast step reads per token: every GEMV once, norms, one embedding row."""
-    layers = weights["layers"]
-    total = sum(w.nbytes() for key in ("qkv", "o", "gate_up", "down") for w in layers[key])
-    total += sum(t.numel() * t.element_size() for t in layers["in"] + layers["post"])
-    embed = weights["embed"]
-    return total + weights["head"].nbytes() + embed.shape[1] * embed.element_size()
+def _embedding(module: nn.Module, head_module: nn.Module, head: list[KernelWeight]) -> KernelWeight:
+    """The lookup table; a coded head holding the same codes is shared, not copied."""
+    codes = getattr(module, "codes", None)
+    if codes is not None and getattr(head_module, "codes", None) is codes and len(head) == 1:
+        if head[0].kind == CODED and head[0].name == module.fmt.name:
+            return head[0]
+    view = coded_view(module)
+    if view is not None:
+        return coded_weight([view])
+    if hasattr(module, "dequantize"):
+        return float_weight(module.dequantize(torch.float32), None)
+    return float_weight(module.weight, None)

@@ -1,0 +1,310 @@
+// Coded (4/8-bit) GEMM/GEMV over 16-row tiles with int8 activations.
+//
+// Tile layout (built by llmopt/infer/fast/tiles.py): for each tile of 16 output rows and each
+// block of 32 columns, 8 "lines" of 16 int32 lanes; lane i of line k holds the 4 codes of row i
+// at columns 4k..4k+3. 8-bit codes store the 8 lines as they are (512 bytes); 4-bit codes store
+// 4 lines of bytes whose low nibbles are line m and high nibbles line m + 4 (256 bytes).
+// Scales and mins are [tiles, groups, 16]: one 16-lane vector per tile and column group.
+//
+// Per block, `vpdpbusd(acc, w_line_k, broadcast(x[4k:4k+4]))` for k < 8 sums 32 columns of 16
+// rows into one int32 vector; then y += float(sum) * (w_scale * x_scale) + w_min * x_blocksum.
+// The weights of a block are unpacked once and reused for up to 8 tokens (GEMM); each token's
+// arithmetic is the same whatever the batch, so batched rows equal batch-1 rows bit for bit.
+#include "common.h"
+
+#include <algorithm>
+
+namespace llmopt {
+
+Linear make_coded_linear(int64_t n, int64_t k, int64_t bits, int64_t group, at::Tensor codes,
+                         at::Tensor scales, c10::optional<at::Tensor> mins, double zero,
+                         c10::optional<at::Tensor> bias) {
+  Linear l;
+  l.kind = CODED;
+  l.n = n;
+  l.k = k;
+  l.bits = bits;
+  l.group = group;
+  l.zero = static_cast<float>(zero);
+  TORCH_CHECK(bits == 4 || bits == 8, "coded linear: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(n > 0 && k > 0 && k % kBlock == 0, "coded linear: in_features ", k,
+              " must be a positive multiple of ", kBlock);
+  TORCH_CHECK(group >= kBlock && group % kBlock == 0, "coded linear: group ", group,
+              " must be a multiple of ", kBlock);
+  const int64_t line_bytes = bits == 4 ? 256 : 512;
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 &&
+                  codes.size(0) == l.tiles() && codes.size(1) == l.blocks() &&
+                  codes.size(2) == line_bytes,
+              "coded linear: codes must be uint8 [", l.tiles(), ", ", l.blocks(), ", ",
+              line_bytes, "], got ", codes.sizes());
+  l.codes = codes.contiguous();
+  auto check_vec = [&](const at::Tensor& t, const char* what) {
+    TORCH_CHECK(t.dim() == 3 && t.size(0) == l.tiles() && t.size(1) == l.groups() &&
+                    t.size(2) == kTile,
+                "coded linear: ", what, " must be [", l.tiles(), ", ", l.groups(), ", 16], got ",
+                t.sizes());
+    TORCH_CHECK(t.scalar_type() == at::kHalf || t.scalar_type() == at::kFloat, "coded linear: ",
+                what, " must be float16 or float32");
+  };
+  check_vec(scales, "scales");
+  l.scales = scales.contiguous();
+  l.scale_f16 = scales.scalar_type() == at::kHalf;
+  l.min_kind = MIN_ZERO;
+  if (mins.has_value() && mins->defined() && mins->numel() > 0) {
+    check_vec(*mins, "mins");
+    l.mins = mins->contiguous();
+    l.min_kind = mins->scalar_type() == at::kHalf ? MIN_F16 : MIN_F32;
+  }
+  if (bias.has_value() && bias->defined() && bias->numel() > 0) {
+    l.bias = bias->contiguous().to(at::kFloat);
+    TORCH_CHECK(l.bias.numel() == n, "bias has ", l.bias.numel(), " values, want ", n);
+  }
+  return l;
+}
+
+namespace {
+
+inline float half_to_float(uint16_t h) {
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+}
+
+// scale / min vector `g` of `tile` as 16 floats (p: the tensor's data)
+template <bool F16>
+inline void lanes(const void* p, int64_t tile, int64_t groups, int64_t g, float* out) {
+  const int64_t off = (tile * groups + g) * kTile;
+  if (F16) {
+    const uint16_t* h = static_cast<const uint16_t*>(p) + off;
+    for (int i = 0; i < kTile; ++i) out[i] = half_to_float(h[i]);
+  } else {
+    std::memcpy(out, static_cast<const float*>(p) + off, kTile * sizeof(float));
+  }
+}
+
+#ifdef LLMOPT_AVX512
+template <bool F16>
+inline __m512 load_lanes(const void* p, int64_t tile, int64_t groups, int64_t g) {
+  const int64_t off = (tile * groups + g) * kTile;
+  if (F16) {
+    auto h = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + off));
+    return _mm512_cvtph_ps(h);
+  }
+  return _mm512_loadu_ps(static_cast<const float*>(p) + off);
+}
+
+inline int32_t load4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// One tile of 16 rows for TT tokens starting at tok0 (rows of y are ldy apart).
+template <int BITS, bool SF16, int MK, int TT>
+void tile_avx512(const Linear& l, int64_t tile, const QRows& qx, int64_t tok0, float* y,
+                 int64_t ldy) {
+  const int64_t nb = l.blocks(), groups = l.groups(), per = l.group / kBlock, k = l.k;
+  const int64_t line_bytes = BITS == 4 ? 256 : 512;
+  const uint8_t* wp = l.codes.data_ptr<uint8_t>() + tile * nb * line_bytes;
+  const void* sp = l.scales.data_ptr();
+  const void* mp = MK == MIN_ZERO ? nullptr : l.mins.data_ptr();
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  const __m512 negzero = _mm512_set1_ps(-l.zero);
+  __m512 acc[TT];
+  for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
+  __m512 ws = _mm512_setzero_ps(), wm = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, wp += line_bytes) {
+    __m512i w[8];
+    if (BITS == 4) {
+      for (int m = 0; m < 4; ++m) {
+        const __m512i v = _mm512_loadu_si512(wp + 64 * m);
+        w[m] = _mm512_and_si512(v, nib);
+        w[m + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+      }
+    } else {
+      for (int m = 0; m < 8; ++m) w[m] = _mm512_loadu_si512(wp + 64 * m);
+    }
+    if (b % per == 0) {
+      ws = load_lanes<SF16>(sp, tile, groups, b / per);
+      if (MK == MIN_ZERO) {
+        wm = _mm512_mul_ps(ws, negzero);
+      } else {
+        wm = load_lanes<MK == MIN_F16>(mp, tile, groups, b / per);
+      }
+    }
+    for (int t = 0; t < TT; ++t) {
+      const int64_t row = tok0 + t;
+      const int8_t* xq = qx.q.data() + row * k + b * kBlock;
+      __m512i s = _mm512_setzero_si512();
+      for (int m = 0; m < 8; ++m) s = _mm512_dpbusd_epi32(s, w[m], _mm512_set1_epi32(load4(xq + 4 * m)));
+      const float xs = qx.scale[row * nb + b], xsum = qx.sum[row * nb + b];
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(ws, _mm512_set1_ps(xs)), acc[t]);
+      acc[t] = _mm512_fmadd_ps(wm, _mm512_set1_ps(xsum), acc[t]);
+    }
+  }
+  const int64_t r0 = tile * kTile, valid = std::min<int64_t>(kTile, l.n - r0);
+  const __mmask16 mask = valid >= kTile ? 0xFFFF : static_cast<__mmask16>((1u << valid) - 1);
+  const float* bias = l.bias.defined() ? l.bias.data_ptr<float>() : nullptr;
+  for (int t = 0; t < TT; ++t) {
+    __m512 v = acc[t];
+    if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + r0));
+    _mm512_mask_storeu_ps(y + (tok0 + t) * ldy + r0, mask, v);
+  }
+}
+#endif
+
+// Portable version of the same arithmetic (any CPU; the reference for the layout).
+template <int BITS, bool SF16, int MK, int TT>
+void tile_scalar(const Linear& l, int64_t tile, const QRows& qx, int64_t tok0, float* y,
+                 int64_t ldy) {
+  const int64_t nb = l.blocks(), groups = l.groups(), per = l.group / kBlock, k = l.k;
+  const int64_t line_bytes = BITS == 4 ? 256 : 512;
+  const uint8_t* wp = l.codes.data_ptr<uint8_t>() + tile * nb * line_bytes;
+  float acc[TT][kTile] = {};
+  float ws[kTile] = {}, wm[kTile] = {};
+  uint8_t w[8][64];
+  for (int64_t b = 0; b < nb; ++b, wp += line_bytes) {
+    for (int m = 0; m < (BITS == 4 ? 4 : 8); ++m) {
+      for (int i = 0; i < 64; ++i) {
+        const uint8_t v = wp[64 * m + i];
+        if (BITS == 4) {
+          w[m][i] = v & 0x0F;
+          w[m + 4][i] = v >> 4;
+        } else {
+          w[m][i] = v;
+        }
+      }
+    }
+    if (b % per == 0) {
+      lanes<SF16>(l.scales.data_ptr(), tile, groups, b / per, ws);
+      if (MK == MIN_ZERO) {
+        for (int i = 0; i < kTile; ++i) wm[i] = ws[i] * -l.zero;
+      } else {
+        lanes<MK == MIN_F16>(l.mins.data_ptr(), tile, groups, b / per, wm);
+      }
+    }
+    for (int t = 0; t < TT; ++t) {
+      const int64_t row = tok0 + t;
+      const int8_t* xq = qx.q.data() + row * k + b * kBlock;
+      const float xs = qx.scale[row * nb + b], xsum = qx.sum[row * nb + b];
+      for (int i = 0; i < kTile; ++i) {
+        int32_t s = 0;
+        for (int m = 0; m < 8; ++m)
+          for (int j = 0; j < 4; ++j) s += int32_t(w[m][4 * i + j]) * xq[4 * m + j];
+        acc[t][i] += static_cast<float>(s) * (ws[i] * xs);
+        acc[t][i] += wm[i] * xsum;
+      }
+    }
+  }
+  const int64_t r0 = tile * kTile, valid = std::min<int64_t>(kTile, l.n - r0);
+  const float* bias = l.bias.defined() ? l.bias.data_ptr<float>() : nullptr;
+  for (int t = 0; t < TT; ++t)
+    for (int i = 0; i < valid; ++i)
+      y[(tok0 + t) * ldy + r0 + i] = acc[t][i] + (bias ? bias[r0 + i] : 0.f);
+}
+
+template <int BITS, bool SF16, int MK, int TT>
+inline void tile_any(const Linear& l, int64_t tile, const QRows& qx, int64_t tok0, float* y,
+                     int64_t ldy) {
+#ifdef LLMOPT_AVX512
+  tile_avx512<BITS, SF16, MK, TT>(l, tile, qx, tok0, y, ldy);
+#else
+  tile_scalar<BITS, SF16, MK, TT>(l, tile, qx, tok0, y, ldy);
+#endif
+}
+
+template <int BITS, bool SF16, int MK>
+void run_tiles(const Linear& l, const QRows& qx, int64_t n_tok, float* y, int64_t ldy) {
+  const int64_t tiles = l.tiles();
+  // Few tiles per thread when decoding (n_tok small), so every thread gets work.
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t tile = t0; tile < t1; ++tile) {
+      int64_t tok = 0;
+      for (; tok + 8 <= n_tok; tok += 8) tile_any<BITS, SF16, MK, 8>(l, tile, qx, tok, y, ldy);
+      if (tok + 4 <= n_tok) {
+        tile_any<BITS, SF16, MK, 4>(l, tile, qx, tok, y, ldy);
+        tok += 4;
+      }
+      if (tok + 2 <= n_tok) {
+        tile_any<BITS, SF16, MK, 2>(l, tile, qx, tok, y, ldy);
+        tok += 2;
+      }
+      if (tok < n_tok) tile_any<BITS, SF16, MK, 1>(l, tile, qx, tok, y, ldy);
+    }
+  });
+}
+
+template <int BITS, bool SF16>
+void run_min(const Linear& l, const QRows& qx, int64_t n_tok, float* y, int64_t ldy) {
+  switch (l.min_kind) {
+    case MIN_ZERO:
+      return run_tiles<BITS, SF16, MIN_ZERO>(l, qx, n_tok, y, ldy);
+    case MIN_F16:
+      return run_tiles<BITS, SF16, MIN_F16>(l, qx, n_tok, y, ldy);
+    default:
+      return run_tiles<BITS, SF16, MIN_F32>(l, qx, n_tok, y, ldy);
+  }
+}
+
+}  // namespace
+
+void coded_rows(const Linear& l, const QRows& qx, int64_t n_tok, float* y, int64_t ldy) {
+  TORCH_CHECK(qx.k == l.k && qx.n >= n_tok, "coded linear: activation rows do not match");
+  if (l.bits == 4) {
+    if (l.scale_f16) return run_min<4, true>(l, qx, n_tok, y, ldy);
+    return run_min<4, false>(l, qx, n_tok, y, ldy);
+  }
+  if (l.scale_f16) return run_min<8, true>(l, qx, n_tok, y, ldy);
+  return run_min<8, false>(l, qx, n_tok, y, ldy);
+}
+
+void weight_row(const Linear& l, int64_t row, float* out) {
+  TORCH_CHECK(row >= 0 && row < l.n, "row ", row, " outside [0, ", l.n, ")");
+  if (l.kind == F32) {
+    std::memcpy(out, l.w.data_ptr<float>() + row * l.k, l.k * sizeof(float));
+    return;
+  }
+  if (l.kind == BF16) {
+    auto* w = reinterpret_cast<const uint16_t*>(l.w.data_ptr<at::BFloat16>()) + row * l.k;
+    for (int64_t i = 0; i < l.k; ++i) out[i] = bf16_to_f32(w[i]);
+    return;
+  }
+  const int64_t tile = row / kTile, i = row % kTile, nb = l.blocks(), per = l.group / kBlock;
+  const int64_t line_bytes = l.bits == 4 ? 256 : 512;
+  const uint8_t* wp = l.codes.data_ptr<uint8_t>() + tile * nb * line_bytes;
+  float ws[kTile], wm[kTile];
+  for (int64_t b = 0; b < nb; ++b, wp += line_bytes) {
+    if (b % per == 0) {
+      if (l.scale_f16)
+        lanes<true>(l.scales.data_ptr(), tile, l.groups(), b / per, ws);
+      else
+        lanes<false>(l.scales.data_ptr(), tile, l.groups(), b / per, ws);
+      if (l.min_kind == MIN_ZERO)
+        for (int j = 0; j < kTile; ++j) wm[j] = ws[j] * -l.zero;
+      else if (l.min_kind == MIN_F16)
+        lanes<true>(l.mins.data_ptr(), tile, l.groups(), b / per, wm);
+      else
+        lanes<false>(l.mins.data_ptr(), tile, l.groups(), b / per, wm);
+    }
+    for (int m = 0; m < 8; ++m) {
+      for (int j = 0; j < 4; ++j) {
+        int code;
+        if (l.bits == 8) {
+          code = wp[64 * m + 4 * i + j];
+        } else {
+          const uint8_t v = wp[64 * (m % 4) + 4 * i + j];
+          code = m < 4 ? (v & 0x0F) : (v >> 4);
+        }
+        out[b * kBlock + 4 * m + j] = static_cast<float>(code) * ws[i] + wm[i];
+      }
+    }
+  }
+}
+
+int64_t Linear::nbytes() const {
+  int64_t total = 0;
+  for (const at::Tensor* t : {&w, &codes, &scales, &mins, &bias})
+    if (t->defined()) total += t->numel() * t->element_size();
+  return total;
+}
+
+}  // namespace llmopt
