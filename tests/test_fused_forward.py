@@ -236,3 +236,37 @@ def test_bad_metadata_is_refused_before_the_cache_is_written():
     with pytest.raises(ValueError, match="k_cache and v_cache must be"):
         fused.forward_tensors(**meta, k_cache=paged.k[:2], v_cache=paged.v[:2], block_size=4)
     assert torch.equal(paged.k, before)
+
+
+def test_thread_count_is_honoured_per_call_and_never_changes_results():
+    from llmopt.compress.quant.apply import quantize_model
+
+    model = quantize_model(tiny_model("mistral"), bits=4, group_size=32)
+    one, two = FusedModel(model, threads=1), FusedModel(model, threads=2)
+    a, b = PagedCache(one), PagedCache(two)
+    for chunks in STEPS:  # every output element is computed by one thread, the same way
+        assert torch.equal(a.run(one, chunks), b.run(two, chunks))
+    assert torch.get_num_threads() == 1  # the call's setting does not leak
+    with pytest.raises(ValueError, match="threads=0 must be >= 1"):
+        FusedModel(model, threads=0)
+
+
+def test_runner_contract_reads_and_writes_the_engines_cache():
+    from types import SimpleNamespace
+
+    from llmopt.infer.fast import FusedRunner, fused_unavailable
+
+    model = tiny_model("qwen3")
+    assert fused_unavailable(model) is None
+    fused = FusedModel(model)
+    paged = PagedCache(fused)
+    cache = SimpleNamespace(k=paged.k, v=paged.v, block_size=4)
+    runner = FusedRunner(model, cache)
+    assert runner.name == "fused"
+    eager = EagerSeqs(model)
+    for chunks in STEPS[:2]:
+        batch = SimpleNamespace(**paged.step(chunks), block_size=4)
+        torch.testing.assert_close(runner.forward(batch), eager.run(chunks), rtol=0, atol=1e-4)
+    bf16 = SimpleNamespace(k=paged.k.bfloat16(), v=paged.v.bfloat16(), block_size=4)
+    with pytest.raises(ValueError, match="needs a contiguous float32 CPU cache; cache.k is"):
+        FusedRunner(model, bf16)

@@ -148,3 +148,30 @@ class FusedModel:
             int(block_size),
             self.threads or 0,
         )
+
+
+class FusedRunner:
+    """The serving engine's runner over a `PagedKVCache`: `forward(batch: StepBatch)` returns
+    fp32 logits [len(batch.logits_rows), vocab] and writes every token's keys/values at
+    `batch.slots` into `cache.k` / `cache.v` (the tensors the eager backend uses too)."""
+
+    name = "fused"
+
+    def __init__(
+        self, model: nn.Module, cache: Any, threads: int | None = None, int8_head: bool = False
+    ) -> None:
+        self.fused = FusedModel(model, threads=threads, int8_head=int8_head)
+        for what in ("k", "v"):
+            t = getattr(cache, what)
+            if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError(
+                    f"the fused runner needs a contiguous float32 CPU cache; cache.{what} is "
+                    f"{t.dtype} on {t.device}"
+                )
+        expect = self.fused.kv_shape(cache.k.shape[1])
+        if tuple(cache.k.shape) != expect or cache.v.shape != cache.k.shape:
+            raise ValueError(f"cache shape {tuple(cache.k.shape)} does not fit the model {expect}")
+        self.cache = cache
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        return self.fused.forward(batch, self.cache.k, self.cache.v, batch.block_size)

@@ -2,7 +2,7 @@
 
 Every coded weight is first read as a `CodedView` (W = code * scale + min per group of
 columns, codes unsigned) from whatever holds it:
-- `BlockQuantLinear` / `BlockQuantEmbedding` (GGUF Q4_0/Q4_1/Q8_0/Q4_K blocks, as loaded),
+- `BlockQuantLinear` / `BlockQuantEmbedding` (GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q6_K blocks, as loaded),
 - `QuantLinear` (llmopt's INT2-4/INT8 with fp16 scales and integer zero points),
 - `int8_rows(weight)`: an opt-in per-row INT8 copy of a float head.
 Views of linears that read one input and share a format are concatenated along output rows
@@ -31,7 +31,7 @@ class CodedView:
 
     codes: torch.Tensor  # uint8 [n, k], one per weight
     bits: int  # container width: 4 or 8
-    group: int  # columns per scale, a multiple of 32
+    group: int  # columns per scale: a multiple of 32, or 16 (Q6_K)
     scales: torch.Tensor  # [n, groups] fp16 or fp32
     mins: torch.Tensor | None  # same shape and dtype family, or None
     zero: float
@@ -54,13 +54,13 @@ def _is_block_quant(module: nn.Module) -> bool:
 
 def coded_view(module: nn.Module) -> CodedView | None:
     """The module's weight as codes, or None when it is not coded or the kernels cannot read
-    its grouping (columns not a multiple of 32, Q6_K's 16-column blocks)."""
+    its grouping (columns not a multiple of 32)."""
     bias = getattr(module, "bias", None)
     bias = None if bias is None else bias.detach().float()
     if _is_block_quant(module):
         fmt = module.fmt
         codes = module.unpacked_codes()
-        if fmt.block % BLOCK or codes.shape[1] % BLOCK:
+        if (fmt.block % BLOCK and fmt.block != 16) or codes.shape[1] % BLOCK:
             return None
         mins = None if module.mins is None else module.mins
         return CodedView(codes, fmt.bits, fmt.block, module.scales, mins, fmt.zero, bias, fmt.name)

@@ -29,8 +29,8 @@ Linear make_coded_linear(int64_t n, int64_t k, int64_t bits, int64_t group, at::
   TORCH_CHECK(bits == 4 || bits == 8, "coded linear: bits must be 4 or 8, got ", bits);
   TORCH_CHECK(n > 0 && k > 0 && k % kBlock == 0, "coded linear: in_features ", k,
               " must be a positive multiple of ", kBlock);
-  TORCH_CHECK(group >= kBlock && group % kBlock == 0, "coded linear: group ", group,
-              " must be a multiple of ", kBlock);
+  TORCH_CHECK(group == 16 || (group >= kBlock && group % kBlock == 0), "coded linear: group ",
+              group, " must be 16 or a multiple of ", kBlock);
   const int64_t line_bytes = bits == 4 ? 256 : 512;
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 &&
                   codes.size(0) == l.tiles() && codes.size(1) == l.blocks() &&
@@ -55,6 +55,8 @@ Linear make_coded_linear(int64_t n, int64_t k, int64_t bits, int64_t group, at::
     l.mins = mins->contiguous();
     l.min_kind = mins->scalar_type() == at::kHalf ? MIN_F16 : MIN_F32;
   }
+  TORCH_CHECK(group != 16 || (bits == 8 && !l.scale_f16 && l.min_kind == MIN_ZERO),
+              "coded linear: 16-column groups need 8-bit codes, fp32 scales and a zero point");
   if (bias.has_value() && bias->defined() && bias->numel() > 0) {
     l.bias = bias->contiguous().to(at::kFloat);
     TORCH_CHECK(l.bias.numel() == n, "bias has ", l.bias.numel(), " values, want ", n);
@@ -98,11 +100,13 @@ inline int32_t load4(const int8_t* p) {
   return v;
 }
 
-// One tile of 16 rows for TT tokens starting at tok0 (rows of y are ldy apart).
-template <int BITS, bool SF16, int MK, int TT>
+// One tile of 16 rows for TT tokens starting at tok0 (rows of y are ldy apart). HALF: one
+// scale per 16 columns (lines 0-3 and 4-7 of a block are summed apart).
+template <int BITS, bool SF16, int MK, bool HALF, int TT>
 void tile_avx512(const Linear& l, int64_t tile, const QRows& qx, int64_t tok0, float* y,
                  int64_t ldy) {
-  const int64_t nb = l.blocks(), groups = l.groups(), per = l.group / kBlock, k = l.k;
+  const int64_t nb = l.blocks(), groups = l.groups(), k = l.k;
+  const int64_t per = HALF ? 1 : l.group / kBlock;
   const int64_t line_bytes = BITS == 4 ? 256 : 512;
   const uint8_t* wp = l.codes.data_ptr<uint8_t>() + tile * nb * line_bytes;
   const void* sp = l.scales.data_ptr();
@@ -112,6 +116,7 @@ void tile_avx512(const Linear& l, int64_t tile, const QRows& qx, int64_t tok0, f
   __m512 acc[TT];
   for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
   __m512 ws = _mm512_setzero_ps(), wm = _mm512_setzero_ps();
+  __m512 ws2 = _mm512_setzero_ps(), wm2 = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, wp += line_bytes) {
     __m512i w[8];
     if (BITS == 4) {
@@ -123,7 +128,12 @@ void tile_avx512(const Linear& l, int64_t tile, const QRows& qx, int64_t tok0, f
     } else {
       for (int m = 0; m < 8; ++m) w[m] = _mm512_loadu_si512(wp + 64 * m);
     }
-    if (b % per == 0) {
+    if (HALF) {
+      ws = load_lanes<false>(sp, tile, groups, 2 * b);
+      ws2 = load_lanes<false>(sp, tile, groups, 2 * b + 1);
+      wm = _mm512_mul_ps(ws, negzero);
+      wm2 = _mm512_mul_ps(ws2, negzero);
+    } else if (b % per == 0) {
       ws = load_lanes<SF16>(sp, tile, groups, b / per);
       if (MK == MIN_ZERO) {
         wm = _mm512_mul_ps(ws, negzero);
@@ -134,10 +144,24 @@ void tile_avx512(const Linear& l, int64_t tile, const QRows& qx, int64_t tok0, f
     for (int t = 0; t < TT; ++t) {
       const int64_t row = tok0 + t;
       const int8_t* xq = qx.q.data() + row * k + b * kBlock;
+      const __m512 xs = _mm512_set1_ps(qx.scale[row * nb + b]);
+      if (HALF) {
+        __m512i s = _mm512_setzero_si512(), s2 = _mm512_setzero_si512();
+        for (int m = 0; m < 4; ++m) {
+          s = _mm512_dpbusd_epi32(s, w[m], _mm512_set1_epi32(load4(xq + 4 * m)));
+          s2 = _mm512_dpbusd_epi32(s2, w[m + 4], _mm512_set1_epi32(load4(xq + 16 + 4 * m)));
+        }
+        const float* xsum = qx.sum16.data() + 2 * (row * nb + b);
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(ws, xs), acc[t]);
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s2), _mm512_mul_ps(ws2, xs), acc[t]);
+        acc[t] = _mm512_fmadd_ps(wm, _mm512_set1_ps(xsum[0]), acc[t]);
+        acc[t] = _mm512_fmadd_ps(wm2, _mm512_set1_ps(xsum[1]), acc[t]);
+        continue;
+      }
       __m512i s = _mm512_setzero_si512();
       for (int m = 0; m < 8; ++m) s = _mm512_dpbusd_epi32(s, w[m], _mm512_set1_epi32(load4(xq + 4 * m)));
-      const float xs = qx.scale[row * nb + b], xsum = qx.sum[row * nb + b];
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(ws, _mm512_set1_ps(xs)), acc[t]);
+      const float xsum = qx.sum[row * nb + b];
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(ws, xs), acc[t]);
       acc[t] = _mm512_fmadd_ps(wm, _mm512_set1_ps(xsum), acc[t]);
     }
   }
@@ -153,14 +177,15 @@ void tile_avx512(const Linear& l, int64_t tile, const QRows& qx, int64_t tok0, f
 #endif
 
 // Portable version of the same arithmetic (any CPU; the reference for the layout).
-template <int BITS, bool SF16, int MK, int TT>
+template <int BITS, bool SF16, int MK, bool HALF, int TT>
 void tile_scalar(const Linear& l, int64_t tile, const QRows& qx, int64_t tok0, float* y,
                  int64_t ldy) {
-  const int64_t nb = l.blocks(), groups = l.groups(), per = l.group / kBlock, k = l.k;
+  const int64_t nb = l.blocks(), groups = l.groups(), k = l.k;
+  const int64_t per = HALF ? 1 : l.group / kBlock;
   const int64_t line_bytes = BITS == 4 ? 256 : 512;
   const uint8_t* wp = l.codes.data_ptr<uint8_t>() + tile * nb * line_bytes;
   float acc[TT][kTile] = {};
-  float ws[kTile] = {}, wm[kTile] = {};
+  float ws[2][kTile] = {}, wm[2][kTile] = {};
   uint8_t w[8][64];
   for (int64_t b = 0; b < nb; ++b, wp += line_bytes) {
     for (int m = 0; m < (BITS == 4 ? 4 : 8); ++m) {
@@ -174,24 +199,34 @@ void tile_scalar(const Linear& l, int64_t tile, const QRows& qx, int64_t tok0, f
         }
       }
     }
-    if (b % per == 0) {
-      lanes<SF16>(l.scales.data_ptr(), tile, groups, b / per, ws);
+    for (int h = 0; h < (HALF ? 2 : 1); ++h) {
+      if (!HALF && b % per) break;
+      const int64_t g = HALF ? 2 * b + h : b / per;
+      lanes<SF16>(l.scales.data_ptr(), tile, groups, g, ws[h]);
       if (MK == MIN_ZERO) {
-        for (int i = 0; i < kTile; ++i) wm[i] = ws[i] * -l.zero;
+        for (int i = 0; i < kTile; ++i) wm[h][i] = ws[h][i] * -l.zero;
       } else {
-        lanes<MK == MIN_F16>(l.mins.data_ptr(), tile, groups, b / per, wm);
+        lanes<MK == MIN_F16>(l.mins.data_ptr(), tile, groups, g, wm[h]);
       }
     }
     for (int t = 0; t < TT; ++t) {
       const int64_t row = tok0 + t;
       const int8_t* xq = qx.q.data() + row * k + b * kBlock;
-      const float xs = qx.scale[row * nb + b], xsum = qx.sum[row * nb + b];
+      const float xs = qx.scale[row * nb + b];
       for (int i = 0; i < kTile; ++i) {
-        int32_t s = 0;
+        int32_t s[2] = {0, 0};
         for (int m = 0; m < 8; ++m)
-          for (int j = 0; j < 4; ++j) s += int32_t(w[m][4 * i + j]) * xq[4 * m + j];
-        acc[t][i] += static_cast<float>(s) * (ws[i] * xs);
-        acc[t][i] += wm[i] * xsum;
+          for (int j = 0; j < 4; ++j) s[HALF && m >= 4] += int32_t(w[m][4 * i + j]) * xq[4 * m + j];
+        if (HALF) {
+          const float* xsum = qx.sum16.data() + 2 * (row * nb + b);
+          acc[t][i] += static_cast<float>(s[0]) * (ws[0][i] * xs);
+          acc[t][i] += static_cast<float>(s[1]) * (ws[1][i] * xs);
+          acc[t][i] += wm[0][i] * xsum[0];
+          acc[t][i] += wm[1][i] * xsum[1];
+        } else {
+          acc[t][i] += static_cast<float>(s[0]) * (ws[0][i] * xs);
+          acc[t][i] += wm[0][i] * qx.sum[row * nb + b];
+        }
       }
     }
   }
@@ -202,33 +237,33 @@ void tile_scalar(const Linear& l, int64_t tile, const QRows& qx, int64_t tok0, f
       y[(tok0 + t) * ldy + r0 + i] = acc[t][i] + (bias ? bias[r0 + i] : 0.f);
 }
 
-template <int BITS, bool SF16, int MK, int TT>
+template <int BITS, bool SF16, int MK, bool HALF, int TT>
 inline void tile_any(const Linear& l, int64_t tile, const QRows& qx, int64_t tok0, float* y,
                      int64_t ldy) {
 #ifdef LLMOPT_AVX512
-  tile_avx512<BITS, SF16, MK, TT>(l, tile, qx, tok0, y, ldy);
+  tile_avx512<BITS, SF16, MK, HALF, TT>(l, tile, qx, tok0, y, ldy);
 #else
-  tile_scalar<BITS, SF16, MK, TT>(l, tile, qx, tok0, y, ldy);
+  tile_scalar<BITS, SF16, MK, HALF, TT>(l, tile, qx, tok0, y, ldy);
 #endif
 }
 
-template <int BITS, bool SF16, int MK>
+template <int BITS, bool SF16, int MK, bool HALF = false>
 void run_tiles(const Linear& l, const QRows& qx, int64_t n_tok, float* y, int64_t ldy) {
   const int64_t tiles = l.tiles();
   // Few tiles per thread when decoding (n_tok small), so every thread gets work.
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t tile = t0; tile < t1; ++tile) {
       int64_t tok = 0;
-      for (; tok + 8 <= n_tok; tok += 8) tile_any<BITS, SF16, MK, 8>(l, tile, qx, tok, y, ldy);
+      for (; tok + 8 <= n_tok; tok += 8) tile_any<BITS, SF16, MK, HALF, 8>(l, tile, qx, tok, y, ldy);
       if (tok + 4 <= n_tok) {
-        tile_any<BITS, SF16, MK, 4>(l, tile, qx, tok, y, ldy);
+        tile_any<BITS, SF16, MK, HALF, 4>(l, tile, qx, tok, y, ldy);
         tok += 4;
       }
       if (tok + 2 <= n_tok) {
-        tile_any<BITS, SF16, MK, 2>(l, tile, qx, tok, y, ldy);
+        tile_any<BITS, SF16, MK, HALF, 2>(l, tile, qx, tok, y, ldy);
         tok += 2;
       }
-      if (tok < n_tok) tile_any<BITS, SF16, MK, 1>(l, tile, qx, tok, y, ldy);
+      if (tok < n_tok) tile_any<BITS, SF16, MK, HALF, 1>(l, tile, qx, tok, y, ldy);
     }
   });
 }
@@ -249,6 +284,7 @@ void run_min(const Linear& l, const QRows& qx, int64_t n_tok, float* y, int64_t 
 
 void coded_rows(const Linear& l, const QRows& qx, int64_t n_tok, float* y, int64_t ldy) {
   TORCH_CHECK(qx.k == l.k && qx.n >= n_tok, "coded linear: activation rows do not match");
+  if (l.group == 16) return run_tiles<8, false, MIN_ZERO, true>(l, qx, n_tok, y, ldy);
   if (l.bits == 4) {
     if (l.scale_f16) return run_min<4, true>(l, qx, n_tok, y, ldy);
     return run_min<4, false>(l, qx, n_tok, y, ldy);
@@ -268,24 +304,27 @@ void weight_row(const Linear& l, int64_t row, float* out) {
     for (int64_t i = 0; i < l.k; ++i) out[i] = bf16_to_f32(w[i]);
     return;
   }
-  const int64_t tile = row / kTile, i = row % kTile, nb = l.blocks(), per = l.group / kBlock;
+  const int64_t tile = row / kTile, i = row % kTile, nb = l.blocks();
   const int64_t line_bytes = l.bits == 4 ? 256 : 512;
   const uint8_t* wp = l.codes.data_ptr<uint8_t>() + tile * nb * line_bytes;
   float ws[kTile], wm[kTile];
+  int64_t loaded = -1;
   for (int64_t b = 0; b < nb; ++b, wp += line_bytes) {
-    if (b % per == 0) {
-      if (l.scale_f16)
-        lanes<true>(l.scales.data_ptr(), tile, l.groups(), b / per, ws);
-      else
-        lanes<false>(l.scales.data_ptr(), tile, l.groups(), b / per, ws);
-      if (l.min_kind == MIN_ZERO)
-        for (int j = 0; j < kTile; ++j) wm[j] = ws[j] * -l.zero;
-      else if (l.min_kind == MIN_F16)
-        lanes<true>(l.mins.data_ptr(), tile, l.groups(), b / per, wm);
-      else
-        lanes<false>(l.mins.data_ptr(), tile, l.groups(), b / per, wm);
-    }
     for (int m = 0; m < 8; ++m) {
+      const int64_t g = (b * kBlock + 4 * m) / l.group;
+      if (g != loaded) {
+        if (l.scale_f16)
+          lanes<true>(l.scales.data_ptr(), tile, l.groups(), g, ws);
+        else
+          lanes<false>(l.scales.data_ptr(), tile, l.groups(), g, ws);
+        if (l.min_kind == MIN_ZERO)
+          for (int j = 0; j < kTile; ++j) wm[j] = ws[j] * -l.zero;
+        else if (l.min_kind == MIN_F16)
+          lanes<true>(l.mins.data_ptr(), tile, l.groups(), g, wm);
+        else
+          lanes<false>(l.mins.data_ptr(), tile, l.groups(), g, wm);
+        loaded = g;
+      }
       for (int j = 0; j < 4; ++j) {
         int code;
         if (l.bits == 8) {

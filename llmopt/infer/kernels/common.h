@@ -34,7 +34,8 @@ struct Linear {
   int64_t kind = F32, n = 0, k = 0;
   at::Tensor w;  // F32: float [n, k]; BF16: bfloat16 [n, k]
   // CODED: codes [tiles, blocks, 256 (4-bit) | 512 (8-bit)] uint8 (see coded.cpp for the
-  // order), scales / mins [tiles, groups, 16] fp16 or fp32, group = columns per scale
+  // order), scales / mins [tiles, groups, 16] fp16 or fp32, group = columns per scale: a
+  // multiple of 32, or 16 (Q6_K: 8-bit codes, fp32 scales, a fixed zero point)
   int64_t bits = 0, group = 0, min_kind = MIN_ZERO;
   bool scale_f16 = true;
   float zero = 0.f;
@@ -57,6 +58,7 @@ struct QRows {
   std::vector<int8_t> q;     // [n, k]
   std::vector<float> scale;  // [n, k / 32]
   std::vector<float> sum;    // [n, k / 32]: scale * sum(codes), the rounded block sum
+  std::vector<float> sum16;  // [n, k / 16]: the same per half block (16-column groups)
 };
 void quantize_rows(const float* x, int64_t n, int64_t k, QRows& out);
 

@@ -117,7 +117,7 @@ float exp_sum(float* x, int64_t n, float shift) {
 }
 
 namespace {
-void quantize_row(const float* x, int64_t k, int8_t* q, float* scale, float* sum) {
+void quantize_row(const float* x, int64_t k, int8_t* q, float* scale, float* sum, float* sum16) {
   for (int64_t b = 0; b < k / kBlock; ++b) {
     const float* xb = x + b * kBlock;
     int8_t* qb = q + b * kBlock;
@@ -130,21 +130,23 @@ void quantize_row(const float* x, int64_t k, int8_t* q, float* scale, float* sum
     const __m512i c1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, iv));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtsepi32_epi8(c0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtsepi32_epi8(c1));
-    const int s = _mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1));
+    const int s0 = _mm512_reduce_add_epi32(c0), s1 = _mm512_reduce_add_epi32(c1);
 #else
     float amax = 0.f;
     for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    int s = 0;
+    int s0 = 0, s1 = 0;
     for (int i = 0; i < kBlock; ++i) {
       int v = static_cast<int>(std::nearbyint(xb[i] * inv));
       v = std::min(127, std::max(-127, v));
       qb[i] = static_cast<int8_t>(v);
-      s += v;
+      (i < 16 ? s0 : s1) += v;
     }
 #endif
     scale[b] = amax / 127.f;
-    sum[b] = scale[b] * static_cast<float>(s);
+    sum[b] = scale[b] * static_cast<float>(s0 + s1);
+    sum16[2 * b] = scale[b] * static_cast<float>(s0);
+    sum16[2 * b + 1] = scale[b] * static_cast<float>(s1);
   }
 }
 }  // namespace
@@ -157,10 +159,11 @@ void quantize_rows(const float* x, int64_t n, int64_t k, QRows& out) {
   out.q.resize(n * k);
   out.scale.resize(n * nb);
   out.sum.resize(n * nb);
+  out.sum16.resize(2 * n * nb);
   auto body = [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
       quantize_row(x + r * k, k, out.q.data() + r * k, out.scale.data() + r * nb,
-                   out.sum.data() + r * nb);
+                   out.sum.data() + r * nb, out.sum16.data() + 2 * r * nb);
   };
   if (n < 4) {
     body(0, n);
