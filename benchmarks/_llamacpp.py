@@ -69,3 +69,40 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+
+
+def llama_bench_binary(explicit: str | None) -> str:
+    """Path of llama.cpp's `llama-bench` (explicit, $LLAMA_BENCH, or on PATH), or exit with one
+    line saying how to build it."""
+    import os
+    import shutil
+
+    path = explicit or os.environ.get("LLAMA_BENCH") or shutil.which("llama-bench")
+    if not path or not os.access(path, os.X_OK):
+        raise SystemExit(
+            f"llama-bench not found ({path or 'not on PATH'}); build it from llama.cpp's source "
+            "(cmake -B build && cmake --build build --target llama-bench) and pass --llama-bench"
+        )
+    return path
+
+
+def llama_bench(
+    binary: str, model: str, threads: int, *, n_prompt: int, n_gen: int, depth: int = 0,
+    repetitions: int = 1, repack: bool = False, timeout: float = 900,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """llama-bench's JSON records (one per test: pp<n_prompt>, tg<n_gen>). `repack=False`
+    (`--repack 0`) keeps llama.cpp off its AMX/repacked CPU paths, which die with SIGILL on
+    the development VMs."""
+    import json
+    import subprocess
+
+    cmd = [
+        binary, "-m", model, "-t", str(threads), "-p", str(n_prompt), "-n", str(n_gen),
+        "-d", str(depth), "-r", str(repetitions), "--repack", "1" if repack else "0",
+        "-o", "json",
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        raise SystemExit(f"llama-bench failed (exit {done.returncode}): {' | '.join(tail)}")
+    return json.loads(done.stdout)

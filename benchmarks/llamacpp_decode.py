@@ -1,15 +1,21 @@
-"""Batch-1 decode race on one GGUF: llmopt's fast paths vs llama.cpp Q4_1 vs transformers fp32.
+"""The fused CPU step vs llama.cpp's own C++ benchmark on one GGUF file (issue 25).
 
-llama.cpp (llama-cpp-python) runs the packaged SmolLM2-135M Q4_1 GGUF as is (Q4_1 blocks of 32,
-Q8_0 tied head). llmopt loads the same file (dequantised) and decodes with `llmopt.infer.fast`
-(one C++ call per token) in fp32, bf16, and RTN INT4 g128 with the head in fp32 and as INT8;
-transformers decodes the same dequantised fp32 weights. Same prompt, same number of new tokens,
-same thread count; every repetition runs each side once in turn and the median is kept, so a
-shared machine slows every side alike. Decode excludes prefill on every side. Bytes per token
-are the weights one step reads (llama.cpp: every tensor of the file once, the Q8_0 embedding as
-the head); the roofline is the measured streaming-read bandwidth at that thread count.
+llama.cpp: `llama-bench` (C++, no Python in its loop), `--repack 0` because its AMX/repacked
+CPU paths die with SIGILL on the development VMs; tests pp<P> (a P-token prompt in one batch)
+and tg<N> (N one-token steps), from an empty context, its own warm-up run first.
+llmopt: `FusedModel` over `load_model(gguf, dtype="auto")`, i.e. the file's own blocks (the
+packaged SmolLM2: Q4_1 layers and the tied Q8_0 embedding/head, nothing dequantized), timed the
+same way: pp = one step of P tokens (logits of the last), tg = N one-token steps from an empty
+paged cache (a warm-up pass first). Plus what llama-bench has no test for: a decode step of S
+sequences at once (each at a context of C tokens), reported as aggregate tokens/s.
 
-    python benchmarks/llamacpp_decode.py --threads 1,2 --out runs/llamacpp_decode.json
+Each repetition runs llama-bench then llmopt for every thread count (interleaved, so a shared
+machine slows both alike); medians are kept. Both sides are timed by the wall clock; llmopt's
+CPU time per token is reported too (on a loaded machine it is the steadier figure). The load
+average before and after each part goes into the JSON.
+
+    python benchmarks/llamacpp_decode.py --llama-bench PATH/llama-bench --threads 1,2 \\
+        --repeats 3 --out runs/llamacpp_decode.json
 """
 
 from __future__ import annotations
@@ -17,191 +23,178 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
 import time
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
 
-def time_llamacpp(llm: Any, prompt: list[int], new_tokens: int) -> tuple[float, float]:
-    """(prefill seconds, seconds for new_tokens - 1 greedy decode steps)."""
-    from _llamacpp import last_logits
+class Paged:
+    """A paged cache and reusable step metadata for `streams` sequences of up to `max_len`."""
 
-    llm.reset()
-    t0 = time.perf_counter()
-    llm.eval(prompt)
-    prefill = time.perf_counter() - t0
-    token = int(last_logits(llm).argmax())
-    t0 = time.perf_counter()
-    for _ in range(new_tokens - 1):
-        llm.eval([token])
-        token = int(last_logits(llm).argmax())
-    return prefill, time.perf_counter() - t0
+    def __init__(self, fused: Any, streams: int, max_len: int, block_size: int = 16) -> None:
+        blocks = -(-max_len // block_size)
+        self.bs = block_size
+        self.k = torch.zeros(fused.kv_shape(streams * blocks * block_size))
+        self.v = torch.zeros_like(self.k)
+        self.tables = torch.arange(streams * blocks, dtype=torch.int32).view(streams, blocks)
+
+    def slots(self, seq: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return self.tables[seq, pos // self.bs].long() * self.bs + pos % self.bs
 
 
-def gguf_tensor_bytes(path: Path) -> int:
-    """Bytes of every tensor in a GGUF file (what one llama.cpp decode step reads, tied head
-    included: the embedding is read whole as the output matrix)."""
-    from gguf import GGUFReader
+def run_prompt(fused: Any, tokens: torch.Tensor) -> tuple[float, float]:
+    """(wall, cpu) seconds of one step feeding `tokens` to an empty sequence."""
+    n = tokens.numel()
+    cache = Paged(fused, 1, n)
+    pos = torch.arange(n)
+    seq = torch.zeros(n, dtype=torch.long)
+    meta = (tokens, pos, cache.slots(seq, pos), torch.tensor([0, n]), torch.tensor([n]),
+            cache.tables, torch.tensor([n - 1]))  # fmt: skip
+    t0, c0 = time.perf_counter(), time.process_time()
+    fused.forward_tensors(*meta, cache.k, cache.v, cache.bs)
+    return time.perf_counter() - t0, time.process_time() - c0
 
-    return sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors)
+
+def run_decode(fused: Any, streams: int, context: int, steps: int) -> tuple[float, float]:
+    """(wall, cpu) seconds of `steps` decode steps of `streams` sequences, each sequence first
+    prefilled (untimed) with `context` tokens; context 0 starts from an empty cache."""
+    cache = Paged(fused, streams, context + steps)
+    seqs = torch.arange(streams)
+    gen = torch.Generator().manual_seed(0)
+    vocab = fused.layout.shape["vocab"]
+    if context:
+        seq = seqs.repeat_interleave(context)
+        pos = torch.arange(context).repeat(streams)
+        fused.forward_tensors(
+            torch.randint(vocab, (streams * context,), generator=gen), pos, cache.slots(seq, pos),
+            torch.arange(streams + 1) * context, torch.full((streams,), context), cache.tables,
+            torch.arange(streams) * context + context - 1, cache.k, cache.v, cache.bs,
+        )  # fmt: skip
+    tokens = torch.randint(vocab, (steps, streams), generator=gen)
+    starts, rows = torch.arange(streams + 1), torch.arange(streams)
+    t0, c0 = time.perf_counter(), time.process_time()
+    for i in range(steps):
+        pos = torch.full((streams,), context + i)
+        fused.forward_tensors(tokens[i], pos, cache.slots(seqs, pos), starts, pos + 1,
+                              cache.tables, rows, cache.k, cache.v, cache.bs)  # fmt: skip
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def ours(fused: Any, args: argparse.Namespace) -> dict[str, tuple[float, float]]:
+    """tokens/s (wall) and CPU ms per token of each llmopt test."""
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(fused.layout.shape["vocab"], (args.pp,), generator=gen)
+    out = {}
+    wall, cpu = run_prompt(fused, prompt)
+    out[f"pp{args.pp}"] = (args.pp / wall, 1e3 * cpu / args.pp)
+    wall, cpu = run_decode(fused, 1, 0, args.tg)
+    out[f"tg{args.tg}"] = (args.tg / wall, 1e3 * cpu / args.tg)
+    n = args.streams * args.stream_steps
+    wall, cpu = run_decode(fused, args.streams, args.context, args.stream_steps)
+    out[f"decode x{args.streams} @{args.context}"] = (n / wall, 1e3 * cpu / n)
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", default="smollm2-135m", help="packaged name or GGUF path")
+    parser.add_argument("--llama-bench", help="llama-bench binary (default: $LLAMA_BENCH, PATH)")
     parser.add_argument("--threads", default="1,2", help="comma-separated thread counts")
-    parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--pp", type=int, default=64, help="prompt tokens of the pp test")
+    parser.add_argument("--tg", type=int, default=64, help="one-token steps of the tg test")
+    parser.add_argument("--streams", type=int, default=16, help="sequences per decode step")
+    parser.add_argument("--context", type=int, default=128, help="their context before timing")
+    parser.add_argument("--stream-steps", type=int, default=16, help="timed multi-stream steps")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--no-hf", action="store_true", help="skip transformers fp32")
-    parser.add_argument(
-        "--llamacpp-extra-bufts", action="store_true", help="let llama.cpp use AMX/repacking"
-    )
     parser.add_argument("--out", default="runs/llamacpp_decode.json")
     args = parser.parse_args()
     try:
         threads = [int(t) for t in args.threads.split(",")]
     except ValueError:
         parser.error(f"--threads {args.threads!r} must be comma-separated integers")
-    if any(t < 1 for t in threads) or args.new_tokens < 2 or args.repeats < 1:
-        parser.error("--threads must be >= 1, --new-tokens >= 2, --repeats >= 1")
-    from _llamacpp import require_llama_cpp, set_extra_buffers
-
-    llama_cpp = require_llama_cpp()
-    set_extra_buffers(args.llamacpp_extra_bufts)
-    from decode import (  # this directory is on sys.path
-        measure_read_bandwidth,
-        time_hf,
-        time_ours,
-        weight_bytes_per_token,
-    )
-    from llama_cpp import Llama
+    if min(threads) < 1 or min(args.pp, args.tg, args.streams, args.stream_steps) < 1:
+        parser.error("--threads, --pp, --tg, --streams and --stream-steps must be >= 1")
+    if args.repeats < 1 or args.context < 0:
+        parser.error("--repeats must be >= 1 and --context >= 0")
+    from _llamacpp import llama_bench, llama_bench_binary
     from rich.console import Console
     from rich.table import Table
 
     from llmopt.artifacts import atomic_write_json
-    from llmopt.compress.quant.apply import quantize_model
-    from llmopt.data.corpus import load_text
-    from llmopt.infer.fast import FastDecoder
-    from llmopt.models.loading import load_model, load_tokenizer, save_pretrained
-    from llmopt.models.registry import resolve
+    from llmopt.infer.fast import FusedModel
+    from llmopt.models.loading import load_model, resolve_spec
 
+    binary = llama_bench_binary(args.llama_bench)
+    kind, path = resolve_spec(args.model)
+    if kind != "gguf":
+        parser.error(f"--model {args.model!r} is not a GGUF file; llama-bench reads GGUF only")
     console = Console()
-    gguf = resolve(args.model)
-    tokenizer = load_tokenizer(args.model)
-    prompt = tokenizer.encode(load_text("corpus:web-bible", max_chars=20_000))[: args.prompt_tokens]
-    fp32 = load_model(args.model)
-    models = {
-        "fp32": fp32,
-        "bf16": load_model(args.model, dtype=torch.bfloat16),
-        "int4": quantize_model(fp32, bits=4, group_size=128),
-    }
-    ours: dict[str, tuple[Any, bool]] = {
-        "llmopt-fast fp32": (models["fp32"], False),
-        "llmopt-fast bf16": (models["bf16"], False),
-        "llmopt-fast int4": (models["int4"], False),
-        "llmopt-fast int4+int8head": (models["int4"], True),
-    }
-    hf = hf_dir = None
-    if not args.no_hf:
-        from transformers import AutoModelForCausalLM
-
-        hf_dir = tempfile.TemporaryDirectory()
-        save_pretrained(fp32, hf_dir.name)  # the same dequantised weights
-        hf = AutoModelForCausalLM.from_pretrained(hf_dir.name, dtype=torch.float32).eval()
-    llamacpp_bytes = gguf_tensor_bytes(gguf)
-    ctx = len(prompt) + args.new_tokens + 8
-    results: list[dict[str, Any]] = []
+    model = load_model(path, dtype="auto")
+    runners = {n: FusedModel(model, threads=n) for n in threads}
+    for n in threads:  # warm-up: page the weights in, size the step buffers
+        run_decode(runners[n], args.streams, 8, 2)
+        run_prompt(runners[n], torch.arange(args.pp))
+    samples: dict[tuple[int, str, str], list[float]] = {}
+    info: dict[str, Any] = {}
     load = [list(os.getloadavg())]
-    for n in threads:
-        torch.set_num_threads(n)
-        bandwidth = measure_read_bandwidth(n)
-        llm = Llama(
-            model_path=str(gguf), n_ctx=ctx, n_threads=n, n_threads_batch=n, n_batch=512,
-            verbose=False,
-        )  # fmt: skip
-        runners: dict[str, Callable[[list[int], int], tuple[float, float]]] = {
-            "llama.cpp Q4_1": lambda p, k, llm=llm: time_llamacpp(llm, p, k)
-        }
-        for key, (model, head8) in ours.items():
-            runners[key] = lambda p, k, m=model, h=head8: time_ours(m, p, k, True, h)
-        if hf is not None:
-            runners["transformers fp32"] = lambda p, k: time_hf(hf, p, k)
-        for fn in runners.values():  # warm-up (kernel build, fast layouts)
-            fn(prompt[:16], 4)
-        samples: dict[str, list[tuple[float, float]]] = {key: [] for key in runners}
-        for _ in range(args.repeats):
-            for key, fn in runners.items():
-                samples[key].append(fn(prompt, args.new_tokens))
-        for key in runners:
-            decode = statistics.median(s[1] for s in samples[key])
-            prefill = statistics.median(s[0] for s in samples[key])
-            if key in ours:
-                model, head8 = ours[key]
-                nbytes = FastDecoder(model, len(prompt) + 1, int8_head=head8).bytes_per_token
-            elif key.startswith("llama"):
-                nbytes = llamacpp_bytes
-            else:
-                nbytes = weight_bytes_per_token(fp32)  # the same fp32 weights
-            tok_s = (args.new_tokens - 1) / decode
-            results.append(
-                {
-                    "impl": key,
-                    "threads": n,
-                    "decode_tokens_per_s": tok_s,
-                    "prefill_tokens_per_s": len(prompt) / prefill,
-                    "decode_s_samples": [s[1] for s in samples[key]],
-                    "bytes_per_token": nbytes,
-                    "memory_read_bandwidth_GB_per_s": bandwidth / 1e9,
-                    "achieved_GB_per_s": tok_s * nbytes / 1e9,
-                    "roofline_fraction": tok_s * nbytes / bandwidth,
-                }
-            )
-        del llm
-        load.append(list(os.getloadavg()))
-    for r in results:
-        same = [x for x in results if x["threads"] == r["threads"]]
-        ref = next(x for x in same if x["impl"].startswith("llama"))
-        r["vs_llamacpp"] = r["decode_tokens_per_s"] / ref["decode_tokens_per_s"]
-        hf_row = next((x for x in same if x["impl"] == "transformers fp32"), None)
-        r["vs_transformers_fp32"] = (
-            r["decode_tokens_per_s"] / hf_row["decode_tokens_per_s"] if hf_row else None
-        )
+    for rep in range(args.repeats):
+        for n in threads:
+            records = llama_bench(binary, str(path), n, n_prompt=args.pp, n_gen=args.tg)
+            for r in records:
+                test = f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}"
+                samples.setdefault((n, test, "llama.cpp"), []).append(r["avg_ts"])
+                info = {k: r[k] for k in ("build_commit", "model_type", "model_size", "type_k")}
+            torch.set_num_threads(n)
+            for test, (tok_s, cpu_ms) in ours(runners[n], args).items():
+                samples.setdefault((n, test, "llmopt"), []).append(tok_s)
+                samples.setdefault((n, test, "llmopt cpu ms/token"), []).append(cpu_ms)
+            load.append(list(os.getloadavg()))
+            console.print(f"repetition {rep + 1}, {n} thread(s) done; load {load[-1]}")
+    nbytes = runners[threads[0]].bytes_per_token
+    results = []
+    for (n, test, side), values in sorted(samples.items()):
+        if side != "llmopt":
+            continue
+        ref = samples.get((n, test, "llama.cpp"))
+        tok_s = statistics.median(values)
+        results.append({
+            "threads": n,
+            "test": test,
+            "llmopt_tokens_per_s": tok_s,
+            "llmopt_samples": values,
+            "llmopt_cpu_ms_per_token": statistics.median(samples[(n, test, "llmopt cpu ms/token")]),
+            "llamacpp_tokens_per_s": statistics.median(ref) if ref else None,
+            "llamacpp_samples": ref,
+            "ratio": tok_s / statistics.median(ref) if ref else None,
+        })  # fmt: skip
     table = Table(
-        title=f"{args.model} batch-1 decode vs llama.cpp {llama_cpp.__version__}, prompt "
-        f"{len(prompt)}, {args.new_tokens} new tokens, median of {args.repeats}"
+        title=f"{path.name}: llmopt fused step vs llama-bench {info.get('build_commit', '')} "
+        f"(--repack 0), median of {args.repeats}"
     )
-    for col in ("impl", "threads", "decode tok/s", "prefill tok/s", "MB/token", "GB/s",
-                "of roofline", "vs llama.cpp", "vs HF fp32"):  # fmt: skip
+    for col in ("threads", "test", "llama.cpp tok/s", "llmopt tok/s", "ratio", "llmopt CPU ms/tok"):
         table.add_column(col, justify="right")
     for r in results:
-        vs_hf = r["vs_transformers_fp32"]
+        ref = r["llamacpp_tokens_per_s"]
         table.add_row(
-            r["impl"],
             str(r["threads"]),
-            f"{r['decode_tokens_per_s']:.1f}",
-            f"{r['prefill_tokens_per_s']:.0f}",
-            f"{r['bytes_per_token'] / 1e6:.0f}",
-            f"{r['achieved_GB_per_s']:.1f}",
-            f"{100 * r['roofline_fraction']:.0f}%",
-            f"{r['vs_llamacpp']:.2f}x",
-            f"{vs_hf:.2f}x" if vs_hf else "-",
+            r["test"],
+            f"{ref:.1f}" if ref else "-",
+            f"{r['llmopt_tokens_per_s']:.1f}",
+            f"{r['ratio']:.2f}x" if r["ratio"] else "-",
+            f"{r['llmopt_cpu_ms_per_token']:.2f}",
         )
     console.print(table)
-    console.print(f"load average (1, 5, 15 min) before and after each thread count: {load}")
+    console.print(
+        f"weights read per token: llmopt {nbytes / 1e6:.1f} MB, llama.cpp "
+        f"{info.get('model_size', 0) / 1e6:.1f} MB (the file's tensors); load average {load}"
+    )
     report = {
-        "model": args.model,
-        "gguf": gguf.name,
-        "llama_cpp": llama_cpp.__version__,
-        "llama_cpp_system_info": llama_cpp.llama_print_system_info().decode(errors="replace"),
-        "llama_cpp_extra_buffer_types": args.llamacpp_extra_bufts,
-        "prompt_tokens": len(prompt),
-        "new_tokens": args.new_tokens,
-        "repeats": args.repeats,
+        "model": str(path),
+        "llama_bench": info,
+        "llmopt_bytes_per_token": nbytes,
+        "llmopt_weight_formats": runners[threads[0]].kinds,
+        "args": vars(args),
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "load_average": load,

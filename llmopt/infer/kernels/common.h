@@ -29,6 +29,9 @@ enum MinKind : int64_t { MIN_ZERO = 0, MIN_F16 = 1, MIN_F32 = 2 };
 
 constexpr int64_t kTile = 16;   // output rows per coded tile (one zmm of int32 lanes)
 constexpr int64_t kBlock = 32;  // columns per activation scale
+// Per-row elementwise work (norms, RoPE, activation rounding) runs in parallel from this many
+// rows on: below it one row costs less than waking the other threads.
+constexpr int64_t kParallelRows = 32;
 
 struct Linear {
   int64_t kind = F32, n = 0, k = 0;

@@ -165,7 +165,7 @@ void quantize_rows(const float* x, int64_t n, int64_t k, QRows& out) {
       quantize_row(x + r * k, k, out.q.data() + r * k, out.scale.data() + r * nb,
                    out.sum.data() + r * nb, out.sum16.data() + 2 * r * nb);
   };
-  if (n < 4) {
+  if (n < kParallelRows) {
     body(0, n);
   } else {
     at::parallel_for(0, n, 1, body);

@@ -34,10 +34,10 @@ at::Tensor float_vec(const at::Tensor& t, int64_t n, const std::string& what) {
   return t.contiguous().to(at::kFloat);
 }
 
-// fn(t) for every row; in parallel when there are several rows
+// fn(t) for every row; in parallel when there are many rows
 template <typename F>
 void each_row(int64_t n, F fn) {
-  if (n < 4) {
+  if (n < kParallelRows) {
     for (int64_t t = 0; t < n; ++t) fn(t);
   } else {
     at::parallel_for(0, n, 1, [&](int64_t a, int64_t b) {
