@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise ValueError(f"cannot bind {args.host}:{args.port}: {exc.strerror}") from exc
     host, port = sock.getsockname()[:2]
-    kv_mib = engine.runner.k_cache.numel() * engine.runner.k_cache.element_size() * 2 / 2**20
+    kv_mib = engine.cache.nbytes / 2**20
     print(
         f"llmopt serve: {name} on http://{host}:{port} ({config.num_blocks} KV blocks of "
         f"{config.block_size} tokens, {kv_mib:.0f} MiB; max {config.max_num_seqs} sequences)",
