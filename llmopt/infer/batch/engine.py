@@ -24,13 +24,15 @@ from torch import nn
 
 from llmopt.infer.batch.blocks import BlockManager
 from llmopt.infer.batch.request import Request, Status, StepOutput
-from llmopt.infer.batch.runner import RUNNERS, make_runner
+from llmopt.infer.batch.runner import EagerRunner, Runner
 from llmopt.infer.batch.scheduler import Scheduler
 from llmopt.infer.drafts import Draft, NGramDraft, SpeculativeConfig
 from llmopt.infer.sampling import InvalidRequestError, SamplingParams, logits_to_probs, next_token
 from llmopt.infer.speculative_stats import SpeculativeStats
 from llmopt.infer.speculative_verify import verify_greedy, verify_sampled
 from llmopt.models.attention.paged import PagedKVCache, SeqChunk, StepBatch
+
+RUNNERS = ("auto", "fused", "eager", "cuda-graph")
 
 
 @dataclass(frozen=True)
@@ -341,3 +343,40 @@ class Engine:
         slots = torch.tensor(table, dtype=torch.long)[pos // bs] * bs + pos % bs
         slots = slots.to(self.cache.k.device)
         return self.cache.k[layer][slots], self.cache.v[layer][slots]
+
+
+def make_runner(
+    model: nn.Module,
+    cache: PagedKVCache,
+    runner: str = "auto",
+    *,
+    threads: int | None = None,
+    int8_head: bool = False,
+    scratch_block: int | None = None,
+) -> tuple[Runner, str | None]:
+    """(runner, why the fused step is not used or None). "auto": CUDA graphs on a GPU, the
+    fused CPU step when available, else eager. `scratch_block`: a cache block no request
+    holds (CUDA graphs pad their batches with it)."""
+    if runner not in RUNNERS:
+        raise ValueError(f"runner={runner!r} is not valid; choose one of {', '.join(RUNNERS)}")
+    if int8_head and runner in ("eager", "cuda-graph"):
+        raise ValueError(f"int8_head applies to the fused runner, not to runner={runner!r}")
+    on_gpu = cache.k.device.type == "cuda"
+    if runner == "cuda-graph" or (runner == "auto" and on_gpu and not int8_head):
+        from llmopt.infer.batch.cuda_graphs import GraphRunner
+
+        if scratch_block is None:
+            raise ValueError("the CUDA-graph runner needs a scratch block in the cache")
+        return GraphRunner(model, cache, scratch_block=scratch_block), "CUDA graphs"
+    if runner == "eager":
+        return EagerRunner(model, cache), "eager requested"
+    from llmopt.infer.fast import fused_unavailable
+
+    reason = fused_unavailable(model, int8_head)
+    if reason is None:
+        from llmopt.infer.fast import FusedRunner
+
+        return FusedRunner(model, cache, threads=threads, int8_head=int8_head), None
+    if runner == "fused" or int8_head:
+        raise ValueError(f"the fused runner was requested but is unavailable: {reason}")
+    return EagerRunner(model, cache), reason

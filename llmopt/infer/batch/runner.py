@@ -9,6 +9,8 @@ computes. Two runners serve the same `PagedKVCache`:
   by `make_runner` when its kernels build and the model's weights are kernel kinds,
 - on CUDA, decode steps replayed from CUDA graphs (`llmopt.infer.batch.cuda_graphs`).
 
+The engine picks one (`llmopt.infer.batch.engine.make_runner`).
+
 All tokens of a step go through the linear layers as one packed matrix: that is where
 batching pays, since decode is bound by reading the weights once per pass.
 """
@@ -22,8 +24,6 @@ from torch import nn
 
 from llmopt.models.attention.paged import PagedAttention, PagedKVCache, StepBatch
 from llmopt.models.spec import spec_for
-
-RUNNERS = ("auto", "fused", "eager", "cuda-graph")
 
 
 class Runner(Protocol):
@@ -53,40 +53,3 @@ class EagerRunner:
             return hidden.new_zeros(0, self.model.config.vocab_size, dtype=torch.float32)
         # the final norm and the head only on the rows whose logits are wanted
         return self.head(self.final_norm(hidden[batch.logits_rows])).float()
-
-
-def make_runner(
-    model: nn.Module,
-    cache: PagedKVCache,
-    runner: str = "auto",
-    *,
-    threads: int | None = None,
-    int8_head: bool = False,
-    scratch_block: int | None = None,
-) -> tuple[Runner, str | None]:
-    """(runner, why the fused step is not used or None). "auto": CUDA graphs on a GPU, the
-    fused CPU step when available, else eager. `scratch_block`: a cache block no request
-    holds (CUDA graphs pad their batches with it)."""
-    if runner not in RUNNERS:
-        raise ValueError(f"runner={runner!r} is not valid; choose one of {', '.join(RUNNERS)}")
-    if int8_head and runner in ("eager", "cuda-graph"):
-        raise ValueError(f"int8_head applies to the fused runner, not to runner={runner!r}")
-    on_gpu = cache.k.device.type == "cuda"
-    if runner == "cuda-graph" or (runner == "auto" and on_gpu and not int8_head):
-        from llmopt.infer.batch.cuda_graphs import GraphRunner
-
-        if scratch_block is None:
-            raise ValueError("the CUDA-graph runner needs a scratch block in the cache")
-        return GraphRunner(model, cache, scratch_block=scratch_block), "CUDA graphs"
-    if runner == "eager":
-        return EagerRunner(model, cache), "eager requested"
-    from llmopt.infer.fast import fused_unavailable
-
-    reason = fused_unavailable(model, int8_head)
-    if reason is None:
-        from llmopt.infer.fast import FusedRunner
-
-        return FusedRunner(model, cache, threads=threads, int8_head=int8_head), None
-    if runner == "fused" or int8_head:
-        raise ValueError(f"the fused runner was requested but is unavailable: {reason}")
-    return EagerRunner(model, cache), reason
