@@ -24,7 +24,7 @@ from llmopt.cli import main as cli_main
 from llmopt.compress.markers import sha256_file
 from llmopt.compress.quant.apply import quantize_model
 from llmopt.compress.quant.io import MARKER, WEIGHTS, load_quantized_model, save_quantized
-from llmopt.infer.sampling import SamplingConfig
+from llmopt.infer.sampling import SamplingParams
 from llmopt.jsonout import dumps
 from llmopt.models import ModelConfig, build_model
 from llmopt.models.finite import NonFiniteWeightsError
@@ -195,7 +195,7 @@ def test_atomic_directory_refuses_to_replace_what_is_not_its_output(tmp_path):
 )
 def test_sampling_config_refuses_non_finite_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        SamplingConfig(**kwargs)
+        SamplingParams(**kwargs)
 
 
 def test_generate_temperature_nan_is_one_line_before_the_model_loads(capsys):

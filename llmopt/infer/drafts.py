@@ -26,9 +26,30 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from llmopt.infer.sampling import SamplingConfig, logits_to_probs, sample
+from llmopt.infer.sampling import SamplingParams, logits_to_probs, sample
 from llmopt.models.llama import KVCache, Transformer
 from llmopt.models.spec import spec_for
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How many guesses a proposer is asked for: γ; adaptive γ grows by one after a fully
+    accepted round and shrinks by one after a rejection, within [gamma_min, gamma_max]."""
+
+    gamma: int = 4
+    adaptive: bool = False
+    gamma_min: int = 1
+    gamma_max: int = 12
+
+    def __post_init__(self) -> None:
+        values = (self.gamma_min, self.gamma, self.gamma_max)
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in values):
+            raise ValueError(f"gamma values must be integers, got {values}")
+        if not 1 <= self.gamma_min <= self.gamma <= self.gamma_max:
+            raise ValueError(
+                f"need 1 <= gamma_min={self.gamma_min} <= gamma={self.gamma} <= "
+                f"gamma_max={self.gamma_max}"
+            )
 
 
 @dataclass
@@ -55,7 +76,7 @@ class Draft(Protocol):
         self,
         context: list[int],
         gamma: int,
-        sampling: SamplingConfig,
+        sampling: SamplingParams,
         generator: torch.Generator | None,
     ) -> Proposal:
         """Up to gamma guesses for the tokens following `context`."""
@@ -128,7 +149,7 @@ class ModelDraft:
         self,
         context: list[int],
         gamma: int,
-        sampling: SamplingConfig,
+        sampling: SamplingParams,
         generator: torch.Generator | None,
     ) -> Proposal:
         if self._cache is None:
@@ -198,7 +219,7 @@ class NGramDraft:
         self,
         context: list[int],
         gamma: int,
-        sampling: SamplingConfig,
+        sampling: SamplingParams,
         generator: torch.Generator | None,
     ) -> Proposal:
         if gamma <= 0:

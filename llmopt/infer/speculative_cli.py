@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from llmopt.infer.drafts import DRAFT_SPECS, make_draft
-from llmopt.infer.sampling import SamplingConfig
-from llmopt.infer.speculative_loop import SpeculativeConfig, speculative_generate
+from llmopt.infer.drafts import DRAFT_SPECS, SpeculativeConfig, make_draft
+from llmopt.infer.sampling import SamplingParams
+from llmopt.infer.speculative_loop import speculative_generate
 from llmopt.infer.speculative_measure import calibrate, compare_with_plain
 from llmopt.models.llama import Transformer
 
@@ -42,7 +42,7 @@ def run_speculative_from_args(
     model: Transformer,
     tokenizer,
     prompt_ids: list[int],
-    sampling: SamplingConfig,
+    sampling: SamplingParams,
 ) -> tuple[list[int], dict[str, Any]]:
     """Run `llmopt generate --draft ...`: (new token ids, statistics dict, empty without --stats).
 

@@ -34,7 +34,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--ngram", type=int, default=0, help="default n-gram speculation size (0: off)")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="weights dtype (default float32)",
+    )
+    p.add_argument(
+        "--runner",
+        default="auto",
+        choices=["auto", "fused", "eager", "cuda-graph"],
+        help="auto: the fused CPU step when its kernels build (CUDA graphs on a GPU), else eager",
+    )
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     p.add_argument("--drain-timeout", type=float, default=60.0, help="seconds to finish on exit")
     p.set_defaults(func=run, check=check_args)
 
@@ -46,6 +58,8 @@ def check_args(args: argparse.Namespace) -> None:
     cli_args.text(args, "host")
     cli_args.integer(args, "port", 0, 65535)
     cli_args.integer(args, "ngram", 0)
+    if args.threads is not None:
+        cli_args.integer(args, "threads", 1)
     for dest in ("max_num_seqs", "kv_blocks", "block_size", "max_batched_tokens", "max_queue"):
         cli_args.integer(args, dest, 1)
     cli_args.number(args, "drain_timeout", 0.0)
@@ -67,7 +81,11 @@ def run(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_batched_tokens=args.max_batched_tokens,
         prefix_caching=not args.no_prefix_caching,
+        runner=args.runner,
+        threads=args.threads,
     )
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model = load_model(args.model, dtype=getattr(torch, args.dtype))
     tokenizer = load_tokenizer(args.model)
     engine = Engine(
@@ -89,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise ValueError(f"cannot bind {args.host}:{args.port}: {exc.strerror}") from exc
     host, port = sock.getsockname()[:2]
-    kv_mib = engine.runner.k_cache.numel() * engine.runner.k_cache.element_size() * 2 / 2**20
+    kv_mib = engine.cache.nbytes / 2**20
     print(
         f"llmopt serve: {name} on http://{host}:{port} ({config.num_blocks} KV blocks of "
         f"{config.block_size} tokens, {kv_mib:.0f} MiB; max {config.max_num_seqs} sequences)",

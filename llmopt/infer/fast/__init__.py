@@ -25,8 +25,8 @@ __all__ = [
     "FusedRunner",
     "KernelsUnavailableError",
     "UnsupportedModelError",
-    "fast_decode_unavailable",
     "fused_unavailable",
+    "weight_bytes_for",
 ]
 
 
@@ -42,4 +42,8 @@ def fused_unavailable(model: nn.Module, int8_head: bool = False) -> str | None:
     return None
 
 
-fast_decode_unavailable = fused_unavailable  # the batch-1 name `generate` used before issue 25
+def weight_bytes_for(model: nn.Module, int8_head: bool = False) -> int:
+    """Weight bytes one token reads through the fused kernels (every projection, norms, the
+    head, one embedding row), in the layout they read."""
+    layout, _ = compiled(model, int8_head)
+    return layout.nbytes_per_token()
