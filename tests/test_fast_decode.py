@@ -21,7 +21,7 @@ from llmopt.infer.fast import FastDecoder, build  # noqa: E402
 from llmopt.infer.fast.layout import projection  # noqa: E402
 from llmopt.infer.fast.tiles import BF16, CODED, F32, coded_weight, int8_rows  # noqa: E402
 from llmopt.infer.generate import generate  # noqa: E402
-from llmopt.infer.sampling import SamplingConfig  # noqa: E402
+from llmopt.infer.sampling import SamplingParams  # noqa: E402
 from llmopt.models import build_model  # noqa: E402
 
 
@@ -147,9 +147,9 @@ def test_generate_fast_equals_eager_greedy_and_seeded(tiny_model):
     prompt = [5, 6, 7, 8]
     stats: dict = {}
     fast = generate(tiny_model, prompt, max_new_tokens=24, fast=True, stats=stats)
-    assert stats["path"] == "fast" and stats["decode_tokens"] == 23
+    assert stats["path"] == "fused" and stats["prefill_tokens"] == 4
     assert fast == generate(tiny_model, prompt, max_new_tokens=24, fast=False)
-    sampling = SamplingConfig(temperature=1.2, top_k=30)
+    sampling = SamplingParams(temperature=1.2, top_k=30)
     a = generate(tiny_model, prompt, max_new_tokens=16, sampling=sampling, seed=3, fast=True)
     b = generate(tiny_model, prompt, max_new_tokens=16, sampling=sampling, seed=3, fast=False)
     assert a == b
@@ -186,13 +186,13 @@ def test_falls_back_to_eager_with_reason(tiny_model, tiny_config, monkeypatch):
     out = generate(wrapped, [1, 2], max_new_tokens=6, stats=stats)
     assert stats["path"] == "eager" and "layer 1 down is _Opaque" in stats["fallback_reason"]
     assert out == generate(wrapped, [1, 2], max_new_tokens=6, fast=False)
-    with pytest.raises(ValueError, match="fast decode requested but unavailable: .*_Opaque"):
+    with pytest.raises(ValueError, match="fused runner was requested but is unavailable: .*_Opaque"):
         generate(wrapped, [1, 2], max_new_tokens=6, fast=True)
     monkeypatch.setattr(build, "_STATE", {"module": None, "error": "no C++ compiler"})
     stats = {}
     generate(tiny_model, [1, 2], max_new_tokens=4, stats=stats)
     assert stats == {**stats, "path": "eager"} and "no C++ compiler" in stats["fallback_reason"]
-    assert fast_pkg.fast_decode_unavailable(tiny_model).endswith("no C++ compiler")
+    assert fast_pkg.fused_unavailable(tiny_model).endswith("no C++ compiler")
 
 
 def test_decoder_rejects_bad_lengths(tiny_model):
@@ -251,7 +251,7 @@ def test_smollm_fp32_fast_logits_within_1e4_and_32_greedy_tokens_identical(smoll
     assert worst < 1e-4 and agree == 32
     stats: dict = {}
     fast = generate(model, prompt, max_new_tokens=32, fast=True, stats=stats)
-    assert stats["path"] == "fast"
+    assert stats["path"] == "fused"
     assert fast == generate(model, prompt, max_new_tokens=32, fast=False)
 
 

@@ -267,6 +267,26 @@ def test_runner_contract_reads_and_writes_the_engines_cache():
     for chunks in STEPS[:2]:
         batch = SimpleNamespace(**paged.step(chunks), block_size=4)
         torch.testing.assert_close(runner.forward(batch), eager.run(chunks), rtol=0, atol=1e-4)
-    bf16 = SimpleNamespace(k=paged.k.bfloat16(), v=paged.v.bfloat16(), block_size=4)
-    with pytest.raises(ValueError, match="needs a contiguous float32 CPU cache; cache.k is"):
-        FusedRunner(model, bf16)
+    f64 = SimpleNamespace(k=paged.k.double(), v=paged.v.double(), block_size=4)
+    with pytest.raises(ValueError, match="float16 CPU cache; cache.k is torch.float64"):
+        FusedRunner(model, f64)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_cache_holds_the_rounded_fp32_rows(dtype):
+    model = tiny_model("gemma2")  # head_dim 32: the vectorized attention
+    fused = FusedModel(model)
+    full, half = PagedCache(fused), PagedCache(fused)
+    half.k, half.v = half.k.to(dtype), half.v.to(dtype)
+    eager = EagerSeqs(model)
+    for chunks in STEPS[:2]:
+        want = eager.run(chunks)
+        got_full, got_half = full.run(fused, chunks), half.run(fused, chunks)
+        torch.testing.assert_close(got_full, want, rtol=0, atol=1e-4)
+        # keys/values rounded to 8 (bf16) or 11 (fp16) bits: logits move by ~1e-2 at most
+        assert (got_half - want).abs().max() < 0.05 * want.abs().max()
+    # layer 0's rows come from the same fp32 values (the embeddings), rounded once when stored;
+    # later layers differ, having attended to rounded keys
+    rows = torch.cat([torch.arange(b * 4, b * 4 + 4) for b in full.tables[0]])
+    assert torch.equal(half.k[0, rows], full.k[0, rows].to(dtype))
+    assert torch.equal(half.v[0, rows], full.v[0, rows].to(dtype))

@@ -3,8 +3,9 @@
 A step is vLLM's flattened batch: N tokens of S sequences (decode tokens, chunked-prefill
 chunks, speculative verify runs) with per-token positions and cache slots, per-sequence token
 offsets (`query_start`), lengths (`seq_lens`) and block tables, and the rows that need logits.
-The cache is two fp32 tensors k, v [layers, num_blocks * block_size, kv_heads, head_dim],
-the same the eager paged-attention backend reads and writes, so both paths serve one cache.
+The cache is two tensors k, v [layers, num_blocks * block_size, kv_heads, head_dim] (fp32,
+or bf16/fp16: half the bytes, rounded when stored; the math stays fp32), the same the eager
+paged-attention backend reads and writes, so both paths serve one cache.
 
 The kernel layout is derived once per model (`layout.fused_layout`) and rebuilt if any
 parameter or buffer is replaced or edited in place; a FusedModel is cheap to create.
@@ -27,6 +28,7 @@ class KernelsUnavailableError(RuntimeError):
 
 
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the kernels read/write
 _STEP_FIELDS = (
     "tokens",
     "positions",
@@ -163,10 +165,10 @@ class FusedRunner:
         self.fused = FusedModel(model, threads=threads, int8_head=int8_head)
         for what in ("k", "v"):
             t = getattr(cache, what)
-            if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+            if t.dtype not in CACHE_DTYPES or t.device.type != "cpu" or not t.is_contiguous():
                 raise ValueError(
-                    f"the fused runner needs a contiguous float32 CPU cache; cache.{what} is "
-                    f"{t.dtype} on {t.device}"
+                    f"the fused runner needs a contiguous float32/bfloat16/float16 CPU cache; "
+                    f"cache.{what} is {t.dtype} on {t.device}"
                 )
         expect = self.fused.kv_shape(cache.k.shape[1])
         if tuple(cache.k.shape) != expect or cache.v.shape != cache.k.shape:

@@ -22,15 +22,21 @@ struct StepMeta {
   int64_t slot_of(int64_t seq, int64_t pos) const;
 };
 
+// One layer's k and v cache rows [rows, kv_heads, head_dim] of float32, bfloat16 or float16.
+struct CacheLayer {
+  void* k = nullptr;
+  void* v = nullptr;
+  at::ScalarType dtype = at::kFloat;
+};
+
 // q/k norms and RoPE in place on qkv rows [n_tok, ld] (q | k | v heads), then k/v into the
 // layer's cache rows at m.slots.
 void qkv_to_cache(const AttnShape& a, const StepMeta& m, float* qkv, int64_t ld,
                   const float* q_norm, const float* k_norm, const float* cos, const float* sin,
-                  float* k_layer, float* v_layer);
+                  const CacheLayer& cache);
 
 // out[t, heads * head_dim] = softmax(q k^T * scale [capped]) v over the visible cached keys.
 void paged_attention(const AttnShape& a, const StepMeta& m, const float* qkv, int64_t ld,
-                     const float* k_layer, const float* v_layer, int64_t window, float* out,
-                     int64_t ld_out);
+                     const CacheLayer& cache, int64_t window, float* out, int64_t ld_out);
 
 }  // namespace llmopt

@@ -129,7 +129,7 @@ void Model::project(const std::vector<Linear>& parts, const float* x, int64_t n_
 }
 
 void Model::run(const StepMeta& m, const int64_t* tokens, const int64_t* rows, int64_t n_rows,
-                float* k_cache, float* v_cache, int64_t cache_rows, float* logits) {
+                const at::Tensor& k_cache, const at::Tensor& v_cache, float* logits) {
   const auto& s = shape_;
   const int64_t n = m.n_tok, hd = s.hidden, qd = s.heads * s.head_dim;
   x_.resize(n * hd);
@@ -146,7 +146,10 @@ void Model::run(const StepMeta& m, const int64_t* tokens, const int64_t* rows, i
     if (embed_scale != 1.f)
       for (int64_t i = 0; i < hd; ++i) x[t * hd + i] *= embed_scale;
   });
-  const int64_t layer_floats = cache_rows * s.kv_heads * s.head_dim;
+  // bytes of one layer's cache
+  const int64_t layer_bytes = k_cache.size(1) * s.kv_heads * s.head_dim * k_cache.element_size();
+  char* k_base = static_cast<char*>(k_cache.data_ptr());
+  char* v_base = static_cast<char*>(v_cache.data_ptr());
   for (size_t li = 0; li < layers_.size(); ++li) {
     const Layer& l = layers_[li];
     auto norm = [&](const float* src, int which, float* dst) {
@@ -158,15 +161,15 @@ void Model::run(const StepMeta& m, const int64_t* tokens, const int64_t* rows, i
         for (int64_t i = 0; i < hd; ++i) x[t * hd + i] += add[t * hd + i];
       });
     };
-    float* kl = k_cache + li * layer_floats;
-    float* vl = v_cache + li * layer_floats;
+    const CacheLayer cache{k_base + li * layer_bytes, v_base + li * layer_bytes,
+                           k_cache.scalar_type()};
     norm(x, 0, h);
     project(l.qkv, h, n, qkv_.data());
     qkv_to_cache(attn_, m, qkv_.data(), qkv_dim_,
                  l.q_norm.defined() ? l.q_norm.data_ptr<float>() : nullptr,
                  l.k_norm.defined() ? l.k_norm.data_ptr<float>() : nullptr,
-                 cos_.data_ptr<float>(), sin_.data_ptr<float>(), kl, vl);
-    paged_attention(attn_, m, qkv_.data(), qkv_dim_, kl, vl, l.window, att_.data(), qd);
+                 cos_.data_ptr<float>(), sin_.data_ptr<float>(), cache);
+    paged_attention(attn_, m, qkv_.data(), qkv_dim_, cache, l.window, att_.data(), qd);
     project(l.o, att_.data(), n, tmp);
     if (s.sandwich) {
       norm(tmp, 1, tmp);
@@ -222,8 +225,7 @@ at::Tensor Model::forward(const at::Tensor& tokens, const at::Tensor& positions,
   m.block_tables = block_tables.data_ptr<int32_t>();
   const int64_t r = logits_rows.numel();
   auto logits = at::empty({r, shape_.vocab}, at::TensorOptions().dtype(at::kFloat));
-  run(m, tokens.data_ptr<int64_t>(), logits_rows.data_ptr<int64_t>(), r,
-      k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), k_cache.size(1),
+  run(m, tokens.data_ptr<int64_t>(), logits_rows.data_ptr<int64_t>(), r, k_cache, v_cache,
       logits.data_ptr<float>());
   return logits;
 }

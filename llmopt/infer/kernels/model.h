@@ -42,7 +42,8 @@ class Model {
   Model(ModelShape shape, Linear embed, std::vector<Layer> layers, at::Tensor final_norm,
         std::vector<Linear> head, at::Tensor cos, at::Tensor sin);
 
-  // Logits [logits_rows, vocab] of one step; keys/values of every token go to the cache.
+  // Logits [logits_rows, vocab] of one step; keys/values of every token go to the cache
+  // (k_cache / v_cache: [layers, rows, kv_heads, head_dim] float32, bfloat16 or float16).
   at::Tensor forward(const at::Tensor& tokens, const at::Tensor& positions,
                      const at::Tensor& slots, const at::Tensor& query_start,
                      const at::Tensor& seq_lens, const at::Tensor& block_tables,
@@ -60,7 +61,7 @@ class Model {
                   const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t block_size);
   void project(const std::vector<Linear>& parts, const float* x, int64_t n_tok, float* y);
   void run(const StepMeta& m, const int64_t* tokens, const int64_t* rows, int64_t n_rows,
-           float* k_cache, float* v_cache, int64_t cache_rows, float* logits);
+           const at::Tensor& k_cache, const at::Tensor& v_cache, float* logits);
 
   ModelShape shape_;
   AttnShape attn_;

@@ -37,8 +37,11 @@ void Model::check_step(const at::Tensor& tokens, const at::Tensor& positions,
   want(seq_lens, "seq_lens", at::kLong, 1);
   want(block_tables, "block_tables", at::kInt, 2);
   want(logits_rows, "logits_rows", at::kLong, 1);
-  want(k_cache, "k_cache", at::kFloat, 4);
-  want(v_cache, "v_cache", at::kFloat, 4);
+  const auto cache_type = k_cache.defined() ? k_cache.scalar_type() : at::kFloat;
+  if (cache_type != at::kFloat && cache_type != at::kBFloat16 && cache_type != at::kHalf)
+    fail("k_cache must be float32, bfloat16 or float16, got ", c10::toString(cache_type));
+  want(k_cache, "k_cache", cache_type, 4);
+  want(v_cache, "v_cache", cache_type, 4);
   const int64_t n = tokens.numel(), n_seq = seq_lens.numel();
   if (n == 0) fail("a step needs at least one token");
   if (positions.numel() != n || slots.numel() != n)
