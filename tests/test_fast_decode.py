@@ -186,7 +186,9 @@ def test_falls_back_to_eager_with_reason(tiny_model, tiny_config, monkeypatch):
     out = generate(wrapped, [1, 2], max_new_tokens=6, stats=stats)
     assert stats["path"] == "eager" and "layer 1 down is _Opaque" in stats["fallback_reason"]
     assert out == generate(wrapped, [1, 2], max_new_tokens=6, fast=False)
-    with pytest.raises(ValueError, match="fused runner was requested but is unavailable: .*_Opaque"):
+    with pytest.raises(
+        ValueError, match="fused runner was requested but is unavailable: .*_Opaque"
+    ):
         generate(wrapped, [1, 2], max_new_tokens=6, fast=True)
     monkeypatch.setattr(build, "_STATE", {"module": None, "error": "no C++ compiler"})
     stats = {}
