@@ -7,8 +7,9 @@ the median is kept, so a machine shared with other jobs slows both sides alike.
 
     python benchmarks/decode.py --threads 2 --out runs/decode.json
 
-Implementations per weight kind (--dtypes float32,bfloat16,int8,int4; int8 = RTN per-channel,
-int4 = RTN g128 of the same weights): llmopt eager, llmopt fast (llmopt.infer.fast: fused
+Implementations per weight kind (--dtypes float32,bfloat16,int8,int4,auto; int8 = RTN
+per-channel, int4 = RTN g128 of the same weights, auto = the GGUF's own blocks as
+`load_model(dtype="auto")` keeps them): llmopt eager, llmopt fast (llmopt.infer.fast: fused
 layout, one C++ call per step), fast + INT8 head for quantized weights, and transformers for
 float dtypes. `ops/step` counts aten ops one eager step dispatches (1 for the fast path's
 single call, which runs 4 GEMVs per layer + the head inside).
@@ -84,7 +85,7 @@ def time_ours(model, prompt: list[int], new_tokens: int, fast: bool, int8_head: 
     out = generate(
         model, prompt, max_new_tokens=new_tokens, fast=fast, int8_head=int8_head, stats=stats
     )
-    assert len(out) == new_tokens and stats["path"] == ("fast" if fast else "eager")
+    assert len(out) == new_tokens and stats["path"] == ("fused" if fast else "eager")
     return stats["prefill_s"], stats["decode_s"]
 
 
@@ -113,6 +114,8 @@ def variant_models(name: str, base, model_name: str):
     """(llmopt model, torch dtype for transformers or None) for a --dtypes entry."""
     from llmopt.models.loading import load_model
 
+    if name == "auto":  # the GGUF's own blocks (Q4_1 + Q8_0 head for the packaged model)
+        return load_model(model_name, dtype="auto"), None
     if name in QUANT:
         from llmopt.compress.quant.apply import quantize_model
 
@@ -126,7 +129,7 @@ def run_dtype(args, name, base, hf_dir, prompt, bandwidth, console) -> list[dict
     """Eager, fast (and fast + INT8 head for quantized weights) and transformers, interleaved."""
     from rich.progress import track
 
-    from llmopt.infer.fast import FastDecoder
+    from llmopt.infer.fast import weight_bytes_for
 
     ours, hf_dtype = variant_models(name, base, args.model)
     runners = {
@@ -156,8 +159,8 @@ def run_dtype(args, name, base, hf_dir, prompt, bandwidth, console) -> list[dict
         decode = statistics.median(s[1] for s in samples[key])
         tok_s = (args.new_tokens - 1) / decode
         if key.startswith("llmopt-fast"):
-            dec = FastDecoder(model, len(prompt) + 1, int8_head=key.endswith("int8head"))
-            nbytes, ops = dec.bytes_per_token, 1  # one C++ call: 4 GEMVs per layer + head inside
+            nbytes = weight_bytes_for(model, int8_head=key.endswith("int8head"))
+            ops = 1  # one C++ call: 4 GEMVs per layer + head inside
             kernels = 4 * layers + 1
         else:
             nbytes = weight_bytes_per_token(model)
@@ -184,7 +187,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--dtypes", default="float32,bfloat16,int8,int4")
+    parser.add_argument("--dtypes", default="float32,bfloat16,int8,int4,auto")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)

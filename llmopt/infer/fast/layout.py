@@ -205,11 +205,10 @@ def fused_layout(model: nn.Module, int8_head: bool = False) -> FusedLayout:
     layers = [_layer(model, spec, block, i) for i, block in enumerate(blocks)]
     head_module = top["head"]
     _check_module(head_module, "the head")
-    head = (
-        [coded_weight([int8_rows(_float_of(head_module))])]
-        if int8_head
-        else projection([head_module], "the head")
-    )
+    if int8_head and coded_view(head_module) is None:  # a coded head stays as it is
+        head = [coded_weight([int8_rows(_float_of(head_module))])]
+    else:
+        head = projection([head_module], "the head")
     embed = _embedding(top["embedding"], head_module, head)
     scale = getattr(core, "scale", None)
     shape = {
