@@ -290,3 +290,29 @@ def test_half_precision_cache_holds_the_rounded_fp32_rows(dtype):
     rows = torch.cat([torch.arange(b * 4, b * 4 + 4) for b in full.tables[0]])
     assert torch.equal(half.k[0, rows], full.k[0, rows].to(dtype))
     assert torch.equal(half.v[0, rows], full.v[0, rows].to(dtype))
+
+
+def test_engine_objects_and_one_cache_served_by_both_runners():
+    """`StepBatch` / `PagedKVCache` as the engine builds them; eager and fused steps alternate
+    over one cache, each reading the keys/values the other wrote."""
+    from llmopt.infer.batch.runner import EagerRunner
+    from llmopt.infer.fast import FusedRunner
+    from llmopt.models.attention.paged import PagedKVCache, SeqChunk, StepBatch
+
+    model = tiny_model("mistral")
+    cache = PagedKVCache.for_model(model, num_blocks=24, block_size=4)
+    eager_runner, fused_runner = EagerRunner(model, cache), FusedRunner(model, cache)
+    tables = {0: [7, 2, 19, 4, 11], 1: [3, 15, 0, 9, 21]}
+    reference = EagerSeqs(model)
+    lengths = {0: 0, 1: 0}
+    for i, chunks in enumerate([{0: [5, 9, 2, 7, 1], 1: [4, 4, 6]}, {0: [11], 1: [3, 9, 9, 2]},
+                                {0: [12, 13], 1: [14]}, {0: [15], 1: [16]}]):  # fmt: skip
+        batch = StepBatch.build(
+            [SeqChunk(new, lengths[s], tables[s], logits_from=0) for s, new in chunks.items()],
+            block_size=4,
+        )
+        runner = fused_runner if i % 2 else eager_runner
+        got = runner.forward(batch)
+        torch.testing.assert_close(got, reference.run(chunks), rtol=0, atol=1e-4)
+        for s, new in chunks.items():
+            lengths[s] += len(new)

@@ -34,7 +34,7 @@ def cache_dir() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "llmopt" / "kernels"
 
 
-def _build_name() -> str:
+def _build_name(portable: bool = False) -> str:
     """Hash of the source, torch version and CPU, so a change rebuilds instead of reusing."""
     import torch
 
@@ -42,7 +42,7 @@ def _build_name() -> str:
     for path in sorted(KERNELS.glob("*.[ch]*")):  # every source and header
         digest.update(path.name.encode() + path.read_bytes())
     digest.update(f"{torch.__version__}|{platform.machine()}|{_cpu_flags()}".encode())
-    return f"llmopt_fused_{digest.hexdigest()[:12]}"
+    return f"llmopt_fused{'_portable' if portable else ''}_{digest.hexdigest()[:12]}"
 
 
 def _cpu_flags() -> str:
@@ -64,25 +64,36 @@ def load_kernels(verbose: bool = False) -> ModuleType | None:
         return None
     module = None
     try:
-        from torch.utils import cpp_extension
-
-        name = _build_name()
-        build = cache_dir() / name
-        build.mkdir(parents=True, exist_ok=True)
-        module = cpp_extension.load(
-            name=name,
-            sources=[str(KERNELS / name) for name in SOURCES],
-            build_directory=str(build),
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=verbose,
-        )
+        module = _compile(portable=False, verbose=verbose)
         _STATE["error"] = None
     except Exception as exc:  # no compiler, no headers, build error: fall back, remember why
         first = str(exc).strip().splitlines()
         _STATE["error"] = f"{type(exc).__name__}: {first[0] if first else ''}"
     _STATE["module"] = module
     return module
+
+
+def load_portable_kernels(verbose: bool = False) -> ModuleType:
+    """The same kernels built for any x86-64 (no AVX-512: the scalar loops), to test the
+    fallback on a machine that has AVX-512. Raises if the build fails."""
+    return _compile(portable=True, verbose=verbose)
+
+
+def _compile(portable: bool, verbose: bool) -> ModuleType:
+    from torch.utils import cpp_extension
+
+    name = _build_name(portable)
+    build = cache_dir() / name
+    build.mkdir(parents=True, exist_ok=True)
+    arch = "-march=x86-64-v2" if portable and platform.machine() == "x86_64" else "-march=native"
+    return cpp_extension.load(
+        name=name,
+        sources=[str(KERNELS / source) for source in SOURCES],
+        build_directory=str(build),
+        extra_cflags=["-O3", arch, "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+        verbose=verbose,
+    )
 
 
 def build_error() -> str | None:

@@ -1,4 +1,5 @@
-// Python bindings of the fused CPU kernels (built by llmopt/infer/fast/build.py).
+// Python bindings of the fused CPU kernels (built by llmopt/infer/fast/build.py). Classes are
+// module-local: the native and the portable build can be loaded in one process.
 #include <torch/extension.h>
 
 #include "model.h"
@@ -41,8 +42,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       false
 #endif
   );
-  py::register_exception<llmopt::StepError>(m, "StepError", PyExc_ValueError);
-  py::class_<Linear>(m, "Linear")
+  py::register_local_exception<llmopt::StepError>(m, "StepError", PyExc_ValueError);
+  py::class_<Linear>(m, "Linear", py::module_local())
       .def_readonly("kind", &Linear::kind)
       .def_readonly("out_features", &Linear::n)
       .def_readonly("in_features", &Linear::k)
@@ -53,7 +54,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("make_coded_linear", &llmopt::make_coded_linear, py::arg("n"), py::arg("k"),
         py::arg("bits"), py::arg("group"), py::arg("codes"), py::arg("scales"), py::arg("mins"),
         py::arg("zero"), py::arg("bias"));
-  py::class_<ModelShape>(m, "ModelShape")
+  py::class_<ModelShape>(m, "ModelShape", py::module_local())
       .def(py::init<>())
       .def_readwrite("hidden", &ModelShape::hidden)
       .def_readwrite("heads", &ModelShape::heads)
@@ -68,7 +69,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("attn_scale", &ModelShape::attn_scale)
       .def_readwrite("attn_softcap", &ModelShape::attn_softcap)
       .def_readwrite("final_softcap", &ModelShape::final_softcap);
-  py::class_<Layer>(m, "Layer")
+  py::class_<Layer>(m, "Layer", py::module_local())
       .def(py::init<>())
       .def_readwrite("norms", &Layer::norms)
       .def_readwrite("q_norm", &Layer::q_norm)
@@ -78,7 +79,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("up", &Layer::up)
       .def_readwrite("down", &Layer::down)
       .def_readwrite("window", &Layer::window);
-  py::class_<Model>(m, "Model")
+  py::class_<Model>(m, "Model", py::module_local())
       .def(py::init<ModelShape, Linear, std::vector<Layer>, at::Tensor, std::vector<Linear>,
                     at::Tensor, at::Tensor>())
       .def("forward", &Model::forward, py::arg("tokens"), py::arg("positions"), py::arg("slots"),

@@ -94,6 +94,13 @@ inline __m512 load_lanes(const void* p, int64_t tile, int64_t groups, int64_t g)
   return _mm512_loadu_ps(static_cast<const float*>(p) + off);
 }
 
+// Codes are prefetched this many bytes ahead of the block being multiplied: the hardware
+// prefetcher stops at 4 KiB pages, and a decode step streams ~100 MB of codes once. Measured
+// on SmolLM2's Q4_1 GGUF, batch 1, 1 thread: 0 / 512 / 1024 / 2048 / 4096 / 8192 / 16384
+// bytes ahead -> 13.2 / 14.5 / 13.2 / 10.5 / 9.1 / 10.0 / 12.0 ms CPU per token (medians of
+// 5, interleaved, load average 6-11 on the 2 cores).
+constexpr int64_t kPrefetchBytes = 4096;
+
 inline int32_t load4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -118,6 +125,8 @@ void tile_avx512(const Linear& l, int64_t tile, const QRows& qx, int64_t tok0, f
   __m512 ws = _mm512_setzero_ps(), wm = _mm512_setzero_ps();
   __m512 ws2 = _mm512_setzero_ps(), wm2 = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, wp += line_bytes) {
+    for (int64_t i = 0; i < line_bytes; i += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(wp + kPrefetchBytes + i), _MM_HINT_T0);
     __m512i w[8];
     if (BITS == 4) {
       for (int m = 0; m < 4; ++m) {
