@@ -10,7 +10,8 @@ paged cache (a warm-up pass first). Plus what llama-bench has no test for: a dec
 sequences at once (each at a context of C tokens), reported as aggregate tokens/s.
 
 Each repetition runs llama-bench then llmopt for every thread count (interleaved, so a shared
-machine slows both alike); medians are kept. Both sides are timed by the wall clock; llmopt's
+machine slows both alike); medians are kept, and the median of the per-repetition ratios
+("paired ratio": both sides of a pair saw nearly the same load). Both sides are timed by the wall clock; llmopt's
 CPU time per token is reported too (on a loaded machine it is the steadier figure). The load
 average before and after each part goes into the JSON.
 
@@ -158,6 +159,8 @@ def main() -> None:
             continue
         ref = samples.get((n, test, "llama.cpp"))
         tok_s = statistics.median(values)
+        # each repetition ran both sides back to back: their ratio drifts less with the load
+        paired = [a / b for a, b in zip(values, ref)] if ref else None
         results.append({
             "threads": n,
             "test": test,
@@ -167,12 +170,16 @@ def main() -> None:
             "llamacpp_tokens_per_s": statistics.median(ref) if ref else None,
             "llamacpp_samples": ref,
             "ratio": tok_s / statistics.median(ref) if ref else None,
+            "paired_ratio": statistics.median(paired) if paired else None,
+            "paired_ratios": paired,
         })  # fmt: skip
     table = Table(
         title=f"{path.name}: llmopt fused step vs llama-bench {info.get('build_commit', '')} "
         f"(--repack 0), median of {args.repeats}"
     )
-    for col in ("threads", "test", "llama.cpp tok/s", "llmopt tok/s", "ratio", "llmopt CPU ms/tok"):
+    columns = ("threads", "test", "llama.cpp tok/s", "llmopt tok/s", "ratio", "paired ratio",
+               "llmopt CPU ms/tok")  # fmt: skip
+    for col in columns:
         table.add_column(col, justify="right")
     for r in results:
         ref = r["llamacpp_tokens_per_s"]
@@ -182,6 +189,7 @@ def main() -> None:
             f"{ref:.1f}" if ref else "-",
             f"{r['llmopt_tokens_per_s']:.1f}",
             f"{r['ratio']:.2f}x" if r["ratio"] else "-",
+            f"{r['paired_ratio']:.2f}x" if r["paired_ratio"] else "-",
             f"{r['llmopt_cpu_ms_per_token']:.2f}",
         )
     console.print(table)

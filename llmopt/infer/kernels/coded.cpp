@@ -96,9 +96,9 @@ inline __m512 load_lanes(const void* p, int64_t tile, int64_t groups, int64_t g)
 
 // Codes are prefetched this many bytes ahead of the block being multiplied: the hardware
 // prefetcher stops at 4 KiB pages, and a decode step streams ~100 MB of codes once. Measured
-// on SmolLM2's Q4_1 GGUF, batch 1, 1 thread: 0 / 512 / 1024 / 2048 / 4096 / 8192 / 16384
-// bytes ahead -> 13.2 / 14.5 / 13.2 / 10.5 / 9.1 / 10.0 / 12.0 ms CPU per token (medians of
-// 5, interleaved, load average 6-11 on the 2 cores).
+// on SmolLM2's Q4_1 GGUF, batch 1, 1 thread, ms CPU per token (medians of 5, 2-4 sweeps,
+// load average 6-11 on the 2 cores): none 12.0-15.0, 512 B 14.2-14.6, 1 KiB 12.6-14.5,
+// 2 KiB 10.5-13.0, 4 KiB 9.1-11.1, 8 KiB 9.3-11.1, 16 KiB 12.0-12.4.
 constexpr int64_t kPrefetchBytes = 4096;
 
 inline int32_t load4(const int8_t* p) {
