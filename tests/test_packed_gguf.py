@@ -23,6 +23,7 @@ from llmopt.infer.fast.layout import projection  # noqa: E402
 from llmopt.models import ModelConfig  # noqa: E402
 from llmopt.models.loading import load_model  # noqa: E402
 from llmopt.models.packed import BlockQuantEmbedding, BlockQuantLinear  # noqa: E402
+from llmopt.models.packed.block import BUFFERS  # noqa: E402
 from llmopt.models.packed.gguf_blocks import packed_tensors  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
@@ -77,15 +78,17 @@ def test_block_decoding_equals_gguf_dequantize_bit_for_bit(kind):
     want = gguf.quants.dequantize(raw, Q[kind]).reshape(rows, cols)
     layer = packed_linear(kind, rows, cols)
     assert torch.equal(layer.dequantize(), torch.from_numpy(want))
-    # bytes kept: the file's for the fp16-scaled types, exact fp32 sub-scales for K-quants
+    # bytes kept: the file's, but Q4_K's 8 sub-scale/min pairs as 16 bytes (12 in the file)
+    # and Q6_K's 6-bit codes one per byte
     file_bytes = raw.nbytes
-    ratio = {"Q4_0": 1.0, "Q4_1": 1.0, "Q8_0": 1.0, "Q4_K": 192 / 144, "Q6_K": 320 / 210}[kind]
+    ratio = {"Q4_0": 1.0, "Q4_1": 1.0, "Q8_0": 1.0, "Q4_K": 148 / 144, "Q6_K": 274 / 210}[kind]
     assert layer.packed_nbytes() == pytest.approx(file_bytes * ratio)
     x = torch.randn(3, 5, cols)
     layer.tile_rows = 7  # the eager forward dequantizes 7 rows at a time
     torch.testing.assert_close(layer(x), F.linear(x, layer.dequantize()), rtol=1e-5, atol=1e-5)
     embed = BlockQuantEmbedding(rows, cols, layer.fmt.name)
-    embed.codes, embed.scales, embed.mins = layer.codes, layer.scales, layer.mins
+    for name in BUFFERS:
+        setattr(embed, name, getattr(layer, name))
     ids = torch.tensor([[3, 0, 23], [5, 5, 1]])
     assert torch.equal(embed(ids), layer.dequantize()[ids])
 
@@ -113,6 +116,16 @@ def test_kernels_read_the_blocks_directly(kind):
         assert torch.equal(got[row], lin(x[row]))
     for r in (0, 17, 71):  # embedding lookups read the same tiles
         torch.testing.assert_close(lin.row(r), layer.dequantize()[r], rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_kernel_layout_reads_the_files_bytes(kind):
+    raw = raw_blocks(kind, 64, 512)
+    (kw,) = projection([packed_linear(kind, 64, 512)], "test")
+    # Q4_K: 6-bit sub-scales/mins one byte each (148 vs 144 bytes per 256 weights); Q6_K:
+    # 8-bit codes and fp32 scales per 16 columns (320 vs 210)
+    ratio = {"Q4_0": 1.0, "Q4_1": 1.0, "Q8_0": 1.0, "Q4_K": 148 / 144, "Q6_K": 320 / 210}[kind]
+    assert kw.nbytes() == pytest.approx(raw.nbytes * ratio)
 
 
 # ---------------------------------------------------------------- a mixed-format GGUF file

@@ -8,7 +8,8 @@ columns, codes unsigned) from whatever holds it:
 Views of linears that read one input and share a format are concatenated along output rows
 (fused QKV, gate/up), then tiled: 16 rows per tile, per 32-column block 8 lines of 16 int32
 lanes (lane i of line k: the 4 codes of row i at columns 4k..4k+3), 4-bit lines paired into
-one byte each (line m low nibble, line m + 4 high). Scales/mins become [tiles, groups, 16].
+one byte each (line m low nibble, line m + 4 high). Scales/mins become [tiles, groups, 16]
+(Q4_K's uint8 sub-scales/mins too, with their fp16 super-scales as [tiles, k / 256, 16]).
 Nothing here edits the model; the kernels get copies in their layout.
 """
 
@@ -32,11 +33,13 @@ class CodedView:
     codes: torch.Tensor  # uint8 [n, k], one per weight
     bits: int  # container width: 4 or 8
     group: int  # columns per scale: a multiple of 32, or 16 (Q6_K)
-    scales: torch.Tensor  # [n, groups] fp16 or fp32
+    scales: torch.Tensor  # [n, groups] fp16 or fp32; uint8 sub-scales (Q4_K)
     mins: torch.Tensor | None  # same shape and dtype family, or None
     zero: float
     bias: torch.Tensor | None
     name: str  # format, for reports (q4_1, int4-g128, ...)
+    super_scales: torch.Tensor | None = None  # Q4_K: fp16 [n, k / 256] (and the mins')
+    super_mins: torch.Tensor | None = None
 
     def key(self) -> tuple:
         """What must agree for views to share one fused weight."""
@@ -62,8 +65,12 @@ def coded_view(module: nn.Module) -> CodedView | None:
         codes = module.unpacked_codes()
         if (fmt.block % BLOCK and fmt.block != 16) or codes.shape[1] % BLOCK:
             return None
-        mins = None if module.mins is None else module.mins
-        return CodedView(codes, fmt.bits, fmt.block, module.scales, mins, fmt.zero, bias, fmt.name)
+        if fmt.super_block and fmt.has_mins:  # Q4_K: both levels kept (6-bit subs, fp16)
+            return CodedView(codes, fmt.bits, fmt.block, module.scales, module.mins, 0.0, bias,
+                             fmt.name, module.super_scales, module.super_mins)  # fmt: skip
+        # Q6_K's int8 sub-scales times its fp16 super-scale: exact fp32 products
+        scales = module.scale_values() if fmt.super_block else module.scales
+        return CodedView(codes, fmt.bits, fmt.block, scales, module.mins, fmt.zero, bias, fmt.name)
     if _is_quant_linear(module):
         from llmopt.compress.quant.formats import unpack_codes
 
@@ -128,17 +135,20 @@ class KernelWeight:
     zero: float = 0.0
     bias: torch.Tensor | None = None
     name: str = ""
+    super_scales: torch.Tensor | None = None
+    super_mins: torch.Tensor | None = None
 
     def nbytes(self) -> int:
         """Bytes one pass over the weight reads (tiles include their padding rows)."""
-        tensors = (self.w, self.codes, self.scales, self.mins, self.bias)
+        tensors = (self.w, self.codes, self.scales, self.mins, self.bias, self.super_scales,
+                   self.super_mins)  # fmt: skip
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def to_cpp(self, kmod: Any) -> Any:
         if self.kind == CODED:
             return kmod.make_coded_linear(
                 self.n, self.k, self.bits, self.group, self.codes, self.scales, self.mins,
-                self.zero, self.bias,
+                self.zero, self.bias, self.super_scales, self.super_mins,
             )  # fmt: skip
         return kmod.make_float_linear(self.w, self.bias)
 
@@ -149,6 +159,10 @@ def coded_weight(views: list[CodedView]) -> KernelWeight:
     codes = torch.cat([v.codes for v in views]) if len(views) > 1 else first.codes
     scales = torch.cat([v.scales for v in views])
     mins = None if first.mins is None else torch.cat([v.mins for v in views])
+    supers = {}
+    for name in ("super_scales", "super_mins"):
+        if getattr(first, name) is not None:
+            supers[name] = tile_lanes(torch.cat([getattr(v, name) for v in views]))
     bias = None
     if any(v.bias is not None for v in views):
         bias = torch.cat(
@@ -166,6 +180,7 @@ def coded_weight(views: list[CodedView]) -> KernelWeight:
         zero=first.zero,
         bias=bias,
         name=first.name,
+        **supers,
     )
 
 

@@ -53,7 +53,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("make_float_linear", &llmopt::make_float_linear, py::arg("w"), py::arg("bias"));
   m.def("make_coded_linear", &llmopt::make_coded_linear, py::arg("n"), py::arg("k"),
         py::arg("bits"), py::arg("group"), py::arg("codes"), py::arg("scales"), py::arg("mins"),
-        py::arg("zero"), py::arg("bias"));
+        py::arg("zero"), py::arg("bias"), py::arg("super_scales") = py::none(),
+        py::arg("super_mins") = py::none());
   py::class_<ModelShape>(m, "ModelShape", py::module_local())
       .def(py::init<>())
       .def_readwrite("hidden", &ModelShape::hidden)

@@ -18,7 +18,8 @@ namespace llmopt {
 
 Linear make_coded_linear(int64_t n, int64_t k, int64_t bits, int64_t group, at::Tensor codes,
                          at::Tensor scales, c10::optional<at::Tensor> mins, double zero,
-                         c10::optional<at::Tensor> bias) {
+                         c10::optional<at::Tensor> bias, c10::optional<at::Tensor> super_scales,
+                         c10::optional<at::Tensor> super_mins) {
   Linear l;
   l.kind = CODED;
   l.n = n;
@@ -43,8 +44,9 @@ Linear make_coded_linear(int64_t n, int64_t k, int64_t bits, int64_t group, at::
                     t.size(2) == kTile,
                 "coded linear: ", what, " must be [", l.tiles(), ", ", l.groups(), ", 16], got ",
                 t.sizes());
-    TORCH_CHECK(t.scalar_type() == at::kHalf || t.scalar_type() == at::kFloat, "coded linear: ",
-                what, " must be float16 or float32");
+    TORCH_CHECK(t.scalar_type() == at::kHalf || t.scalar_type() == at::kFloat ||
+                    t.scalar_type() == at::kByte,
+                "coded linear: ", what, " must be float16, float32 or uint8 (K-quant levels)");
   };
   check_vec(scales, "scales");
   l.scales = scales.contiguous();
@@ -54,6 +56,24 @@ Linear make_coded_linear(int64_t n, int64_t k, int64_t bits, int64_t group, at::
     check_vec(*mins, "mins");
     l.mins = mins->contiguous();
     l.min_kind = mins->scalar_type() == at::kHalf ? MIN_F16 : MIN_F32;
+  }
+  if (scales.scalar_type() == at::kByte) {  // Q4_K: sub-scales/mins x fp16 super-scales
+    const bool ok = bits == 4 && group == kBlock && k % 256 == 0 && l.mins.defined() &&
+                    l.mins.scalar_type() == at::kByte && super_scales.has_value() &&
+                    super_mins.has_value();
+    TORCH_CHECK(ok, "coded linear: uint8 sub-scales need 4-bit codes, 32-column groups, uint8 "
+                "sub-mins and fp16 super-scales and super-mins");
+    for (const auto* t : {&*super_scales, &*super_mins})
+      TORCH_CHECK(t->scalar_type() == at::kHalf && t->dim() == 3 && t->size(0) == l.tiles() &&
+                      t->size(1) == k / 256 && t->size(2) == kTile,
+                  "coded linear: super-scales must be float16 [", l.tiles(), ", ", k / 256,
+                  ", 16], got ", t->sizes());
+    l.super_scales = super_scales->contiguous();
+    l.super_mins = super_mins->contiguous();
+    l.min_kind = MIN_KQ;
+  } else {
+    TORCH_CHECK(!l.mins.defined() || l.mins.scalar_type() != at::kByte,
+                "coded linear: uint8 mins need uint8 sub-scales");
   }
   TORCH_CHECK(group != 16 || (bits == 8 && !l.scale_f16 && l.min_kind == MIN_ZERO),
               "coded linear: 16-column groups need 8-bit codes, fp32 scales and a zero point");
@@ -82,7 +102,26 @@ inline void lanes(const void* p, int64_t tile, int64_t groups, int64_t g, float*
   }
 }
 
+// K-quant levels of `tile`'s group g: scale = sub * super, min = -sub_min * super_min
+inline void kq_lanes(const Linear& l, int64_t tile, int64_t g, float* ws, float* wm) {
+  const int64_t off = (tile * l.groups() + g) * kTile;
+  float d[kTile], dm[kTile];
+  lanes<true>(l.super_scales.data_ptr(), tile, l.k / 256, g / 8, d);
+  lanes<true>(l.super_mins.data_ptr(), tile, l.k / 256, g / 8, dm);
+  const uint8_t* sc = l.scales.data_ptr<uint8_t>() + off;
+  const uint8_t* mn = l.mins.data_ptr<uint8_t>() + off;
+  for (int i = 0; i < kTile; ++i) {
+    ws[i] = static_cast<float>(sc[i]) * d[i];
+    wm[i] = -(static_cast<float>(mn[i]) * dm[i]);
+  }
+}
+
 #ifdef LLMOPT_AVX512
+inline __m512 load_u8_lanes(const void* p, int64_t tile, int64_t groups, int64_t g) {
+  const uint8_t* q = static_cast<const uint8_t*>(p) + (tile * groups + g) * kTile;
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+}
+
 template <bool F16>
 inline __m512 load_lanes(const void* p, int64_t tile, int64_t groups, int64_t g) {
   const int64_t off = (tile * groups + g) * kTile;
@@ -124,6 +163,7 @@ void tile_avx512(const Linear& l, int64_t tile, const QRows& qx, int64_t tok0, f
   for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
   __m512 ws = _mm512_setzero_ps(), wm = _mm512_setzero_ps();
   __m512 ws2 = _mm512_setzero_ps(), wm2 = _mm512_setzero_ps();
+  __m512 dv = _mm512_setzero_ps(), dmv = _mm512_setzero_ps();  // K-quant super-scales
   for (int64_t b = 0; b < nb; ++b, wp += line_bytes) {
     for (int64_t i = 0; i < line_bytes; i += 64)
       _mm_prefetch(reinterpret_cast<const char*>(wp + kPrefetchBytes + i), _MM_HINT_T0);
@@ -142,6 +182,13 @@ void tile_avx512(const Linear& l, int64_t tile, const QRows& qx, int64_t tok0, f
       ws2 = load_lanes<false>(sp, tile, groups, 2 * b + 1);
       wm = _mm512_mul_ps(ws, negzero);
       wm2 = _mm512_mul_ps(ws2, negzero);
+    } else if (MK == MIN_KQ) {
+      if (b % 8 == 0) {
+        dv = load_lanes<true>(l.super_scales.data_ptr(), tile, nb / 8, b / 8);
+        dmv = load_lanes<true>(l.super_mins.data_ptr(), tile, nb / 8, b / 8);
+      }
+      ws = _mm512_mul_ps(load_u8_lanes(sp, tile, groups, b), dv);
+      wm = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(load_u8_lanes(mp, tile, groups, b), dmv));
     } else if (b % per == 0) {
       ws = load_lanes<SF16>(sp, tile, groups, b / per);
       if (MK == MIN_ZERO) {
@@ -211,6 +258,10 @@ void tile_scalar(const Linear& l, int64_t tile, const QRows& qx, int64_t tok0, f
     for (int h = 0; h < (HALF ? 2 : 1); ++h) {
       if (!HALF && b % per) break;
       const int64_t g = HALF ? 2 * b + h : b / per;
+      if (MK == MIN_KQ) {
+        kq_lanes(l, tile, g, ws[h], wm[h]);
+        continue;
+      }
       lanes<SF16>(l.scales.data_ptr(), tile, groups, g, ws[h]);
       if (MK == MIN_ZERO) {
         for (int i = 0; i < kTile; ++i) wm[h][i] = ws[h][i] * -l.zero;
@@ -284,6 +335,8 @@ void run_min(const Linear& l, const QRows& qx, int64_t n_tok, float* y, int64_t 
       return run_tiles<BITS, SF16, MIN_ZERO>(l, qx, n_tok, y, ldy);
     case MIN_F16:
       return run_tiles<BITS, SF16, MIN_F16>(l, qx, n_tok, y, ldy);
+    case MIN_KQ:
+      return run_tiles<BITS, false, MIN_KQ>(l, qx, n_tok, y, ldy);
     default:
       return run_tiles<BITS, SF16, MIN_F32>(l, qx, n_tok, y, ldy);
   }
@@ -321,7 +374,10 @@ void weight_row(const Linear& l, int64_t row, float* out) {
   for (int64_t b = 0; b < nb; ++b, wp += line_bytes) {
     for (int m = 0; m < 8; ++m) {
       const int64_t g = (b * kBlock + 4 * m) / l.group;
-      if (g != loaded) {
+      if (g != loaded && l.min_kind == MIN_KQ) {
+        kq_lanes(l, tile, g, ws, wm);
+        loaded = g;
+      } else if (g != loaded) {
         if (l.scale_f16)
           lanes<true>(l.scales.data_ptr(), tile, l.groups(), g, ws);
         else
@@ -350,7 +406,7 @@ void weight_row(const Linear& l, int64_t row, float* out) {
 
 int64_t Linear::nbytes() const {
   int64_t total = 0;
-  for (const at::Tensor* t : {&w, &codes, &scales, &mins, &bias})
+  for (const at::Tensor* t : {&w, &codes, &scales, &mins, &bias, &super_scales, &super_mins})
     if (t->defined()) total += t->numel() * t->element_size();
   return total;
 }

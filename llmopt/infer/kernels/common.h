@@ -23,9 +23,10 @@
 namespace llmopt {
 
 enum Kind : int64_t { F32 = 0, BF16 = 1, CODED = 2 };
-// where a coded group's min comes from: -zero * scale (Q4_0, Q8_0, symmetric codes), or a
-// stored fp16 / fp32 value per group (Q4_1, Q4_K, zero-point INT4/INT8)
-enum MinKind : int64_t { MIN_ZERO = 0, MIN_F16 = 1, MIN_F32 = 2 };
+// where a coded group's min comes from: -zero * scale (Q4_0, Q8_0, symmetric codes), a
+// stored fp16 / fp32 value per group (Q4_1, zero-point INT4/INT8), or K-quant levels (Q4_K:
+// scale = sub * super_scale, min = -sub_min * super_min, uint8 subs, fp16 supers per 256)
+enum MinKind : int64_t { MIN_ZERO = 0, MIN_F16 = 1, MIN_F32 = 2, MIN_KQ = 3 };
 
 constexpr int64_t kTile = 16;   // output rows per coded tile (one zmm of int32 lanes)
 constexpr int64_t kBlock = 32;  // columns per activation scale
@@ -43,6 +44,7 @@ struct Linear {
   bool scale_f16 = true;
   float zero = 0.f;
   at::Tensor codes, scales, mins, bias;  // bias: fp32 [n] or undefined
+  at::Tensor super_scales, super_mins;   // MIN_KQ: fp16 [tiles, k / 256, 16]
 
   int64_t tiles() const { return (n + kTile - 1) / kTile; }
   int64_t blocks() const { return k / kBlock; }
@@ -53,7 +55,8 @@ struct Linear {
 Linear make_float_linear(at::Tensor w, c10::optional<at::Tensor> bias);
 Linear make_coded_linear(int64_t n, int64_t k, int64_t bits, int64_t group, at::Tensor codes,
                          at::Tensor scales, c10::optional<at::Tensor> mins, double zero,
-                         c10::optional<at::Tensor> bias);
+                         c10::optional<at::Tensor> bias, c10::optional<at::Tensor> super_scales,
+                         c10::optional<at::Tensor> super_mins);
 
 // Activation rows rounded to int8 per 32 columns: scale = max|x| / 127, code = round(x / scale).
 struct QRows {

@@ -4,9 +4,10 @@ A weight W [out, in] is cut along `in` into blocks of `block` columns; each bloc
 and either a stored min m (W = code * s + m: Q4_1, Q4_K) or a fixed zero point z
 (W = (code - z) * s: Q4_0 z=8, Q8_0 z=128 over codes shifted to unsigned, Q6_K z=32). Codes
 are unsigned, 4-bit ones two per byte (even column in the low nibble, as
-`llmopt.compress.quant.formats.pack_codes`). Scales and mins stay fp16 where the file has fp16
-(Q4_0/Q4_1/Q8_0: the same bytes as the file); K-quants' 6/8-bit sub-scales times the fp16
-super-block scale are kept as their exact fp32 products.
+`llmopt.compress.quant.formats.pack_codes`). Scales and mins stay as the file has them: fp16
+per block (Q4_0/Q4_1/Q8_0), or the K-quants' two levels, integer sub-block scales (and mins)
+times an fp16 scale per 256-column super-block: s = sub * super, m = -sub_min * super_min
+(Q4_K), whose fp32 products are exact. Q6_K's 6-bit codes are kept one per byte.
 
 `dequantize()` reproduces the `gguf` package's dequantization bit for bit; `forward`
 dequantizes on the fly (row tiles, so no full fp32 copy is held), so the eager model,
@@ -29,9 +30,10 @@ class BlockFormat:
     name: str
     bits: int  # code width in storage: 4 (two per byte) or 8
     block: int  # columns per scale
-    scale_dtype: torch.dtype
+    scale_dtype: torch.dtype  # of the per-block scales (and mins)
     has_mins: bool  # W = code * scale + min; else W = (code - zero) * scale
     zero: float = 0.0
+    super_block: int = 0  # K-quants: columns per fp16 super-scale (scales are sub-scales)
 
 
 BLOCK_FORMATS = {
@@ -40,8 +42,8 @@ BLOCK_FORMATS = {
         BlockFormat("q4_0", 4, 32, torch.float16, False, 8.0),
         BlockFormat("q4_1", 4, 32, torch.float16, True),
         BlockFormat("q8_0", 8, 32, torch.float16, False, 128.0),
-        BlockFormat("q4_k", 4, 32, torch.float32, True),
-        BlockFormat("q6_k", 8, 16, torch.float32, False, 32.0),
+        BlockFormat("q4_k", 4, 32, torch.uint8, True, super_block=256),
+        BlockFormat("q6_k", 8, 16, torch.int8, False, 32.0, super_block=256),
     )
 }
 
@@ -55,25 +57,36 @@ def block_format(name: str) -> BlockFormat:
         ) from None
 
 
+BUFFERS = ("codes", "scales", "mins", "super_scales", "super_mins")
+
+
 class _PackedBuffers(nn.Module):
-    """codes / scales / mins buffers whose dtypes `.to(dtype)` must not change."""
+    """codes / scales / mins (/ super-block scales) whose dtypes `.to(dtype)` must not change."""
 
     def _init_buffers(self, rows: int, cols: int, fmt: BlockFormat) -> None:
-        if cols % fmt.block:
-            raise ValueError(
-                f"{fmt.name}: {cols} columns are not a multiple of the block size {fmt.block}"
-            )
+        unit = max(fmt.block, fmt.super_block)
+        if cols % unit:
+            raise ValueError(f"{fmt.name}: {cols} columns are not a multiple of {unit}")
         self.fmt = fmt
         packed = cols // 2 if fmt.bits == 4 else cols
+        groups = cols // fmt.block
         self.register_buffer("codes", torch.zeros(rows, packed, dtype=torch.uint8))
-        self.register_buffer("scales", torch.zeros(rows, cols // fmt.block, dtype=fmt.scale_dtype))
-        mins = torch.zeros(rows, cols // fmt.block, dtype=fmt.scale_dtype) if fmt.has_mins else None
+        self.register_buffer("scales", torch.zeros(rows, groups, dtype=fmt.scale_dtype))
+        mins = torch.zeros(rows, groups, dtype=fmt.scale_dtype) if fmt.has_mins else None
         self.register_buffer("mins", mins)
+        supers = cols // fmt.super_block if fmt.super_block else 0
+        half = torch.float16
+        self.register_buffer(
+            "super_scales", torch.zeros(rows, supers, dtype=half) if supers else None
+        )
+        self.register_buffer(
+            "super_mins", torch.zeros(rows, supers, dtype=half) if supers and fmt.has_mins else None
+        )
         self.out_dtype = torch.float32
 
     def _apply(self, fn, recurse=True):
         """Devices move; the format's dtypes stay (`.to(bf16)` sets the output dtype only)."""
-        kept = {name: getattr(self, name) for name in ("codes", "scales", "mins")}
+        kept = {name: getattr(self, name) for name in BUFFERS}
         super()._apply(fn, recurse)
         self.out_dtype = fn(torch.zeros(0, device=kept["codes"].device)).dtype
         device = self.codes.device
@@ -89,24 +102,42 @@ class _PackedBuffers(nn.Module):
             return codes
         return torch.stack([codes & 0x0F, codes >> 4], dim=-1).reshape(codes.shape[0], -1)
 
-    def dequantize_rows(self, rows: slice, dtype: torch.dtype) -> torch.Tensor:
-        codes = self.unpacked_codes(rows).float()
+    def _expand(self, sub: torch.Tensor, sup: torch.Tensor | None) -> torch.Tensor:
+        values = sub.float()
+        if sup is None:
+            return values
+        per = self.fmt.super_block // self.fmt.block
+        return values * sup.float().repeat_interleave(per, dim=1)  # exact: small int x fp16
+
+    def scale_values(self, rows=slice(None)) -> torch.Tensor:
+        """fp32 scale of every block [rows, cols / block]."""
+        sup = None if self.super_scales is None else self.super_scales[rows]
+        return self._expand(self.scales[rows], sup)
+
+    def min_values(self, rows=slice(None)) -> torch.Tensor | None:
+        """fp32 min of every block (W = code * scale + min), None for zero-point formats."""
+        if self.mins is None:
+            return None
+        if self.super_mins is None:
+            return self.mins[rows].float()
+        return -self._expand(self.mins[rows], self.super_mins[rows])
+
+    def _dequantize(self, codes: torch.Tensor, rows) -> torch.Tensor:
         n, cols = codes.shape
-        blocks = codes.view(n, cols // self.fmt.block, self.fmt.block)
-        scale = self.scales[rows].float().unsqueeze(-1)
-        if self.fmt.has_mins:
-            w = blocks * scale + self.mins[rows].float().unsqueeze(-1)
-        else:
-            w = (blocks - self.fmt.zero) * scale
-        return w.view(n, cols).to(dtype)
+        blocks = codes.float().view(n, cols // self.fmt.block, self.fmt.block)
+        scale = self.scale_values(rows).unsqueeze(-1)
+        mins = self.min_values(rows)
+        if mins is not None:
+            return (blocks * scale + mins.unsqueeze(-1)).view(n, cols)
+        return ((blocks - self.fmt.zero) * scale).view(n, cols)
+
+    def dequantize_rows(self, rows: slice, dtype: torch.dtype) -> torch.Tensor:
+        return self._dequantize(self.unpacked_codes(rows), rows).to(dtype)
 
     def packed_nbytes(self) -> int:
         """Bytes of the stored codes, scales and mins."""
-        return sum(
-            t.numel() * t.element_size()
-            for t in (self.codes, self.scales, self.mins)
-            if t is not None
-        )
+        tensors = (getattr(self, name) for name in BUFFERS)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 class BlockQuantLinear(_PackedBuffers):
@@ -156,7 +187,8 @@ class BlockQuantEmbedding(_PackedBuffers):
     @classmethod
     def tied_to(cls, head: BlockQuantLinear) -> BlockQuantEmbedding:
         embed = cls(head.out_features, head.in_features, head.fmt.name)
-        embed.codes, embed.scales, embed.mins = head.codes, head.scales, head.mins
+        for name in BUFFERS:
+            setattr(embed, name, getattr(head, name))
         return embed
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -167,14 +199,8 @@ class BlockQuantEmbedding(_PackedBuffers):
         codes = self.codes[flat]
         if self.fmt.bits == 4:
             codes = torch.stack([codes & 0x0F, codes >> 4], dim=-1).reshape(flat.numel(), -1)
-        n, cols = codes.shape
-        blocks = codes.float().view(n, cols // self.fmt.block, self.fmt.block)
-        scale = self.scales[flat].float().unsqueeze(-1)
-        if self.fmt.has_mins:
-            rows = blocks * scale + self.mins[flat].float().unsqueeze(-1)
-        else:
-            rows = (blocks - self.fmt.zero) * scale
-        return rows.view(*tokens.shape, cols).to(self.out_dtype)
+        rows = self._dequantize(codes, flat)
+        return rows.view(*tokens.shape, rows.shape[-1]).to(self.out_dtype)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, format={self.fmt.name}"

@@ -40,47 +40,50 @@ def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def decode_blocks(
     data: np.ndarray, ggml_type: str, rows: int, cols: int
-) -> tuple[BlockFormat, np.ndarray, np.ndarray, np.ndarray | None]:
-    """(format, codes uint8 [rows, cols], scales [rows, cols / block], mins or None).
+) -> tuple[BlockFormat, np.ndarray, dict[str, np.ndarray]]:
+    """(format, codes uint8 [rows, cols], scale arrays by buffer name).
 
     `data` is the tensor's raw bytes, [rows, bytes per row] uint8 (as `gguf.GGUFReader` maps
-    them). Scales are fp16 for Q4_0/Q4_1/Q8_0 and the exact fp32 products of the K-quants'
-    super-block and sub-block scales.
+    them). Scales: fp16 per block for Q4_0/Q4_1/Q8_0 (and Q4_1's fp16 mins); the K-quants keep
+    their two levels: `scales` (and Q4_K's `mins`) per sub-block as integers, `super_scales`
+    (and `super_mins`) fp16 per 256 columns.
     """
     fmt = block_format(GGML_FORMATS[ggml_type])
     raw = np.asarray(data, dtype=np.uint8).reshape(rows, -1)
     if ggml_type in ("Q4_0", "Q4_1", "Q8_0"):
         per = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[ggml_type]
         blocks = raw.reshape(rows, cols // 32, per)
-        scales = _f16(blocks[..., 0:2]).reshape(rows, -1)
-        mins = None
+        out = {"scales": _f16(blocks[..., 0:2]).reshape(rows, -1)}
         if ggml_type == "Q4_1":
-            mins = _f16(blocks[..., 2:4]).reshape(rows, -1)
+            out["mins"] = _f16(blocks[..., 2:4]).reshape(rows, -1)
         if ggml_type == "Q8_0":
             codes = blocks[..., 2:] ^ np.uint8(0x80)  # int8 q -> unsigned q + 128
         else:
             codes = _nibbles_q4(blocks[..., per - 16 :])
-        return fmt, codes.reshape(rows, cols), scales, mins
+        return fmt, codes.reshape(rows, cols), out
     blocks = raw.reshape(rows, cols // 256, -1)
     if ggml_type == "Q4_K":
-        d = _f16(blocks[..., 0:2]).astype(np.float32)
-        dmin = _f16(blocks[..., 2:4]).astype(np.float32)
         sc, mn = _k_scale_min(blocks[..., 4:16])
         qs = blocks[..., 16:].reshape(rows, cols // 256, 4, 1, 32)
         codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-2)  # [.., 4, 2, 32]: sub-block 2g, 2g+1
-        scales = (d * sc.astype(np.float32)).reshape(rows, -1)
-        mins = -(dmin * mn.astype(np.float32)).reshape(rows, -1)
-        return fmt, codes.reshape(rows, cols), scales, mins
+        out = {
+            "scales": sc.reshape(rows, -1),
+            "mins": mn.reshape(rows, -1),
+            "super_scales": _f16(blocks[..., 0:2]).reshape(rows, -1),
+            "super_mins": _f16(blocks[..., 2:4]).reshape(rows, -1),
+        }
+        return fmt, codes.reshape(rows, cols), out
     # Q6_K
     ql = blocks[..., 0:128].reshape(rows, cols // 256, 2, 1, 64)
     qh = blocks[..., 128:192].reshape(rows, cols // 256, 2, 1, 32)
-    sub = blocks[..., 192:208].view(np.int8).astype(np.float32)
-    d = _f16(blocks[..., 208:210]).astype(np.float32)
     low = (ql >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F
     high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 0x03
     codes = low.reshape(rows, cols // 256, 8, 32) | (high.reshape(rows, cols // 256, 8, 32) << 4)
-    scales = (d * sub).reshape(rows, -1)
-    return fmt, codes.reshape(rows, cols), scales, None
+    out = {
+        "scales": np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).reshape(rows, -1),
+        "super_scales": _f16(blocks[..., 208:210]).reshape(rows, -1),
+    }
+    return fmt, codes.reshape(rows, cols), out
 
 
 def pack_nibbles(codes: np.ndarray) -> np.ndarray:
@@ -91,14 +94,11 @@ def pack_nibbles(codes: np.ndarray) -> np.ndarray:
 def packed_tensors(
     data: np.ndarray, ggml_type: str, rows: int, cols: int
 ) -> tuple[BlockFormat, dict[str, torch.Tensor]]:
-    """The format and the buffers (`codes`, `scales`, `mins`) of a `BlockQuantLinear`."""
-    fmt, codes, scales, mins = decode_blocks(data, ggml_type, rows, cols)
+    """The format and the buffers (`codes`, `scales`, ...) of a `BlockQuantLinear`."""
+    fmt, codes, arrays = decode_blocks(data, ggml_type, rows, cols)
     if fmt.bits == 4:
         codes = pack_nibbles(codes)
-    out = {
-        "codes": torch.from_numpy(np.ascontiguousarray(codes)),
-        "scales": torch.from_numpy(np.ascontiguousarray(scales)),
-    }
-    if mins is not None:
-        out["mins"] = torch.from_numpy(np.ascontiguousarray(mins))
+    out = {"codes": torch.from_numpy(np.ascontiguousarray(codes))}
+    for name, array in arrays.items():
+        out[name] = torch.from_numpy(np.ascontiguousarray(array))
     return fmt, out

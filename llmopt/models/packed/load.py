@@ -12,7 +12,7 @@ from torch import nn
 
 from llmopt.models.gguf import GGUFFile
 from llmopt.models.llama import Transformer
-from llmopt.models.packed.block import BlockQuantEmbedding, BlockQuantLinear
+from llmopt.models.packed.block import BUFFERS, BlockQuantEmbedding, BlockQuantLinear
 from llmopt.models.packed.gguf_blocks import GGML_FORMATS, packed_tensors
 
 
@@ -60,7 +60,8 @@ def load_packed_gguf(gguf_file: GGUFFile, device: torch.device | str = "cpu") ->
     embed = modules.get("embed_tokens")
     if config.tie_embeddings and isinstance(embed, BlockQuantEmbedding):
         head = BlockQuantLinear(embed.embedding_dim, embed.num_embeddings, embed.fmt.name)
-        head.codes, head.scales, head.mins = embed.codes, embed.scales, embed.mins
+        for name in BUFFERS:
+            setattr(head, name, getattr(embed, name))
         modules["lm_head"] = head  # one tensor in the file, one in memory
     tensors = gguf_file.state_dict(config, torch.float32, skip=set(modules))
     return model_from_tensors(
