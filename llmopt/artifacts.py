@@ -29,6 +29,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from llmopt.errors import LlmoptError
+
 _UMASK_LOCK = threading.Lock()
 
 
@@ -75,7 +77,7 @@ def atomic_save_figure(fig: Any, path: str | Path, dpi: int = 110) -> None:
 # ---- whole directories (quantize, prune, export, distill outputs) ----
 
 
-class OutputPathError(ValueError):
+class OutputPathError(LlmoptError, ValueError):
     """An output path that would overwrite, contain or sit inside the input, or hold other data."""
 
 

@@ -13,6 +13,8 @@ import os
 import sys
 from typing import Any
 
+from llmopt.errors import LlmoptError
+
 # name -> (module with `register(subparsers)`, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("llmopt.infer.cli", "generate text with a model (KV cache, sampling, --draft)"),
@@ -44,11 +46,12 @@ OUTPUTS: dict[str, tuple[tuple[str, str], ...]] = {
     "plan": (("emit", "file"), ("plot", "file")),
 }
 EXIT_USAGE = 2  # bad input: one line on stderr naming the value, the file or the path
+EXIT_BUG = 1  # an exception that is not an input error: a bug in llmopt, with its traceback
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), quietly
 EXIT_PIPE_CLOSED = 0  # the reader stopped early (`llmopt plan --json | head`): not a failure
 
 
-class CliError(Exception):
+class CliError(LlmoptError):
     """An error to print as one line (no traceback) with exit status 2."""
 
 
@@ -99,11 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         _silence_stdout()
         return EXIT_PIPE_CLOSED
     except Exception as exc:
-        message = error_message(exc)
-        if message is None:
-            raise
-        print(f"llmopt {argv[0]}: error: {message}", file=sys.stderr)
-        return EXIT_USAGE
+        return fail(argv[0], exc)
 
 
 def check_arguments(command: str, args: argparse.Namespace) -> None:
@@ -123,19 +122,47 @@ def check_arguments(command: str, args: argparse.Namespace) -> None:
 
 
 def error_message(exc: BaseException) -> str | None:
-    """The one line to print for an input error, or None for a bug (shown as a traceback)."""
-    if isinstance(exc, KeyError):  # a lookup's message, or a bare missing key
-        text = str(exc.args[0]) if exc.args else ""
-        return text if " " in text else f"missing key {text!r}"
-    if isinstance(exc, UnicodeDecodeError):
-        return f"input is not UTF-8 text ({exc.reason} at byte {exc.start})"
-    if isinstance(exc, OSError):
+    """The one line to print for an input error, or None for a bug (shown as a traceback).
+
+    Input errors are `LlmoptError`s (every error llmopt raises for bad input derives from it),
+    the operating system's refusals about a path (a missing file, no permission, a full disk),
+    and the errors of the libraries that parse a user's file for us (safetensors, jinja).
+    A `ValueError`, `KeyError` or `TypeError` from anywhere else is a bug, not bad input."""
+    if isinstance(exc, LlmoptError):
+        return " ".join(str(exc).split()) or type(exc).__name__
+    if isinstance(exc, OSError) and not isinstance(exc, (BrokenPipeError, ConnectionError)):
         if exc.filename is not None and exc.strerror:
             return f"{exc.filename}: {exc.strerror}"
-        return str(exc)
-    if isinstance(exc, (CliError, ValueError)) or _is_library_input_error(exc):
+        if exc.strerror or str(exc):
+            return " ".join((exc.strerror or str(exc)).split())
+        return None
+    if _is_library_input_error(exc):
         return " ".join(str(exc).split()) or type(exc).__name__
     return None
+
+
+def fail(command: str, exc: BaseException) -> int:
+    """Print `exc` as `llmopt COMMAND: error: ...` (input errors) or as a bug with its
+    traceback; the exit status. The torchrun workers of train and distill use it too."""
+    message = error_message(exc)
+    if message is None:
+        report_bug(command, exc)
+        return EXIT_BUG
+    print(f"llmopt {command}: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def report_bug(command: str, exc: BaseException) -> None:
+    """An exception no input check produced: the traceback, and where to report it."""
+    import traceback
+
+    traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+    print(
+        f"llmopt {command}: internal error: {type(exc).__name__} is a bug in llmopt, not a "
+        "problem with your input; please report it on the llmopt issue tracker with the "
+        "command line and the traceback above",
+        file=sys.stderr,
+    )
 
 
 def _is_library_input_error(exc: BaseException) -> bool:

@@ -14,8 +14,10 @@ import math
 from pathlib import Path
 from typing import Any
 
+from llmopt.errors import LlmoptError
 
-class ArgumentError(ValueError):
+
+class ArgumentError(LlmoptError, ValueError):
     """A command-line value the command cannot use; the message names the flag."""
 
 

@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from llmopt.errors import LlmoptError
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -44,7 +46,7 @@ MIN_FREE_BYTES = 1 << 20  # an output check refuses a disk with less free space
 Schema = Mapping[str, str | tuple[str, ...]]
 
 
-class ConfigFileError(ValueError):
+class ConfigFileError(LlmoptError, ValueError):
     """A user file that is unreadable, malformed or holds a wrongly typed value."""
 
 

@@ -177,15 +177,34 @@ def test_plan_json_into_head_is_quiet():
     assert proc.wait(timeout=120) == 0 and err == ""
 
 
-def test_a_bug_still_shows_its_traceback(monkeypatch):
+@pytest.mark.parametrize("bug", [ZeroDivisionError, ValueError, KeyError, TypeError])
+def test_a_bug_still_shows_its_traceback(bug, monkeypatch, capsys):
+    """Only `LlmoptError`s are input errors: a ValueError or KeyError from inside llmopt is a
+    bug, shown with its traceback and a request to report it (exit 1), never a usage line."""
     import llmopt.report.cli as report_cli
 
-    def bug(args):
-        raise ZeroDivisionError("a bug, not an input error")
+    def run(args):
+        raise bug("a bug, not an input error")
 
-    monkeypatch.setattr(report_cli, "run", bug)
-    with pytest.raises(ZeroDivisionError):
-        cli.main(["report", str(ROOT / "docs"), "--out", "unused.html"])
+    monkeypatch.setattr(report_cli, "run", run)
+    code, err = run_cli(["report", str(ROOT / "docs"), "--out", "unused.html"], capsys)
+    assert code == cli.EXIT_BUG == 1
+    assert "Traceback (most recent call last)" in err and f"{bug.__name__}: " in err
+    assert "is a bug in llmopt" in err and "please report it" in err
+    assert "error: a bug" not in err  # not printed as an input error
+
+
+def test_an_input_error_is_one_line(monkeypatch, capsys):
+    import llmopt.report.cli as report_cli
+    from llmopt.errors import LlmoptError, UsageError
+
+    def run(args):
+        raise UsageError("--thing 3 must be 1 or 2")
+
+    monkeypatch.setattr(report_cli, "run", run)
+    code, err = run_cli(["report", str(ROOT / "docs"), "--out", "unused.html"], capsys)
+    assert code == 2 and err == "llmopt report: error: --thing 3 must be 1 or 2\n"
+    assert issubclass(UsageError, LlmoptError) and issubclass(UsageError, ValueError)
 
 
 # ---- finding 10: vague messages, silently reinterpreted values, escaping paths ----

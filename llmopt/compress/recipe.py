@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from llmopt.artifacts import atomic_write_json, atomic_write_text
+from llmopt.errors import LlmoptError
 
 try:
     import tomllib
@@ -75,7 +76,7 @@ STAGE_KEYS = {
 }
 
 
-class RecipeError(ValueError):
+class RecipeError(LlmoptError, ValueError):
     """A recipe that cannot run; the message names the stage, the key and what is valid."""
 
 

@@ -13,10 +13,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+from llmopt.errors import LlmoptError
+
 SUFFIXES = (".jsonl", ".json", ".txt")
 
 
-class SFTDataError(ValueError):
+class SFTDataError(LlmoptError, ValueError):
     """Fine-tuning data that cannot be read or does not fit the requested format."""
 
 

@@ -12,6 +12,7 @@ import sys
 from contextlib import contextmanager
 
 from llmopt import cli_args, jsonout
+from llmopt.errors import UsageError
 from llmopt.infer.cli import add_model_arguments, check_model_args, torch_dtype
 
 DEFAULT_TEXT = "corpus:web-bible"
@@ -180,7 +181,7 @@ def _setup(args: argparse.Namespace, with_ref: bool = False):
     if with_ref:
         ref_tokenizer = load_tokenizer(args.ref)
         if ref_tokenizer.vocab_size != tokenizer.vocab_size:
-            raise ValueError(
+            raise UsageError(
                 f"--ref {args.ref} has a {ref_tokenizer.vocab_size}-token vocabulary, --model "
                 f"{args.model} {tokenizer.vocab_size}; KL needs the same tokenizer"
             )

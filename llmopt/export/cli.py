@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from llmopt import jsonout
+from llmopt.export.output import ExportError
 
 FORMATS = ("gguf", "onnx", "hf")
 
@@ -31,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def check_args(args: argparse.Namespace) -> None:
     """What `export` can refuse before loading the model (the output path: `llmopt.cli`)."""
     if args.format != "gguf" and args.gguf_type != "f16":
-        raise ValueError(f"--gguf-type applies to --format gguf only, not {args.format}")
+        raise ExportError(f"--gguf-type applies to --format gguf only, not {args.format}")
 
 
 def run(args: argparse.Namespace) -> int:

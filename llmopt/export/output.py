@@ -12,9 +12,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from llmopt.artifacts import OutputPathError, atomic_directory, atomic_write
+from llmopt.errors import LlmoptError
 
 
-class ExportError(ValueError):
+class ExportError(LlmoptError, ValueError):
     """An export that cannot be written as asked (bad format option, output = input, ...)."""
 
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from llmopt.errors import UsageError
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -25,15 +27,15 @@ class SamplingConfig:
             value = getattr(self, name)
             number = isinstance(value, (int, float)) and not isinstance(value, bool)
             if not number or not math.isfinite(value):
-                raise ValueError(f"{name}={value!r} must be a finite number")
+                raise UsageError(f"{name}={value!r} must be a finite number")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
-            raise ValueError(f"top_k={self.top_k!r} must be an integer >= 0 (0 disables it)")
+            raise UsageError(f"top_k={self.top_k!r} must be an integer >= 0 (0 disables it)")
         if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0")
+            raise UsageError(f"temperature={self.temperature} must be >= 0")
         if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 disables it)")
+            raise UsageError(f"top_k={self.top_k} must be >= 0 (0 disables it)")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+            raise UsageError(f"top_p={self.top_p} must be in (0, 1]")
 
     @property
     def greedy(self) -> bool:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llmopt.errors import UsageError
 from llmopt.infer.drafts import Draft, check_vocabularies
 from llmopt.infer.sampling import SamplingConfig, logits_to_probs
 from llmopt.infer.speculative_stats import SpeculativeStats
@@ -32,7 +33,7 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if not 1 <= self.gamma_min <= self.gamma <= self.gamma_max:
-            raise ValueError(
+            raise UsageError(
                 f"need 1 <= gamma_min={self.gamma_min} <= gamma={self.gamma} <= "
                 f"gamma_max={self.gamma_max}"
             )
@@ -61,16 +62,16 @@ def speculative_generate(
     sampling = sampling or SamplingConfig()
     config = config or SpeculativeConfig()
     if not prompt_ids:
-        raise ValueError("prompt_ids is empty: speculative decoding needs at least one token")
+        raise UsageError("prompt_ids is empty: speculative decoding needs at least one token")
     if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
+        raise UsageError(f"max_new_tokens={max_new_tokens} must be >= 0")
     vocab = target.config.vocab_size
     bad = [t for t in prompt_ids if not 0 <= t < vocab]
     if bad:
-        raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        raise UsageError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
     total = len(prompt_ids) + max_new_tokens
     if total > target.config.max_seq_len:
-        raise ValueError(
+        raise UsageError(
             f"prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) = {total} tokens "
             f"exceeds the model context max_seq_len={target.config.max_seq_len}"
         )

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from llmopt.errors import UsageError
 from llmopt.models.config import ModelConfig
 from llmopt.models.directory_formats import (
     directory_format,
@@ -20,6 +21,8 @@ from llmopt.models.directory_formats import (
     registered_markers,
 )
 from llmopt.models.finite import check_finite_weights
+from llmopt.models.gguf import GGUFError
+from llmopt.models.hf import SafetensorsError
 from llmopt.models.hub_cache import cached_snapshot, looks_like_hub_id
 from llmopt.models.llama import RotaryEmbedding, Transformer
 from llmopt.models.registry import is_model_name, resolve
@@ -58,7 +61,7 @@ def resolve_spec(spec: str | Path) -> tuple[str, Path]:
         magic = handle.read(4)
     if path.suffix == ".gguf" or magic == b"GGUF":
         return "gguf", path
-    raise ValueError(
+    raise UsageError(
         f"cannot load {path}: not a GGUF file (magic bytes {magic!r}); pass a .gguf file, a HF "
         "directory or a packaged model name"
     )
@@ -125,12 +128,12 @@ def model_from_tensors(
         if config.tie_embeddings and name == "lm_head.weight":
             continue
         if name not in expected:
-            raise ValueError(
+            raise SafetensorsError(
                 f"{source}: unexpected tensor {name!r} for a {config.num_layers}-layer "
                 f"{config.architecture} model"
             )
         if tensor.shape != expected[name]:
-            raise ValueError(
+            raise SafetensorsError(
                 f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, the config implies "
                 f"{tuple(expected[name])}"
             )
@@ -140,7 +143,7 @@ def model_from_tensors(
         shown = ", ".join(missing[:4]) + (
             f" and {len(missing) - 4} more" if len(missing) > 4 else ""
         )
-        raise ValueError(f"{source} lacks tensors the config needs: {shown}")
+        raise SafetensorsError(f"{source} lacks tensors the config needs: {shown}")
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -157,7 +160,7 @@ def load_tokenizer(spec: str | Path) -> Tokenizer:
         gguf_file = open_gguf(path)
         keys = [k for k in gguf_file.reader.fields if k.startswith("tokenizer.")]
         if "tokenizer.ggml.tokens" not in keys:
-            raise ValueError(f"{path} carries no tokenizer (no tokenizer.ggml.tokens metadata)")
+            raise GGUFError(f"{path} carries no tokenizer (no tokenizer.ggml.tokens metadata)")
         return Tokenizer.from_gguf_metadata({k: gguf_file.field(k) for k in keys})
     return Tokenizer.from_directory(path)
 

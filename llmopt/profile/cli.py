@@ -10,6 +10,7 @@ import argparse
 from pathlib import Path
 
 from llmopt import cli_args
+from llmopt.errors import UsageError
 from llmopt.infer.cli import add_model_arguments, check_model_args, torch_dtype
 
 DEFAULT_PROMPT = "The history of the printing press begins with"
@@ -68,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     check_args(args)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device}: CUDA is not available here; use --device cpu")
+        raise UsageError(f"--device {args.device}: CUDA is not available here; use --device cpu")
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from llmopt.errors import UsageError
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -24,7 +26,7 @@ def check_args(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     if not args.out.endswith((".html", ".htm")):
-        raise ValueError(f"--out {args.out} must end in .html or .htm")
+        raise UsageError(f"--out {args.out} must end in .html or .htm")
     if not Path(args.dir).is_dir():
         raise FileNotFoundError(f"{args.dir} is not a directory")
 

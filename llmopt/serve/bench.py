@@ -20,11 +20,13 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
+from llmopt.errors import LlmoptError
+
 MAX_CONCURRENCY = 256
 MAX_REQUESTS = 100_000
 
 
-class BenchError(ValueError):
+class BenchError(LlmoptError, ValueError):
     """Bad benchmark input (non-loopback URL, out-of-range limits)."""
 
 

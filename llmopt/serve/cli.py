@@ -10,6 +10,7 @@ import argparse
 import socket
 
 from llmopt import cli_args
+from llmopt.errors import UsageError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -87,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         sock.bind((args.host, args.port))
     except OSError as exc:
-        raise ValueError(f"cannot bind {args.host}:{args.port}: {exc.strerror}") from exc
+        raise UsageError(f"cannot bind {args.host}:{args.port}: {exc.strerror}") from exc
     host, port = sock.getsockname()[:2]
     kv_mib = engine.runner.k_cache.numel() * engine.runner.k_cache.element_size() * 2 / 2**20
     print(

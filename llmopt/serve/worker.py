@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from llmopt.errors import UsageError
 from llmopt.infer.batch import Engine, SamplingParams, StepOutput
 from llmopt.serve.metrics import ServingMetrics
 
@@ -33,7 +34,7 @@ class _Live:
 class EngineWorker:
     def __init__(self, engine: Engine, max_queue: int = 256) -> None:
         if max_queue < 1:
-            raise ValueError(f"max_queue={max_queue} must be >= 1")
+            raise UsageError(f"max_queue={max_queue} must be >= 1")
         self.engine = engine
         self.max_queue = max_queue
         self.metrics = ServingMetrics()

@@ -10,12 +10,16 @@ one. `python -m llmopt.train` is what each torchrun worker runs.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from llmopt.artifacts import atomic_write_text
 from llmopt.jsonout import dumps
-from llmopt.train.config import TrainConfig, add_config_arguments, config_from_args
+from llmopt.train.config import (
+    TrainConfig,
+    TrainConfigError,
+    add_config_arguments,
+    config_from_args,
+)
 from llmopt.train.launch import launch_env, run_job, torchrun_command
 from llmopt.train.rundir import check_run_dir
 
@@ -74,9 +78,10 @@ def main_worker(argv: list[str] | None = None) -> int:
     args = _worker_parser().parse_args(argv)
     try:
         return run_worker(args)
-    except (ValueError, FileNotFoundError, KeyError) as exc:
-        print(f"llmopt train: error: {exc}", file=sys.stderr)
-        return 2
+    except Exception as exc:  # the boundary of `llmopt`: input errors in one line, bugs traced
+        from llmopt.cli import fail
+
+        return fail("train", exc)
 
 
 def register(subparsers) -> None:
@@ -100,7 +105,7 @@ def register(subparsers) -> None:
 def handle(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)  # validates before anything is launched
     if args.nproc_per_node < 1:
-        raise ValueError(f"--nproc-per-node={args.nproc_per_node} must be >= 1")
+        raise TrainConfigError(f"--nproc-per-node={args.nproc_per_node} must be >= 1")
     single = args.nproc_per_node == 1 and str(args.nnodes) == "1"
     if single:
         return run_worker(args)

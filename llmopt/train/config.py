@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from llmopt.config_files import ConfigFileError, check_fields, dataclass_schema, read_config
+from llmopt.errors import LlmoptError
 from llmopt.parallel.plan import FP8_RECIPES, PRECISIONS, RECOMPUTES, SCHEDULES, ParallelPlan
 
 # Old spellings -> ParallelPlan's names (refused with a message naming the new one).
@@ -33,7 +34,7 @@ SKIPPED_TABLES = ("planner",)  # informational in a run config; the trainer igno
 RESIZING = ("seq_len", "global_batch", "micro_batch")  # overrides that re-derive num_microbatches
 
 
-class TrainConfigError(ValueError):
+class TrainConfigError(LlmoptError, ValueError):
     """A training configuration that cannot run."""
 
 

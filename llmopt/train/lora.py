@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmopt.artifacts import atomic_write, atomic_write_text
+from llmopt.errors import LlmoptError
 from llmopt.models.spec import ModelSpec, spec_for
 
 PEFT_PREFIX = "base_model.model."
@@ -33,7 +34,7 @@ ADAPTER_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
 
 
-class LoraError(ValueError):
+class LoraError(LlmoptError, ValueError):
     """Adapters that cannot be applied, saved or loaded as asked."""
 
 

@@ -11,6 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
+from llmopt.compress.distill.objective import DistillConfigError
 from llmopt.compress.distill.run import DistillSettings, distill
 from llmopt.compress.distill.student import STUDENT_SPECS
 from llmopt.train.config import TrainConfig
@@ -78,7 +79,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
 
 def handle(args: argparse.Namespace) -> int:
     if args.draft_vocab is not None and args.draft_vocab < 1:
-        raise ValueError(f"--draft-vocab {args.draft_vocab} must be a positive token count")
+        raise DistillConfigError(f"--draft-vocab {args.draft_vocab} must be a positive token count")
     settings = DistillSettings(args.teacher, args.student, args.temperature, args.alpha)
     summary = distill(settings, train_config(args), nproc=args.nproc_per_node)
     if "returncode" in summary:

@@ -30,6 +30,7 @@ from llmopt.compress.prune.packed import (
     pack_nm,
     unpack_bits,
 )
+from llmopt.errors import LlmoptError
 from llmopt.models.spec import spec_for
 
 MARKER = "llmopt_prune.json"
@@ -40,7 +41,7 @@ FORMAT_NAME = "llmopt-prune"
 FORMAT_VERSION = 1
 
 
-class PruneFileError(ValueError):
+class PruneFileError(LlmoptError, ValueError):
     """A pruned directory that is corrupted, incomplete or inconsistent, or a bad destination."""
 
 

@@ -30,6 +30,7 @@ from llmopt.compress.markers import read_marker, sha256_file, verify_weights
 from llmopt.compress.quant.config import QuantConfig
 from llmopt.compress.quant.formats import check_bits_group
 from llmopt.compress.quant.linear import QuantLinear
+from llmopt.errors import LlmoptError
 from llmopt.models.spec import spec_for
 
 WEIGHTS = "llmopt_quant.safetensors"
@@ -38,7 +39,7 @@ FORMAT_NAME = "llmopt-quant"
 FORMAT_VERSION = 1
 
 
-class QuantFileError(ValueError):
+class QuantFileError(LlmoptError, ValueError):
     """A quantized directory that is corrupted, incomplete or inconsistent."""
 
 
@@ -68,7 +69,7 @@ def save_quantized(
 
     config: QuantConfig | None = getattr(model, "quant_config", None)
     if config is None:
-        raise ValueError("model has no quant_config: quantize it with quantize_model first")
+        raise QuantFileError("model has no quant_config: quantize it with quantize_model first")
     directory = Path(directory)
     spec = spec_for(model)
     tied = model.config.tie_embeddings and not isinstance(

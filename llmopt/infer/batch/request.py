@@ -12,10 +12,11 @@ from enum import Enum
 
 import torch
 
+from llmopt.errors import LlmoptError
 from llmopt.infer.sampling import SamplingConfig
 
 
-class InvalidRequestError(ValueError):
+class InvalidRequestError(LlmoptError, ValueError):
     """A request the engine refuses (bad sampling value, too long for the context)."""
 
 
