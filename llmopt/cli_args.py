@@ -88,3 +88,65 @@ def text_file(args: argparse.Namespace, dest: str, head_bytes: int = 1 << 16) ->
             f"{flag(dest)} {path} is not UTF-8 text (byte {head[exc.start]:#04x} at offset "
             f"{exc.start})"
         ) from None
+
+
+OVERWRITE_HELP = (
+    "write into an --out that holds other files: replace only the files this command writes, "
+    "keep the others (without it such an --out is refused)"
+)
+
+
+def add_overwrite(parser: argparse.ArgumentParser) -> None:
+    """The one `--overwrite` every command that writes a directory takes."""
+    parser.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+
+
+def output_dir(
+    args: argparse.Namespace, kind: str, dest: str = "out", source: str | None = "model"
+) -> None:
+    """`--out` is not the input (`--model` where it is a path) and is new, empty, an earlier
+    output of `kind` or `--overwrite` is given, before any work (`llmopt.output_dir`)."""
+    from llmopt.artifacts import check_distinct
+    from llmopt.output_dir import check_output_dir
+
+    value = getattr(args, dest, None)
+    if value is None:
+        return
+    model = getattr(args, source, None) if source else None
+    if isinstance(model, str) and model and Path(model).expanduser().exists():
+        check_distinct(value, model, flag(dest))
+    overwrite = bool(getattr(args, "overwrite", False))
+    check_output_dir(value, kind, overwrite=overwrite, flag=flag(dest))
+
+
+def output_file(args: argparse.Namespace, dest: str, magic: bytes, what: str) -> None:
+    """A single-file output that exists must be an earlier one (its first bytes are `magic`)
+    unless `--overwrite`: a user's file of that name is never replaced unasked."""
+    value = getattr(args, dest, None)
+    if value is None or getattr(args, "overwrite", False):
+        return
+    path = Path(value)
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    with open(path, "rb") as handle:
+        head = handle.read(len(magic))
+    if head != magic:
+        raise ArgumentError(
+            f"{flag(dest)} {path} exists and is not {what}; choose a new file name, or pass "
+            "--overwrite to replace it"
+        )
+
+
+DEVICE_TYPES = ("cpu", "cuda")  # what llmopt runs on (torch.device accepts many more names)
+
+
+def device(args: argparse.Namespace, dest: str = "device") -> None:
+    """`--device` is cpu or cuda[:N]; torch's own error lists twenty device types."""
+    value = getattr(args, dest, None)
+    if value is None:
+        return
+    kind, _, index = value.partition(":")
+    if kind not in DEVICE_TYPES or (index and not (index.isdigit() and kind == "cuda")):
+        raise ArgumentError(
+            f"{flag(dest)} {value!r} is not a device llmopt runs on; use cpu, cuda or cuda:N"
+        )

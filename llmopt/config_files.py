@@ -4,7 +4,7 @@
 One layer, so every bad file gets the same kind of one-line error: the file, the key, the bad
 value and what was expected. Bools are not integers; NaN and infinity are not numbers; unknown
 keys are refused in files we write (`unknown="refuse"`) and kept in files other tools write.
-This module imports nothing from llmopt, so any reader can use it without an import cycle.
+This module imports only `llmopt.errors`, so any reader can use it without an import cycle.
 """
 
 from __future__ import annotations

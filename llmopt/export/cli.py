@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from llmopt import jsonout
+from llmopt import cli_args, jsonout
 from llmopt.export.output import ExportError
 
 FORMATS = ("gguf", "onnx", "hf")
@@ -25,6 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="output file (gguf) or directory (onnx, hf)")
     p.add_argument("--gguf-type", default="f16", choices=GGUF_TYPES, help="GGUF weight type")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "fp16"), help="ONNX/HF dtype")
+    cli_args.add_overwrite(p)
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.set_defaults(func=run, check=check_args)
 
@@ -33,6 +34,10 @@ def check_args(args: argparse.Namespace) -> None:
     """What `export` can refuse before loading the model (the output path: `llmopt.cli`)."""
     if args.format != "gguf" and args.gguf_type != "f16":
         raise ExportError(f"--gguf-type applies to --format gguf only, not {args.format}")
+    if args.format == "gguf":
+        cli_args.output_file(args, "out", b"GGUF", "a GGUF file")
+    else:
+        cli_args.output_dir(args, f"export:{args.format}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,11 +56,11 @@ def run(args: argparse.Namespace) -> int:
     elif args.format == "onnx":
         from llmopt.export.onnx import export_onnx
 
-        out = export_onnx(model, args.out, dtype=args.dtype, **common)
+        out = export_onnx(model, args.out, dtype=args.dtype, overwrite=args.overwrite, **common)
     else:
         from llmopt.export.hf import export_hf
 
-        out = export_hf(model, args.out, dtype=args.dtype, **common)
+        out = export_hf(model, args.out, dtype=args.dtype, overwrite=args.overwrite, **common)
     files = [out] if out.is_file() else sorted(f for f in out.iterdir() if f.is_file())
     summary = {
         "model": args.model,

@@ -103,6 +103,9 @@ def dense_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return dense.to(dtype).eval()
 
 
+KIND = "export:onnx"  # llmopt.output_dir
+
+
 def export_onnx(
     model: nn.Module,
     out: str | Path,
@@ -111,14 +114,16 @@ def export_onnx(
     dtype: str = "fp32",
     source: str | Path | None = None,
     opset: int = 18,
+    overwrite: bool = False,
 ) -> Path:
-    """Write `model.onnx` (+ config.json, tokenizer files) into the directory `out`."""
+    """Write `model.onnx` (+ config.json, tokenizer files) into the directory `out`;
+    `overwrite`: an `out` holding other files gets only this export's files replaced."""
     import json
 
     from llmopt.artifacts import atomic_write_text
 
     torch_dtype = float_dtype(dtype)
-    out = check_output(out, source)
+    out = check_output(out, source, KIND, overwrite)
     cfg = model.config
     decoder = KVDecoder(dense_copy(model, torch_dtype)).eval()
     inputs, outputs = io_names(cfg.num_layers)
@@ -135,7 +140,7 @@ def export_onnx(
         Dim("past", max=cfg.max_seq_len),
     )
     shapes = ({0: batch, 1: seq}, tuple({0: batch, 2: past_len} for _ in past))  # *past
-    with staged_directory(out) as stage, torch.no_grad():
+    with staged_directory(out, KIND, overwrite) as stage, torch.no_grad():
         torch.onnx.export(
             decoder,
             (ids, *past),

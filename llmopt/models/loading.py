@@ -132,6 +132,11 @@ def model_from_tensors(
                 f"{source}: unexpected tensor {name!r} for a {config.num_layers}-layer "
                 f"{config.architecture} model"
             )
+        if not tensor.is_floating_point():
+            raise SafetensorsError(
+                f"{source}: tensor {name!r} has dtype {str(tensor.dtype).removeprefix('torch.')}"
+                "; model weights must be floating point (float32, bfloat16 or float16)"
+            )
         if tensor.shape != expected[name]:
             raise SafetensorsError(
                 f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, the config implies "

@@ -22,7 +22,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
 from llmopt.artifacts import atomic_write_text
-from llmopt.config_files import read_text
+from llmopt.config_files import ConfigFileError, read_text
 from llmopt.errors import LlmoptError, UsageError
 from llmopt.models.hf_schema import HF_CONFIG, TOKENIZER_CONFIG, read_hf_json
 
@@ -183,7 +183,12 @@ class Tokenizer:
             if isinstance(token, dict):
                 token = token.get("content")
             if token:
-                return backend.token_to_id(token)
+                found = backend.token_to_id(token)
+                if found is None:  # a typo would silently mean "never stop"
+                    raise ConfigFileError(
+                        f"{config_path}: {name} = {token!r} is not a token of {path}"
+                    )
+                return found
             value = model_config.get(f"{name}_id")
             return value[0] if isinstance(value, list) else value
 

@@ -28,6 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens to generate (32)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--out", required=True, help="output directory")
+    cli_args.add_overwrite(parser)
     parser.add_argument("--top", type=int, default=15, help="op-table rows to print (15)")
     parser.add_argument(
         "--fast",
@@ -43,8 +44,10 @@ def check_args(args: argparse.Namespace) -> None:
     check_model_args(args)
     cli_args.text(args, "prompt")
     cli_args.text(args, "device")
+    cli_args.device(args, "device")
     cli_args.integer(args, "new_tokens", 2)
     cli_args.integer(args, "top", 1)
+    cli_args.output_dir(args, "profile")
 
 
 def _thin(points: list, limit: int = 2000) -> list:
@@ -62,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
 
     from llmopt.artifacts import atomic_write_json
     from llmopt.models.loading import load_model, load_tokenizer
+    from llmopt.output_dir import record_in_place
     from llmopt.profile.peaks import measure_peaks
     from llmopt.profile.plots import plot_memory, plot_roofline
     from llmopt.profile.session import profile_generate
@@ -87,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
     plot_memory(summary, out / "memory.png")
     summary["files"] = ["trace.json", "ops.json", "roofline.png", "memory.png"]
     atomic_write_json(out / "ops.json", summary)
+    record_in_place(out, "profile", summary["files"])
     _print(summary, args.top)
     print(f"wrote {', '.join(str(out / f) for f in summary['files'])}")
     return 0

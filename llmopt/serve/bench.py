@@ -159,10 +159,36 @@ async def run_level(
 
 
 def served_model(url: str) -> str:
+    """The first model the server lists; a server that is not there is a one-line error."""
     import httpx
 
-    data = httpx.get(url + "/v1/models", timeout=30).json()
-    return data["data"][0]["id"]
+    try:
+        response = httpx.get(url + "/v1/models", timeout=30)
+        data = response.json()
+        return data["data"][0]["id"]
+    except httpx.HTTPError as exc:
+        raise BenchError(
+            f"--url {url}: no server answers there ({exc}); start `llmopt serve` "
+            "first or check the port"
+        ) from None
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise BenchError(
+            f"--url {url}: /v1/models did not list a model (HTTP "
+            f"{response.status_code}); pass --model"
+        ) from None
+
+
+def check_reachable(url: str) -> None:
+    """Fail in one line, before the first level, when nothing listens at `url`."""
+    import httpx
+
+    try:
+        httpx.get(url + "/health", timeout=10)
+    except httpx.HTTPError as exc:
+        raise BenchError(
+            f"--url {url}: no server answers there ({exc}); start `llmopt serve` "
+            "first or check the port"
+        ) from None
 
 
 def run_bench(
@@ -185,6 +211,7 @@ def run_bench(
         raise BenchError(f"--time-limit {time_limit} must be in (0, 86400] seconds")
     if max_tokens < 1:
         raise BenchError(f"--max-tokens {max_tokens} must be >= 1")
+    check_reachable(url)
     model = model or served_model(url)
     rows = [
         asyncio.run(run_level(url, model, c, requests, time_limit, prompts, max_tokens))

@@ -42,6 +42,12 @@ def register(subparsers) -> None:
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start afresh in an --out holding a run: replace what a run writes there "
+        "(checkpoints, log, plot, model), keep other files",
+    )
     p.add_argument("--nproc-per-node", type=int, default=1, help="data-parallel processes")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
@@ -73,6 +79,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         out_dir=args.out,
         save_every=args.save_every,
         resume=args.resume,
+        overwrite=args.overwrite,
         progress=not args.no_progress,
     )
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmopt.artifacts import atomic_directory, atomic_write, atomic_write_json
+from llmopt.artifacts import OutputPathError, atomic_write, atomic_write_json
 from llmopt.compress.quant.formats import QuantFormatError
 from llmopt.compress.quant.linear import QuantLinear
 from llmopt.models.hf import ours_to_hf
@@ -84,7 +84,12 @@ def awq_tensors(layer: QuantLinear) -> dict[str, torch.Tensor]:
     }
 
 
-def export_autoawq(model: nn.Module, directory: str | Path, tokenizer: Any = None) -> Path:
+KIND = "quantize:autoawq"  # llmopt.output_dir
+
+
+def export_autoawq(
+    model: nn.Module, directory: str | Path, tokenizer: Any = None, *, overwrite: bool = False
+) -> Path:
     """Write `model.safetensors` + `config.json` in AutoAWQ's GEMM layout."""
     from safetensors.torch import save_file
 
@@ -124,12 +129,17 @@ def export_autoawq(model: nn.Module, directory: str | Path, tokenizer: Any = Non
         "version": "gemm",
         "modules_to_not_convert": None,
     }
-    with atomic_directory(directory) as staging:  # an old export intact until this one is whole
-        atomic_write(
-            staging / "model.safetensors",
-            lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}),
-        )
-        atomic_write_json(staging / "config.json", hf, indent=2)
-        if tokenizer is not None:
-            tokenizer.save(staging)
-    return directory
+    from llmopt.output_dir import output_directory
+
+    try:  # an old export intact until this one is whole; the user's files never replaced
+        with output_directory(directory, KIND, overwrite=overwrite) as staging:
+            atomic_write(
+                staging / "model.safetensors",
+                lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}),
+            )
+            atomic_write_json(staging / "config.json", hf, indent=2)
+            if tokenizer is not None:
+                tokenizer.save(staging)
+    except OutputPathError as exc:
+        raise QuantFormatError(str(exc)) from exc
+    return Path(directory)
