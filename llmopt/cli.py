@@ -11,7 +11,7 @@ import argparse
 import importlib
 import os
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from llmopt.errors import LlmoptError
 
@@ -55,13 +55,54 @@ class CliError(LlmoptError):
     """An error to print as one line (no traceback) with exit status 2."""
 
 
+# flags renamed to one vocabulary (vLLM's names, the model config's field names): the old name
+# is refused with one line naming the new one, rather than argparse's "unrecognized arguments"
+RENAMED_FLAGS: dict[str, dict[str, str]] = {
+    "plan": {
+        "--layers": "--num-layers",
+        "--hidden": "--hidden-size",
+        "--heads": "--num-heads",
+        "--kv-heads": "--num-kv-heads",
+        "--ffn": "--intermediate-size",
+        "--vocab": "--vocab-size",
+        "--mlp": "--activation",
+        "--sp": "--sequence-parallel",
+        "--zero": "--zero-stage",
+        "--microbatches": "--num-microbatches",
+    },
+    "serve": {
+        "--max-batched-tokens": "--max-num-batched-tokens",
+        "--no-prefix-caching": "--no-enable-prefix-caching",
+    },
+}
+
+
 class Parser(argparse.ArgumentParser):
     """argparse without prefix matching: `--gpus 8` must not silently mean `--gpus-per-node`.
-    Subparsers inherit the class, so every `llmopt` parser refuses abbreviations."""
+    Subparsers inherit the class, so every `llmopt` parser refuses abbreviations. The top
+    parser of a command (`command` set) reports what its subcommand left over in one line
+    named after the command (`llmopt serve: error: unrecognized arguments: --bogus`)."""
+
+    command: str | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        if self.command is None:
+            super().error(message)
+        self.exit(EXIT_USAGE, f"llmopt {self.command}: error: {message}\n")
+
+
+def renamed_flag(command: str, argv: list[str]) -> str | None:
+    """The one-line refusal of a flag `command` renamed, if argv uses one."""
+    renamed = RENAMED_FLAGS.get(command, {})
+    for token in argv:
+        old = token.split("=", 1)[0]
+        if old in renamed:
+            return f"{old} was renamed {renamed[old]} (one flag vocabulary across commands)"
+    return None
 
 
 def _top_parser() -> argparse.ArgumentParser:
@@ -77,6 +118,7 @@ def _top_parser() -> argparse.ArgumentParser:
 
 def build_parser(command: str) -> argparse.ArgumentParser:
     parser = Parser(prog="llmopt")
+    parser.command = command
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     module = importlib.import_module(COMMANDS[command][0])
     module.register(sub)
@@ -91,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help()
             return 0 if argv else 2
         parser.error(f"unknown command {argv[0]!r}; choose from {', '.join(COMMANDS)}")
+    renamed = renamed_flag(argv[0], argv[1:])
+    if renamed is not None:
+        print(f"llmopt {argv[0]}: error: {renamed}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         args = build_parser(argv[0]).parse_args(argv)
         check_arguments(argv[0], args)

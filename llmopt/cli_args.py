@@ -150,3 +150,47 @@ def device(args: argparse.Namespace, dest: str = "device") -> None:
         raise ArgumentError(
             f"{flag(dest)} {value!r} is not a device llmopt runs on; use cpu, cuda or cuda:N"
         )
+
+
+# ---- one dtype vocabulary: torch's (and transformers'/vLLM's) names ----
+DTYPES = ("float32", "bfloat16", "float16")
+OLD_DTYPE_SPELLINGS = {
+    "fp32": "float32", "f32": "float32", "float": "float32",
+    "fp16": "float16", "f16": "float16", "half": "float16",
+    "bf16": "bfloat16",
+}  # fmt: skip
+
+
+def dtype_name(value: str) -> str:
+    """argparse type of every `--dtype`-like flag: a name of DTYPES. Other spellings (fp16,
+    bf16, half, ...) are refused naming the one to use, so one script reads the same on every
+    command (the rule of docs/reliability.md#one-cli-vocabulary)."""
+    if value in DTYPES:
+        return value
+    hint = OLD_DTYPE_SPELLINGS.get(value.lower())
+    if hint is not None:
+        raise argparse.ArgumentTypeError(f"{value!r} is spelled {hint!r} in llmopt (as in torch)")
+    raise argparse.ArgumentTypeError(f"{value!r} is not a dtype; choose from {', '.join(DTYPES)}")
+
+
+def add_dtype(
+    parser: argparse.ArgumentParser,
+    flag: str = "--dtype",
+    default: str = "float32",
+    help: str = "dtype of the weights and compute",
+    choices: tuple[str, ...] = DTYPES,
+) -> None:
+    parser.add_argument(
+        flag,
+        type=dtype_name,
+        choices=choices,
+        default=default,
+        metavar="{" + ",".join(choices) + "}",
+        help=help,
+    )
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]

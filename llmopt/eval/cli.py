@@ -43,7 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     _common(kl, default_ctx=512)
     kl.add_argument("--ref", required=True, help="reference model (same tokenizer)")
-    kl.add_argument("--ref-dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    cli_args.add_dtype(kl, "--ref-dtype", help="dtype of the reference model")
     kl.set_defaults(func=run_kl, check=check_args)
     gate = sub.add_parser(
         "gate",
@@ -54,7 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     _common(gate, default_ctx=512)
     gate.add_argument("--ref", required=True, help="reference model (same tokenizer)")
-    gate.add_argument("--ref-dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    cli_args.add_dtype(gate, "--ref-dtype", help="dtype of the reference model")
     gate.add_argument("--max-kl", type=_number, default=None, help="max mean KL in nats")
     gate.add_argument(
         "--max-ppl-increase",

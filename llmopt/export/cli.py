@@ -24,7 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--format", required=True, choices=FORMATS)
     p.add_argument("--out", required=True, help="output file (gguf) or directory (onnx, hf)")
     p.add_argument("--gguf-type", default="f16", choices=GGUF_TYPES, help="GGUF weight type")
-    p.add_argument("--dtype", default="fp32", choices=("fp32", "fp16"), help="ONNX/HF dtype")
+    cli_args.add_dtype(p, help="dtype of the ONNX/HF weights", choices=("float32", "float16"))
     cli_args.add_overwrite(p)
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.set_defaults(func=run, check=check_args)

@@ -77,6 +77,28 @@ def load_model(
     return model
 
 
+def load_config(spec: str | Path) -> ModelConfig | None:
+    """The model config of `spec` without loading its weights (a GGUF's metadata, an HF
+    directory's config.json, a compressed directory's marker); None for a format that keeps
+    it elsewhere. What resource checks (KV cache size, layouts) read before any work."""
+    kind, path = resolve_spec(spec)
+    if kind == "gguf":
+        from llmopt.models.gguf import open_gguf
+
+        return open_gguf(path).config()
+    if kind == "hf":
+        from llmopt.models.hf import read_config
+
+        return read_config(path)
+    for marker in ("llmopt_quant.json", "llmopt_prune.json"):
+        if (path / marker).is_file():
+            from llmopt.config_files import read_json
+
+            data = read_json(path / marker, "marker").get("model_config")
+            return ModelConfig.from_dict(data) if isinstance(data, dict) else None
+    return None
+
+
 def _load_model(spec: str | Path, *, dtype: torch.dtype, device: torch.device | str) -> Transformer:
     kind, path = resolve_spec(spec)
     if kind not in ("gguf", "hf"):

@@ -79,6 +79,9 @@ def summarize(stats: list[RequestStats], errors: int, wall: float, concurrency: 
         "ttft_mean_s": statistics.fmean(ttft) if ttft else None,
         "ttft_p50_s": _pct(ttft, 0.5),
         "ttft_p90_s": _pct(ttft, 0.9),
+        "ttft_p99_s": _pct(ttft, 0.99),
+        "latency_p50_s": _pct([s.latency for s in stats], 0.5),
+        "latency_p99_s": _pct([s.latency for s in stats], 0.99),
         "itl_p50_s": _pct(itl, 0.5),
         "itl_p90_s": _pct(itl, 0.9),
         "tpot_mean_s": statistics.fmean(tpot) if tpot else None,
@@ -97,6 +100,8 @@ async def _one(client, url: str, body: dict) -> RequestStats:
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[6:])
+            if "error" in event:  # the server failed the request mid-stream
+                raise RuntimeError(f"stream error: {event['error'].get('message')}")
             if event.get("usage"):
                 usage_tokens = event["usage"].get("completion_tokens")
             choices = event.get("choices") or []
