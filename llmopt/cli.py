@@ -87,12 +87,37 @@ class Parser(argparse.ArgumentParser):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("allow_abbrev", False)
+        kwargs["formatter_class"] = _showing_defaults(kwargs.get("formatter_class"))
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         if self.command is None:
             super().error(message)
         self.exit(EXIT_USAGE, f"llmopt {self.command}: error: {message}\n")
+
+
+class _DefaultsShown(argparse.HelpFormatter):
+    """Every flag's help ends with its default, unless the help already says it or the
+    default says nothing (None, False, a suppressed value)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        quiet = action.default in (None, False, argparse.SUPPRESS) or not action.option_strings
+        if quiet or "default" in text.lower() or text == argparse.SUPPRESS:
+            return text
+        shown = action.default
+        if isinstance(shown, (list, tuple)):
+            shown = ",".join(str(v) for v in shown)
+        return f"{text} (default: {str(shown).replace('%', '%%')})".strip()
+
+
+def _showing_defaults(formatter: type | None) -> type:
+    """`formatter` (argparse's plain one by default) with `_DefaultsShown`'s help strings: the
+    one place every `llmopt` parser and subparser gets its shown defaults from."""
+    base = formatter or argparse.HelpFormatter
+    if issubclass(base, _DefaultsShown):
+        return base
+    return type(f"Defaults{base.__name__}", (_DefaultsShown, base), {})
 
 
 def renamed_flag(command: str, argv: list[str]) -> str | None:

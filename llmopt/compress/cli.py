@@ -25,7 +25,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "`llmopt generate/eval --model DIR` loads (or AutoAWQ's GEMM layout).",
     )
     p.add_argument("--model", default="smollm2-135m", help="model name, .gguf or HF directory")
-    p.add_argument("--method", default="awq", choices=METHODS)
+    p.add_argument(
+        "--method",
+        default="awq",
+        choices=METHODS,
+        help="rtn: round to nearest; awq: activation-aware scales; gptq: Hessian-based rounding",
+    )
     p.add_argument("--bits", type=int, default=4, help=f"one of {list(VALID_BITS)}")
     p.add_argument("--group-size", type=int, default=128, help="32, 64, 128 or -1 (per channel)")
     p.add_argument("--sym", action="store_true", help="symmetric grid (zero point fixed)")

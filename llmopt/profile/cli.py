@@ -29,6 +29,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--out", required=True, help="output directory")
     cli_args.add_overwrite(parser)
+    parser.add_argument(
+        "--json", action="store_true", help="print the summary (ops.json) instead of the table"
+    )
     parser.add_argument("--top", type=int, default=15, help="op-table rows to print (15)")
     parser.add_argument(
         "--fast",
@@ -92,6 +95,11 @@ def run(args: argparse.Namespace) -> int:
     summary["files"] = ["trace.json", "ops.json", "roofline.png", "memory.png"]
     atomic_write_json(out / "ops.json", summary)
     record_in_place(out, "profile", summary["files"])
+    if args.json:
+        from llmopt.jsonout import dumps
+
+        print(dumps({"out": str(out), **summary}, indent=1))
+        return 0
     _print(summary, args.top)
     print(f"wrote {', '.join(str(out / f) for f in summary['files'])}")
     return 0

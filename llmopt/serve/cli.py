@@ -30,11 +30,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="OpenAI-compatible server (continuous batching over a paged KV cache)",
         description="Serve /v1/completions, /v1/chat/completions (SSE streaming), /v1/models, "
         "/health and /metrics with continuous batching over a paged KV cache.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--model", required=True, help="packaged model name, .gguf file or HF dir")
     p.add_argument("--served-model-name", default=None, help="name clients send (default: --model)")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (loopback only by default)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
     p.add_argument("--max-num-seqs", type=int, default=32, help="requests decoded together")
     p.add_argument(
@@ -50,7 +49,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-queue", type=int, default=256, help="unfinished requests before 429 is answered"
     )
-    p.add_argument("--ngram", type=int, default=0, help="default n-gram speculation size (0: off)")
+    p.add_argument(
+        "--ngram",
+        type=int,
+        default=0,
+        help="n-gram speculation size of requests that set none (0: off)",
+    )
     p.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,

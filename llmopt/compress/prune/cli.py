@@ -24,7 +24,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "indices; unstructured stored dense with its mask).",
     )
     p.add_argument("--model", default="smollm2-135m", help="model name, .gguf or HF directory")
-    p.add_argument("--method", default="sparsegpt", choices=METHODS)
+    p.add_argument(
+        "--method",
+        default="sparsegpt",
+        choices=METHODS,
+        help="magnitude: |w|; wanda: |w| x input norm; sparsegpt: Hessian-based with updates",
+    )
     p.add_argument(
         "--sparsity",
         default="0.5",
