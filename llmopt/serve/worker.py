@@ -238,12 +238,13 @@ def _report(what: str, exc: BaseException) -> None:
 def engine_state(engine: Engine) -> dict[str, float]:
     """What /metrics reports of the engine's scheduler and KV cache. The one place the server
     reads engine internals (block manager, scheduler); a rewritten engine that lacks one of
-    them reports 0 for it rather than breaking /metrics."""
+    them reports NaN for it (never a reassuring 0) rather than breaking /metrics."""
     blocks = getattr(engine, "blocks", None)
     scheduler = getattr(engine, "scheduler", None)
     block_size = getattr(blocks, "block_size", engine.config.block_size)
     running = list(getattr(scheduler, "running", ()))
-    needed = 0
+    unknown = float("nan")
+    needed = unknown
     if blocks is not None and hasattr(blocks, "blocks_for"):
         needed = sum(blocks.blocks_for(r.num_computed) for r in running)
     return {
@@ -251,8 +252,8 @@ def engine_state(engine: Engine) -> dict[str, float]:
         "waiting": getattr(engine, "num_waiting", 0),
         "running": getattr(engine, "num_running", len(running)),
         "blocks_total": getattr(blocks, "num_blocks", engine.config.num_blocks),
-        "blocks_used": getattr(blocks, "num_used", 0),
+        "blocks_used": getattr(blocks, "num_used", unknown),
         "blocks_needed": needed,
-        "prefix_hits": getattr(blocks, "prefix_hits", 0),
-        "preemptions": getattr(scheduler, "num_preemptions", 0),
+        "prefix_hits": getattr(blocks, "prefix_hits", unknown),
+        "preemptions": getattr(scheduler, "num_preemptions", unknown),
     }
