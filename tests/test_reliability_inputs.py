@@ -274,3 +274,38 @@ def test_truncated_checkpoint_shard_names_the_file(tmp_path, capsys, tiny_dir):
     shard.write_bytes(shard.read_bytes()[:100])
     with pytest.raises(SafetensorsError, match=r"m/model.safetensors \(100 bytes\) is truncated"):
         list(iter_tensors(directory, torch.float32))
+
+
+# ---- issue 30 item 3: one root for every user-facing error ----
+INTERNAL_ERRORS = {
+    "OutOfBlocksError": "the serving engine's allocator; requests are checked against it first",
+    "APIError": "an HTTP error body of the server, not a CLI error",
+    "QueueFullError": "the server's 429",
+    "UnavailableError": "the server's 503",
+    "_Hang": "the sweep's own time limit",
+    "_Captured": "control flow of GPTQ's calibration hooks",
+    "_Stop": "control flow of the lm-eval adapter's stop strings",
+}
+
+
+def test_every_error_class_derives_from_the_root():
+    """Read from the source (no imports): every exception class llmopt defines reaches
+    `LlmoptError` through its bases, except the internal ones listed with the reason."""
+    import ast
+
+    bases: dict[str, list[str]] = {}
+    for path in (ROOT / "llmopt").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                names = [b.id if isinstance(b, ast.Name) else ast.unparse(b) for b in node.bases]
+                bases.setdefault(node.name, names)
+    errors = [n for n, bs in bases.items() if n.endswith("Error") or "Exception" in bs]
+
+    def rooted(name: str, seen: frozenset = frozenset()) -> bool:
+        if name == "LlmoptError":
+            return True
+        return name not in seen and any(rooted(b, seen | {name}) for b in bases.get(name, []))
+
+    loose = sorted(n for n in errors if not rooted(n) and n not in INTERNAL_ERRORS)
+    assert loose == [], loose
+    assert len([n for n in errors if rooted(n)]) >= 58
