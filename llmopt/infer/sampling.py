@@ -14,8 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
+from llmopt.errors import LlmoptError
 
-class InvalidRequestError(ValueError):
+
+class InvalidRequestError(LlmoptError, ValueError):
     """A request (or sampling value) the engine refuses; the server answers it with a 400."""
 
 

@@ -48,7 +48,7 @@ from llmopt.train.finetune_data import build_data, own_tokenizer
 from llmopt.train.nonfinite import NonFiniteGuard
 from llmopt.train.reporting import Progress, Reporter, plot_losses
 from llmopt.train.rundir import prepare_run_dir
-from llmopt.train.shapes import check_shape_flags
+from llmopt.train.shapes import ShapeMismatchError, check_dense_linears, check_shape_flags
 
 FAULT_ENV = "LLMOPT_FAULT"  # "kind:rank:step", kind in raise|kill|kill-in-save (tests)
 
@@ -172,11 +172,16 @@ def _train(
 ) -> TrainResult:
     dims = grid.dims
     plan = cfg.parallel_plan(dims.world_size)
-    prepare_run_dir(cfg.out_dir, cfg.resume, cfg.overwrite, grid)  # one run per out_dir
+    prepare_run_dir(cfg.out_dir, cfg.resume, cfg.overwrite, grid, cfg.steps)  # one run per dir
     torch.manual_seed(cfg.seed)
     model = build_initial_model(cfg, device)
     mcfg = model.config
-    dims.validate_model(mcfg, cfg.seq_len, cfg.sequence_parallel)
+    try:
+        dims.validate_model(mcfg, cfg.seq_len, cfg.sequence_parallel)
+    except ValueError as exc:  # the layout cannot split this model (`shapes.check_layout`)
+        raise ShapeMismatchError(f"{exc} of the model {cfg.init_from or cfg.model}") from None
+    if cfg.init_from:
+        check_dense_linears(model, cfg.init_from, "--init-from", "training")
     data = build_data(cfg, mcfg.vocab_size)
     lora = lora_settings(cfg)
     if lora is not None:

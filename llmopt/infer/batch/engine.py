@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from llmopt.errors import UsageError
 from llmopt.infer.batch.blocks import BlockManager
 from llmopt.infer.batch.request import Request, Status, StepOutput
 from llmopt.infer.batch.runner import EagerRunner, Runner
@@ -54,11 +55,11 @@ class EngineConfig:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_batched_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+                raise UsageError(f"{name}={value!r} must be an integer >= 1")
         if self.runner not in RUNNERS:
-            raise ValueError(f"runner={self.runner!r} is not valid; choose one of {RUNNERS}")
+            raise UsageError(f"runner={self.runner!r} is not valid; choose one of {RUNNERS}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
-            raise ValueError(f"threads={self.threads!r} must be an integer >= 1")
+            raise UsageError(f"threads={self.threads!r} must be an integer >= 1")
 
 
 class Engine:
@@ -358,15 +359,15 @@ def make_runner(
     fused CPU step when available, else eager. `scratch_block`: a cache block no request
     holds (CUDA graphs pad their batches with it)."""
     if runner not in RUNNERS:
-        raise ValueError(f"runner={runner!r} is not valid; choose one of {', '.join(RUNNERS)}")
+        raise UsageError(f"runner={runner!r} is not valid; choose one of {', '.join(RUNNERS)}")
     if int8_head and runner in ("eager", "cuda-graph"):
-        raise ValueError(f"int8_head applies to the fused runner, not to runner={runner!r}")
+        raise UsageError(f"int8_head applies to the fused runner, not to runner={runner!r}")
     on_gpu = cache.k.device.type == "cuda"
     if runner == "cuda-graph" or (runner == "auto" and on_gpu and not int8_head):
         from llmopt.infer.batch.cuda_graphs import GraphRunner
 
         if scratch_block is None:
-            raise ValueError("the CUDA-graph runner needs a scratch block in the cache")
+            raise UsageError("the CUDA-graph runner needs a scratch block in the cache")
         return GraphRunner(model, cache, scratch_block=scratch_block), "CUDA graphs"
     if runner == "eager":
         return EagerRunner(model, cache), "eager requested"
@@ -378,5 +379,5 @@ def make_runner(
 
         return FusedRunner(model, cache, threads=threads, int8_head=int8_head), None
     if runner == "fused" or int8_head:
-        raise ValueError(f"the fused runner was requested but is unavailable: {reason}")
+        raise UsageError(f"the fused runner was requested but is unavailable: {reason}")
     return EagerRunner(model, cache), reason
