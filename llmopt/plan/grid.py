@@ -72,13 +72,17 @@ def to_grid(plan: ParallelPlan, etp: int | None = None, grad_reduce: str = "micr
 def grid_row(
     grid: Grid, i: int, precision: str = "bf16", state_bytes: str = "megatron"
 ) -> ParallelPlan:
-    """The i-th plan of a grid, with the workload's numerics."""
+    """The i-th plan of a grid, with the workload's numerics. An expert-parallel degree that
+    ParallelPlan cannot hold (Megatron-Core's parallel folding lays EP over tp·cp·dp, so ep may
+    exceed dp·cp) is left out of the ParallelPlan (ep=1); `Plan.ep` carries it."""
+    ep = int(grid["ep"][i]) if "ep" in grid else 1
+    dpcp = int(grid["dp"][i]) * int(grid["cp"][i])
     return ParallelPlan(
         tp=int(grid["tp"][i]),
         pp=int(grid["pp"][i]),
         dp=int(grid["dp"][i]),
         cp=int(grid["cp"][i]),
-        ep=int(grid["ep"][i]) if "ep" in grid else 1,
+        ep=ep if dpcp % ep == 0 else 1,
         sequence_parallel=bool(grid["sp"][i]),
         zero_stage=int(grid["zero"][i]),
         micro_batch=int(grid["mb"][i]),

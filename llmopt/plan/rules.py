@@ -58,9 +58,14 @@ def structural_reasons(
             f"tp={{tp}} and num_kv_heads={kv}: one must divide the other",
             (kv % tp != 0) & (tp % kv != 0),
         ),
-        # Uneven splits are allowed (Megatron-Core's first/last-stage layer counts); the busiest
-        # stage holds ceil(L / (pp·v)) layers per chunk.
-        (f"pp*virtual_stages={{pv}} exceeds num_layers={L}", pp * v > L),
+        # Uneven splits are allowed (llmopt.plan.split: Megatron-Core's layouts, torchtitan's
+        # weighted split, the engine's layers_per_stage); a chunk may hold only the embedding
+        # or only the output layer and loss, so pp·v may reach num_layers + 2.
+        (
+            f"pp*virtual_stages={{pv}} exceeds num_layers+2={L + 2} (one chunk per layer, "
+            "plus the embedding's and the loss's)",
+            pp * v > L + 2,
+        ),
         (
             "schedule=interleaved needs num_microbatches={m} divisible by pp={pp}",
             (grid["sched"] == 2) & (grid["m"] % pp != 0),

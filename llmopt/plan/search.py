@@ -48,6 +48,13 @@ class Plan:
     expert_tp: int = 1
     grad_reduce: str = "microbatch"  # ZeRO-2/3 gradient policy (grid.GRAD_REDUCES)
     mfu_bf16_peak: float | None = None  # FP8 runs: MFU against the bf16 peak, labelled so
+    # expert-parallel degree; differs from parallel.ep only when EP is folded over tp·cp·dp
+    # beyond dp·cp (Megatron-Core parallel folding), which ParallelPlan does not hold
+    expert_parallel: int | None = None
+
+    @property
+    def ep(self) -> int:
+        return self.parallel.ep if self.expert_parallel is None else self.expert_parallel
 
     def to_dict(self) -> dict[str, Any]:
         """ParallelPlan's fields, then what the model predicts for them."""
@@ -58,6 +65,7 @@ class Plan:
             "memory_gib": {k: round(v, 3) for k, v in mem.items()},
             "step_time_s": {k: round(v, 6) for k, v in self.step_time_s.items()},
             "tokens_per_s": round(self.tokens_per_s, 1),
+            "ep": self.ep,
             "etp": self.expert_tp,
             "grad_reduce": self.grad_reduce,
             "tokens_per_s_per_gpu": round(self.tokens_per_s / self.parallel.world_size, 1),
@@ -112,6 +120,7 @@ class Evaluation:
             if "gacc" in self.grid
             else "microbatch",
             mfu_bf16_peak=None if self.mfu_bf16 is None else float(self.mfu_bf16[i]),
+            expert_parallel=int(self.grid["ep"][i]) if "ep" in self.grid else None,
         )
 
 
