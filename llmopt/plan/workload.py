@@ -59,6 +59,9 @@ class Workload:
     # DeepSeek's DualPipe schedule (bidirectional 1F1B): half the bubble, two copies of the
     # stage's weights, dispatch/combine hidden behind the paired micro-batch's compute
     dualpipe: bool = False
+    # Data-parallel sharding implementation (`llmopt.plan.timing.SHARDING_OVERLAP`): "fsdp"
+    # (FSDP2, Megatron's distributed optimizer / Megatron-FSDP) or "deepspeed" (ZeRO-3 hooks)
+    sharding: str = "fsdp"
     # Fine-tuning (llmopt.plan.memory.lora_model_states): LoRA adapters of this rank on every
     # block linear train; the frozen base is bf16, or packed INT4 with qlora.
     lora_rank: int = 0
@@ -85,6 +88,8 @@ class Workload:
             raise ValueError(
                 f"ep_dispatcher={self.ep_dispatcher!r}; choose from alltoall, deepep, hybridep"
             )
+        if self.sharding not in ("fsdp", "deepspeed"):
+            raise ValueError(f"sharding={self.sharding!r}; choose fsdp or deepspeed")
         if self.optimizer != "adam":
             raise ValueError(f"optimizer={self.optimizer!r} is not supported; use adam")
         if (

@@ -203,6 +203,7 @@ def _workload(row: dict[str, str], model: ModelConfig, notes: list[str]) -> Work
         ep_comm_overlap=ep_overlap in ("yes", "1f1b"),
         ep_dispatcher=(row.get("dispatcher") or "alltoall").strip().lower(),
         dualpipe=ep_overlap == "dualpipe",
+        sharding="deepspeed" if deepspeed or framework == "deepspeed" else "fsdp",
     )
     notes.append(
         f"flash={'yes' if work.flash_attention else 'no (Megatron <= 2022)'}, "
