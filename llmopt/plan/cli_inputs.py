@@ -104,14 +104,27 @@ def build_workload(args: argparse.Namespace) -> Workload:
         global_batch=batch,
         precision=args.precision,
         flash_attention=not args.no_flash,
-        state_bytes=STATE_OF_REDUCE_DTYPE[args.reduce_dtype],
+        state_bytes=STATE_OF_REDUCE_DTYPE[reduce_dtype(args)],
         tp_comm_overlap=args.tp_comm_overlap,
         dp_comm_overlap=not args.no_dp_overlap,
         flops_convention=getattr(args, "flops_convention", "causal"),
         expert_imbalance=getattr(args, "expert_imbalance", 1.0),
+        ep_dispatcher=getattr(args, "ep_dispatcher", "alltoall"),
+        ep_comm_overlap=getattr(args, "ep_overlap", False),
+        dualpipe=getattr(args, "dualpipe", False),
+        # DeepSpeed's ZeRO-3 fetches parameters from module hooks (timing.SHARDING_OVERLAP)
+        sharding="deepspeed" if getattr(args, "framework", "llmopt") == "deepspeed" else "fsdp",
         lora_rank=getattr(args, "lora_rank", 0),
         qlora=getattr(args, "qlora", False),
     )
+
+
+def reduce_dtype(args: argparse.Namespace) -> str:
+    """--reduce-dtype, else the --framework's default (`frameworks.DEFAULT_REDUCE_DTYPE`)."""
+    from llmopt.plan.frameworks import DEFAULT_REDUCE_DTYPE
+
+    given = getattr(args, "reduce_dtype", None)
+    return given or DEFAULT_REDUCE_DTYPE.get(getattr(args, "framework", "llmopt"), "fp32")
 
 
 def inputs(args: argparse.Namespace) -> tuple[ModelConfig, Workload, Cluster]:
@@ -146,7 +159,7 @@ def build_plan(args: argparse.Namespace, work: Workload, cluster: Cluster) -> Pa
         sequence_parallel=bool(args.sequence_parallel),
         zero_stage=args.zero_stage, micro_batch=args.micro_batch, num_microbatches=m,
         schedule=args.schedule, virtual_stages=args.virtual_stages, recompute=args.recompute,
-        precision=work.precision, fp8_recipe=args.fp8_recipe, reduce_dtype=args.reduce_dtype,
+        precision=work.precision, fp8_recipe=args.fp8_recipe, reduce_dtype=reduce_dtype(args),
     )  # fmt: skip
 
 

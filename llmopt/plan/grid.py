@@ -44,13 +44,20 @@ REDUCE_DTYPE_OF_STATE = {"megatron": "fp32", "zero": "bf16"}
 STATE_OF_REDUCE_DTYPE = {v: k for k, v in REDUCE_DTYPE_OF_STATE.items()}
 
 
-def to_grid(plan: ParallelPlan, etp: int | None = None, grad_reduce: str = "microbatch") -> Grid:
+def to_grid(
+    plan: ParallelPlan,
+    etp: int | None = None,
+    grad_reduce: str = "microbatch",
+    ep: int | None = None,
+) -> Grid:
     """A one-plan grid (expert TP defaults to Megatron's: tp when ep > 1; `grad_reduce` is the
-    ZeRO-2/3 gradient policy, one of GRAD_REDUCES)."""
+    ZeRO-2/3 gradient policy, one of GRAD_REDUCES; `ep` overrides plan.ep for an EP degree
+    folded beyond dp·cp, which ParallelPlan does not hold)."""
     if grad_reduce not in GRAD_REDUCES:
         raise ValueError(f"grad_reduce={grad_reduce!r}; choose from {', '.join(GRAD_REDUCES)}")
+    ep = plan.ep if ep is None else ep
     if etp is None:
-        etp = plan.tp if plan.ep > 1 else 1
+        etp = plan.tp if ep > 1 else 1
     return {
         "tp": np.array([plan.tp]),
         "pp": np.array([plan.pp]),
@@ -63,7 +70,7 @@ def to_grid(plan: ParallelPlan, etp: int | None = None, grad_reduce: str = "micr
         "v": np.array([plan.virtual_stages]),
         "sched": np.array([SCHEDULES.index(plan.schedule)]),
         "rc": np.array([RECOMPUTES.index(plan.recompute)]),
-        "ep": np.array([plan.ep]),
+        "ep": np.array([ep]),
         "etp": np.array([etp]),
         "gacc": np.array([GRAD_REDUCES.index(grad_reduce)]),
     }

@@ -23,7 +23,7 @@ MAX_MICRO_BATCH = 32
 # many tokens (Llama 3 used CP
 # only for its long-context phase; NeMo's Llama-3-70B recipe uses CP=2 at 8192).
 MIN_CP_CHUNK = 4096
-VIRTUAL_STAGES = (2, 3, 4, 6, 8)
+VIRTUAL_STAGES = (2, 3, 4, 5, 6, 8)  # 5: NeMo's Llama 3 70B recipes (80 layers, pp 8 x vp 5)
 KEY_OF_FIELD = {name: key for key, name in GRID_FIELDS.items()}
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 

@@ -274,16 +274,18 @@ def estimate(
     plan: ParallelPlan,
     etp: int | None = None,
     grad_reduce: str = "microbatch",
+    ep: int | None = None,
 ) -> Plan:
     """Evaluate one fully specified plan (even an invalid one: `rejected` says why). Precision
-    and reduce dtype come from the plan (`workload_for`); `etp` is the expert TP (None: tp)."""
+    and reduce dtype come from the plan (`workload_for`); `etp` is the expert TP (None: tp);
+    `ep` an expert-parallel degree folded beyond dp·cp (None: plan.ep)."""
     if plan.world_size != cluster.num_gpus:
         raise ValueError(
             f"tp*pp*dp*cp={plan.world_size} but the cluster has {cluster.num_gpus} GPUs "
             f"({cluster.nodes} nodes x {cluster.gpus_per_node})"
         )
     work = workload_for(work, plan)
-    ev = evaluate(model, work, cluster, to_grid(plan, etp, grad_reduce))
+    ev = evaluate(model, work, cluster, to_grid(plan, etp, grad_reduce, ep))
     out = plan_at(ev, 0)
     out.parallel = plan  # the grid does not carry fp8_recipe: keep the plan as given
     return out

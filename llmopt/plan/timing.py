@@ -196,6 +196,12 @@ def step_time(
     )
     fwd_window = hide * fwd_mb
     bwd_window = hide * (2 * fwd_mb + recompute_mb)  # a recomputed forward runs in backward too
+    # Interleaved 1F1B finishes its chunks' last backwards one by one through the cooldown, so
+    # Megatron's bucketed grad reduce (and the next step's param gather, during the warm-up)
+    # also hides behind about half the bubble (--overlap-grad-reduce / --overlap-param-gather).
+    interleaved = grid["sched"] == SCHED_INTERLEAVED
+    step_fwd_window = fwd_window + np.where(interleaved, hide * bubble / 2, 0.0)
+    step_bwd_window = bwd_window + np.where(interleaved, hide * bubble / 2, 0.0)
     grad_once = _sum_time(cs, cluster, group="dp", phase="step", op="all-reduce", stage="last")
     z = grid["zero"]
     rs_total = _sum_time(cs, cluster, group="dp", op="reduce-scatter", stage="last")
@@ -207,8 +213,8 @@ def step_time(
     rs_mb = np.where(once, 0.0, rs_total / m)
     rs_once = np.where(once, rs_total, 0.0)
     first_layer = 1 / n_layers  # the first bucket/layer's gather cannot hide
-    dp01 = np.maximum(0.0, grad_once + rs_total - bwd_window) + np.maximum(
-        0.0, ag_step - fwd_window
+    dp01 = np.maximum(0.0, grad_once + rs_total - step_bwd_window) + np.maximum(
+        0.0, ag_step - step_fwd_window
     )
     dp2 = m * np.maximum(0.0, rs_mb - bwd_window) + np.maximum(0.0, ag_step - fwd_window)
     dp2 = dp2 + np.maximum(0.0, rs_once - bwd_window)
