@@ -174,6 +174,10 @@ def check_args(args: argparse.Namespace) -> None:
         for flag, spec, parse in given:
             if spec is None:
                 continue
+            if not spec.strip():  # an empty spec would silently mean "no constraint"
+                raise ValueError(
+                    f"{flag} {spec!r} names no setting; give key=value pairs such as tp=8,pp=2"
+                )
             try:
                 parse(spec)
             except ValueError as exc:  # name the flag unless the parser's message does

@@ -15,6 +15,9 @@ from llmopt.plan.hardware import Cluster, customize, get_cluster, load_cluster_t
 from llmopt.plan.workload import Workload
 
 DEFAULT_NODES = 8  # `--nodes` when neither the flag nor a cluster file says
+# Largest count a shape, cluster or workload flag may take: beyond it numbers stop being a model
+# or a cluster (and numpy's int64 arithmetic would overflow).
+MAX_COUNT = 2**31 - 1
 
 # flag dest (= ModelConfig field = TrainConfig shape override) given on the command line
 SHAPE_FIELDS = (
@@ -51,22 +54,58 @@ def build_model(args: argparse.Namespace) -> ModelConfig:
     if spec.endswith(".json") or path.is_dir():
         from llmopt.models.moe_hf import planner_config_from_hf
 
+        _check_head_counts(path / "config.json" if path.is_dir() else path)
         model = planner_config_from_hf(path, name=path.stem)  # MoE layouts planned as MoE
     else:
         model = get_preset(spec)
     changes = model_overrides(args)
     for name in SHAPE_FIELDS:
         value = changes.get(name)
-        if value is not None and value <= 0:
-            raise ValueError(f"--{name.replace('_', '-')}={value} must be a positive integer")
+        if value is not None and not 0 < value <= MAX_COUNT:
+            raise ValueError(
+                f"--{name.replace('_', '-')}={value} must be a positive integer up to {MAX_COUNT}"
+            )
     if changes:
         if "hidden_size" in changes or "num_heads" in changes:
             changes.setdefault("head_dim", None)
         model = model.replace(name=f"{model.name} (custom)", **changes)
+    if model.num_kv_heads < 1 or model.num_heads % model.num_kv_heads:
+        raise ValueError(
+            f"--model {spec}: num_kv_heads={model.num_kv_heads} must be a positive divisor of "
+            f"num_heads={model.num_heads}"
+        )
     return model
 
 
+def check_counts(args: argparse.Namespace) -> None:
+    """Integer flags of plan/estimate/compare: positive and at most MAX_COUNT."""
+    for dest in ("nodes", "gpus_per_node", "seq_len", "global_batch", "global_batch_tokens",
+                 "top_k", "pick", "tp", "pp", "cp", "dp", "ep", "etp", "micro_batch",
+                 "num_microbatches", "virtual_stages", "lora_rank"):  # fmt: skip
+        value = getattr(args, dest, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > MAX_COUNT:
+            raise ValueError(
+                f"--{dest.replace('_', '-')}={value} is too large (at most {MAX_COUNT})"
+            )
+
+
+def _check_head_counts(config_json: Path) -> None:
+    """A config.json whose head counts are given but not positive is refused (a 0 would
+    otherwise read as "not given" and default to the query heads)."""
+    import json
+
+    try:
+        hf = json.loads(config_json.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # the config reader reports unreadable files in its own words
+    for key in ("num_key_value_heads", "num_attention_heads"):
+        value = hf.get(key) if isinstance(hf, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value <= 0:
+            raise ValueError(f"{config_json}: {key}={value} must be a positive integer")
+
+
 def build_cluster(args: argparse.Namespace) -> Cluster:
+    check_counts(args)
     if args.nodes is not None and args.nodes <= 0:
         raise ValueError(f"--nodes={args.nodes} must be a positive integer")
     if args.cluster.endswith(".toml"):  # its `nodes` stands unless --nodes is given

@@ -123,6 +123,7 @@ def parse_constraints(spec: str) -> dict[str, int]:
     out: dict[str, int] = {}
     if not spec.strip():
         return out
+    given: dict[str, str] = {}
     for part in spec.replace(" ", "").split(","):
         if not part:
             continue
@@ -134,6 +135,11 @@ def parse_constraints(spec: str) -> dict[str, int]:
             raise ConstraintError(
                 f"unknown mapping key {name!r}; valid: {', '.join(sorted(KEY_OF_FIELD))}"
             )
+        if name in given:
+            raise ConstraintError(
+                f"{name} is given twice ({name}={given[name]}, {name}={value}); give it once"
+            )
+        given[name] = value
         key = KEY_OF_FIELD[name]
         if key == "sched":
             if value not in SCHEDULES:
