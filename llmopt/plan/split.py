@@ -14,6 +14,8 @@ exporters.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from llmopt.models.config import ModelConfig
@@ -28,6 +30,7 @@ def head_units(model: ModelConfig) -> float:
     return model.hidden_size * model.vocab_size / max(block, 1.0)
 
 
+@functools.lru_cache(maxsize=4096)
 def _best_split(L: int, p: int, v: int, u: float) -> tuple[int, int, int]:
     """(first, busiest, last) layer counts on p ranks of v chunks. When every chunk can hold the
     same number of layers the split is even (every framework's default, no layout needed).
@@ -60,10 +63,16 @@ def rank_layers(
     spread over its v chunks). With pp=1 all three are the layer count."""
     p, vv = np.broadcast_arrays(np.asarray(pp, dtype=np.int64), np.asarray(v, dtype=np.int64))
     u = head_units(model)
+    if p.size == 1:  # one plan (estimate, explanations): no grouping needed
+        one = _best_split(model.num_layers, int(p.flat[0]), int(vv.flat[0]), u)
+        return tuple(np.full(p.shape, x, dtype=np.int64) for x in one)  # type: ignore[return-value]
     first, busy, last = (np.empty(p.shape, dtype=np.int64) for _ in range(3))
-    for pv in np.unique(np.stack([p.ravel(), vv.ravel()], axis=1), axis=0):
-        at = (p == pv[0]) & (vv == pv[1])
-        first[at], busy[at], last[at] = _best_split(model.num_layers, int(pv[0]), int(pv[1]), u)
+    key = p * 1_000_003 + vv
+    for k in np.unique(key):
+        at = key == k
+        first[at], busy[at], last[at] = _best_split(
+            model.num_layers, int(k // 1_000_003), int(k % 1_000_003), u
+        )
     return first, busy, last
 
 
