@@ -63,3 +63,41 @@ def test_moe_config_with_zero_kv_heads_is_refused(tmp_path, capsys):
     path.write_text(json.dumps(cfg))
     assert main(["plan", "--model", str(path), "--top-k", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["plans"][0]["ep"] >= 1
+
+
+def test_a_search_nothing_fits_names_the_switch_that_fits(capsys):
+    """Issue 27 item 5: the fp32-gradient default rejected runs that bf16 gradients fit."""
+    err = _error(["plan", "--nodes", "2", "--global-batch", "32"], capsys)
+    assert "does not fit on 2x8 H100-SXM5-80GB" in err
+    assert "fits with --reduce-dtype bf16: tp=" in err and "GiB per GPU" in err
+
+
+def test_why_not_names_the_switch_that_fits(capsys):
+    argv = ["plan", "--nodes", "4", "--global-batch", "32", "--why-not",
+            "tp=8,recompute=none,micro_batch=4"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "rejected, no plan with these settings is valid" in out
+    assert "Fits with recompute=selective: tp=8" in out
+
+
+def test_best_plan_a_framework_runs_is_found_when_none_runs_the_top():
+    import argparse
+
+    from llmopt.models.presets import get_preset
+    from llmopt.plan.cli_run import _best_framework_plan
+    from llmopt.plan.hardware import get_cluster
+    from llmopt.plan.search import search
+    from llmopt.plan.workload import Workload
+
+    model, cluster, work = get_preset("llama-3-70b"), get_cluster("dgx-h100", 8), Workload()
+    result = search(model, work, cluster, top_k=2)
+    args = argparse.Namespace(framework="llmopt", model="llama-3-70b")
+    for name in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
+                 "vocab_size", "mlp_kind", "tied"):  # fmt: skip
+        setattr(args, name, None)
+    refused = {f: "refused" for f in ("llmopt", "megatron", "nemo", "torchtitan", "deepspeed")}
+    rank, plan, names = _best_framework_plan(args, model, work, cluster, result, dict(refused))
+    assert rank >= 1 and names and plan.rank == rank
+    # when some framework runs #1, nothing more is printed
+    assert _best_framework_plan(args, model, work, cluster, result, {**refused, "nemo": ""}) is None
