@@ -173,9 +173,11 @@ def _budget(
 def run_plan(args: argparse.Namespace) -> int:
     from llmopt.plan.explain import explain, why_not
     from llmopt.plan.fewest import search_fewest_gpus
+    from llmopt.plan.fits import fits_with
     from llmopt.plan.objectives import parse_require
     from llmopt.plan.rules import parse_constraints
     from llmopt.plan.search import search
+    from llmopt.plan.shortfall import NothingFitsError
 
     if args.top_k <= 0:
         raise ValueError(f"--top-k={args.top_k} must be positive")
@@ -191,9 +193,15 @@ def run_plan(args: argparse.Namespace) -> int:
             model, work, cluster, top_k, where, args.framework, requires
         )
     else:
-        result = search(
-            model, work, cluster, top_k, where, args.framework, args.objective, requires
-        )
+        try:
+            result = search(
+                model, work, cluster, top_k, where, args.framework, args.objective, requires
+            )
+        except NothingFitsError as exc:  # name the one switch that admits plans, if any
+            fix = fits_with(model, work, cluster, exc.constraints, exc.evaluation)
+            if fix is None or "does not fit" not in str(exc):
+                raise
+            raise ValueError(f"{exc}; {fix.strip()[0].lower()}{fix.strip()[1:]}") from None
     seconds = time.perf_counter() - t0
     plans = result.plans[: args.top_k]
     runner = result.plans[1] if len(result.plans) > 1 else None

@@ -253,6 +253,13 @@ ENGINE_RULES: tuple[Rule, ...] = (
          "use grad_reduce=microbatch, or zero_stage=1 to reduce once per step",
          lambda g, m, n: (g["zero"] >= 2) & (grad_policy(g) == 1),
          "llmopt/parallel/data_parallel.py"),
+    Rule("llmopt's engine",
+         "num_layers={L} over pp*virtual_stages={pv} interleaved chunks unevenly (a run config "
+         "splits chunks evenly)",
+         "choose pp*virtual_stages dividing the layers, or pass layers_per_stage to the Engine",
+         lambda g, m, n: ((g["v"] > 1) & (m.num_layers % (g["pp"] * g["v"]) != 0))
+         | (m.num_layers < g["pp"] * g["v"]),
+         "llmopt/parallel/pipeline/stage.py stage_layout"),
 )  # fmt: skip
 
 RULES: dict[str, tuple[Rule, ...]] = {

@@ -24,7 +24,7 @@ from llmopt.plan.hardware import GIB, Cluster
 from llmopt.plan.memory import memory_breakdown
 from llmopt.plan.objectives import Requirement, objective_band
 from llmopt.plan.rules import msg_at, structural_reasons
-from llmopt.plan.shortfall import no_candidates_message, nothing_fits_message
+from llmopt.plan.shortfall import NothingFitsError, no_candidates_message, nothing_fits_message
 from llmopt.plan.space import build_grid  # noqa: F401  (re-exported: the search space)
 from llmopt.plan.timing import comm_bytes_per_gpu, step_time
 from llmopt.plan.workload import Workload, model_flops_per_step, recompute_flops_per_step
@@ -244,7 +244,8 @@ def search(
     ev = evaluate(model, work, cluster, grid, with_comm=False, **opts)
     order = ranked(ev)
     if len(order) == 0:
-        raise ValueError(nothing_fits_message(model, work, cluster, ev, constraints))
+        message = nothing_fits_message(model, work, cluster, ev, constraints)
+        raise NothingFitsError(message, ev, constraints)
     top = order[:top_k]
     sub = {k: v[top] for k, v in grid.items()}
     top_ev = evaluate(model, work, cluster, sub, with_comm=True, **opts)

@@ -58,13 +58,19 @@ def nothing_fits_message(
     need = ev.memory["total"][best] / GIB
     have = ev.memory["usable"][best] / GIB
     p = grid_row(ev.grid, int(best))
-    from llmopt.plan.fits import fits_with  # imports the search, which imports this module
-
-    fix = fits_with(model, work, cluster, dict(constraints or {}), ev)
     return (
         f"{model.name} does not fit on {cluster.nodes}x{cluster.gpus_per_node} "
         f"{cluster.gpu.name}{what}: the leanest plan ({p.short()}, zero_stage={p.zero_stage}, "
         f"recompute={p.recompute}, micro_batch={p.micro_batch}) needs {need:.1f} GiB per GPU, "
         f"{need - have:.1f} GiB more than the {have:.1f} GiB usable"
-        + (f"; {fix.strip()[0].lower()}{fix.strip()[1:]}" if fix else "")
     )
+
+
+class NothingFitsError(ValueError):
+    """A search whose every plan is invalid; carries the evaluation so a caller can say which
+    switch would admit plans (`llmopt.plan.fits.fits_with`)."""
+
+    def __init__(self, message: str, evaluation: Any, constraints: dict[str, int] | None):
+        super().__init__(message)
+        self.evaluation = evaluation
+        self.constraints = dict(constraints or {})

@@ -1,17 +1,10 @@
-"""The training planner against published runs: each row's exact configuration is evaluated
-with `llmopt.plan` and the prediction converted into the quantity and FLOP convention the source
-reported (Narayanan Eq. 3 TFLOP/s, which counts the recomputed forward; Megatron model TFLOP/s;
-Megatron-Core's causal model TFLOP/s; torchtitan's 6N+12·L·H·Q·T; iteration time; tokens/s),
-so like is compared with like.
-
-The rows are split (`SETS`): the calibration rows are the only ones the cost terms may be tuned
-on; the validation rows come from sources the calibration rows do not use and are only ever
-predicted (`tests/test_plan_validate.py` checks that no source is in both). Fields a source left
-open ("not stated", "not verified") are chosen by the planner (the fastest plan that fits with
-every reported field held fixed) and printed as assumptions. Optional columns state what a
-source's text implies, so nothing is guessed per row: `framework`, `reduce_dtype`,
-`tp_comm_overlap`, `compile`, `dispatcher` (alltoall, deepep, hybridep), `ep_overlap`
-(yes/no/dualpipe), `nvlink_domain` (GPUs per NVLink domain), `hbm_tbs`.
+"""The training planner against published runs: each row's configuration is evaluated with
+`llmopt.plan` and the prediction converted into the quantity and FLOP convention the source
+reported (Narayanan's Eq. 3, Megatron's model TFLOP/s, Megatron-Core's causal count, 6N+12LHQT,
+iteration time, tokens/s). Calibration rows may tune cost terms; validation rows come from
+other sources and are only predicted (`SETS`). Cells a source left open are the planner's
+choice, printed as assumptions; optional columns (framework, reduce_dtype, tp_comm_overlap,
+compile, dispatcher, ep_overlap, nvlink_domain, hbm_tbs) state what the source implies.
 """
 
 from __future__ import annotations
@@ -304,8 +297,13 @@ def measured_and_predicted(
     n = setup.cluster.num_gpus
     conv = row["tflops_convention"]
     tflops = _float(row["tflops_per_gpu_reported"])
-    B, s, L, h, V = work.global_batch, work.seq_len, model.num_layers, model.hidden_size, None
-    V = model.vocab_size
+    B, s, L, h, V = (
+        work.global_batch,
+        work.seq_len,
+        model.num_layers,
+        model.hidden_size,
+        model.vocab_size,
+    )
     tokens = work.tokens_per_step
     tps = _float(row["tokens_per_s_per_gpu_reported"])
     if tflops is not None and tps is None:
