@@ -3,6 +3,7 @@
     python benchmarks/validate_planner.py                      # calibration and validation sets
     python benchmarks/validate_planner.py --set validation     # only the held-out rows
     python benchmarks/validate_planner.py --runs FILE.csv      # any CSV with the columns
+    python benchmarks/validate_planner.py --mappings nemo      # published mappings vs #1
 
 Prints a table per set and one summary line per set,
 `<set> <kind>: median_abs_rel_err=<x> p90_abs_rel_err=<y> n=<rows>`; with --runs the last line
@@ -48,7 +49,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--set", choices=("calibration", "validation", "all"), default="all")
     ap.add_argument("--out", default="runs/validate_planner.json", help="JSON results path")
+    ap.add_argument(
+        "--mappings",
+        default=None,
+        metavar="FRAMEWORK",
+        help="rank NeMo's published mappings under this framework's rules instead",
+    )
     args = ap.parse_args(argv)
+    if args.mappings is not None:
+        return _mappings(args.mappings)
     if args.runs is not None:
         files = {("file", Path(args.runs).name): Path(args.runs)}
     else:
@@ -77,6 +86,21 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write_text(Path(args.out), json.dumps(payload, indent=1))
     for line in lines:
         print(line)
+    return 0
+
+
+def _mappings(framework: str) -> int:
+    from llmopt.validate.mappings import check
+
+    rows = check(framework)
+    for r in rows:
+        if r.valid:
+            print(f"{r.label}: {r.spec} valid, best variant {r.published_s:.2f} s, rank #{r.rank}, "
+                  f"{r.gap:+.1%} versus #1 {r.top} ({r.top_s:.2f} s)")  # fmt: skip
+        else:
+            print(f"{r.label}: {r.spec} INVALID under {framework}: {r.reason}")
+    within = sum(1 for r in rows if r.valid and r.gap is not None and r.gap <= 0.05)
+    print(f"valid={sum(r.valid for r in rows)}/{len(rows)} within_5pct={within}/{len(rows)}")
     return 0
 
 

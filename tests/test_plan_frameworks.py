@@ -205,3 +205,19 @@ def test_nemo_defaults_to_its_recipes_bf16_reduce(capsys):
     assert main(["plan", "--framework", "nemo", "--reduce-dtype", "fp32", "--top-k", "1",
                  "--json"]) == 0  # fmt: skip
     assert json.loads(capsys.readouterr().out)["plans"][0]["reduce_dtype"] == "fp32"
+
+
+def test_nemos_published_mappings_are_valid_under_nemo():
+    """Issue 27: NeMo's published 70B/405B (H100, B200) and DeepSeek-V3 mappings are valid plans
+    under --framework nemo (their distance to #1 is recorded in docs/benchmarks/planner.md)."""
+    from llmopt.validate.mappings import check
+
+    rows = check("nemo")
+    assert len(rows) == 5
+    for r in rows:
+        assert r.valid, (r.label, r.reason)
+        assert r.published_s > 0 and r.rank >= 1
+    # the two the issue names as broken before: 405B on 1,024 H100 and DeepSeek-V3 on GB200
+    near = {r.label: r.gap for r in rows}
+    assert near["Llama 3.1 405B, 1,024 H100"] <= 0.05
+    assert near["DeepSeek-V3, 256 GB200"] <= 0.05
