@@ -104,12 +104,27 @@ def _check_head_counts(config_json: Path) -> None:
             raise ValueError(f"{config_json}: {key}={value} must be a positive integer")
 
 
+def _check_cluster_file_says_nodes(path: Path, nodes: int | None) -> None:
+    """A cluster file on the command line must say how big the cluster is (the API's default
+    of one node would otherwise be planned without a word)."""
+    from llmopt.config_files import read_toml
+
+    data = read_toml(path, "cluster file")
+    if not data:
+        raise ValueError(
+            f'{path} is empty: give at least base = "dgx-h100" (or another preset) and nodes = N'
+        )
+    if "nodes" not in data and nodes is None:
+        raise ValueError(f"{path} sets no nodes: add nodes = N to the file or pass --nodes N")
+
+
 def build_cluster(args: argparse.Namespace) -> Cluster:
     check_counts(args)
     if args.nodes is not None and args.nodes <= 0:
         raise ValueError(f"--nodes={args.nodes} must be a positive integer")
     if args.cluster.endswith(".toml"):  # its `nodes` stands unless --nodes is given
         cluster = load_cluster_toml(args.cluster, nodes=args.nodes)
+        _check_cluster_file_says_nodes(Path(args.cluster), args.nodes)
     else:
         cluster = get_cluster(args.cluster, DEFAULT_NODES if args.nodes is None else args.nodes)
     flags = {  # flag dest -> the cluster field it overrides

@@ -94,12 +94,6 @@ def load_cluster_toml(path: str | Path, nodes: int | None = None) -> Cluster:
     sections = {"gpu": GPUProfile, "intra_node": LinkProfile, "inter_node": LinkProfile}
     for section, cls in sections.items():
         check_fields(f"{p} [{section}]", data.get(section, {}), dataclass_schema(cls))
-    if not data:
-        raise ValueError(
-            f'{p} is empty: give at least base = "dgx-h100" (or another preset) and nodes = N'
-        )
-    if "nodes" not in data and nodes is None:  # the preset's 1 node would be planned silently
-        raise ValueError(f"{p} sets no nodes: add nodes = N to the file or pass --nodes N")
     try:
         base = get_cluster(data.pop("base", "dgx-h100"))
     except ValueError as exc:
