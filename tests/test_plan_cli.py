@@ -160,7 +160,7 @@ print("HEAVY", heavy)
 
 
 @pytest.mark.parametrize(
-    "argv", [["plan"], ["plan", "--top-k", "2", "--emit", "{tmp}/run.toml"],
+    "argv", [["plan"], ["plan", "--top-k", "2", "--where", "virtual_stages=2", "--emit", "{tmp}/run.toml"],
              ["plan", "--emit", "{tmp}/x.megatron.sh"], ["plan", "compare"]],
 )  # fmt: skip
 def test_plan_never_imports_torch(argv, tmp_path):

@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from llmopt.errors import UsageError
 from llmopt.models.config import ModelConfig
 from llmopt.parallel.plan import ParallelPlan
 from llmopt.plan.grid import STATE_OF_REDUCE_DTYPE
@@ -47,10 +48,10 @@ def build_model(args: argparse.Namespace) -> ModelConfig:
 
     spec = args.model
     if not spec.strip():
-        raise ValueError("--model is empty: give a preset name, a config.json or an HF directory")
+        raise UsageError("--model is empty: give a preset name, a config.json or an HF directory")
     path = Path(spec)
     if path.is_dir() and not (path / "config.json").is_file():
-        raise ValueError(f"--model {spec}: the directory holds no config.json")
+        raise UsageError(f"--model {spec}: the directory holds no config.json")
     if spec.endswith(".json") or path.is_dir():
         from llmopt.models.moe_hf import planner_config_from_hf
 
@@ -62,7 +63,7 @@ def build_model(args: argparse.Namespace) -> ModelConfig:
     for name in SHAPE_FIELDS:
         value = changes.get(name)
         if value is not None and not 0 < value <= MAX_COUNT:
-            raise ValueError(
+            raise UsageError(
                 f"--{name.replace('_', '-')}={value} must be a positive integer up to {MAX_COUNT}"
             )
     if changes:
@@ -70,7 +71,7 @@ def build_model(args: argparse.Namespace) -> ModelConfig:
             changes.setdefault("head_dim", None)
         model = model.replace(name=f"{model.name} (custom)", **changes)
     if model.num_kv_heads < 1 or model.num_heads % model.num_kv_heads:
-        raise ValueError(
+        raise UsageError(
             f"--model {spec}: num_kv_heads={model.num_kv_heads} must be a positive divisor of "
             f"num_heads={model.num_heads}"
         )
@@ -84,7 +85,7 @@ def check_counts(args: argparse.Namespace) -> None:
                  "num_microbatches", "virtual_stages", "lora_rank"):  # fmt: skip
         value = getattr(args, dest, None)
         if isinstance(value, int) and not isinstance(value, bool) and value > MAX_COUNT:
-            raise ValueError(
+            raise UsageError(
                 f"--{dest.replace('_', '-')}={value} is too large (at most {MAX_COUNT})"
             )
 
@@ -101,7 +102,7 @@ def _check_head_counts(config_json: Path) -> None:
     for key in ("num_key_value_heads", "num_attention_heads"):
         value = hf.get(key) if isinstance(hf, dict) else None
         if isinstance(value, int) and not isinstance(value, bool) and value <= 0:
-            raise ValueError(f"{config_json}: {key}={value} must be a positive integer")
+            raise UsageError(f"{config_json}: {key}={value} must be a positive integer")
 
 
 def _check_cluster_file_says_nodes(path: Path, nodes: int | None) -> None:
@@ -111,17 +112,17 @@ def _check_cluster_file_says_nodes(path: Path, nodes: int | None) -> None:
 
     data = read_toml(path, "cluster file")
     if not data:
-        raise ValueError(
+        raise UsageError(
             f'{path} is empty: give at least base = "dgx-h100" (or another preset) and nodes = N'
         )
     if "nodes" not in data and nodes is None:
-        raise ValueError(f"{path} sets no nodes: add nodes = N to the file or pass --nodes N")
+        raise UsageError(f"{path} sets no nodes: add nodes = N to the file or pass --nodes N")
 
 
 def build_cluster(args: argparse.Namespace) -> Cluster:
     check_counts(args)
     if args.nodes is not None and args.nodes <= 0:
-        raise ValueError(f"--nodes={args.nodes} must be a positive integer")
+        raise UsageError(f"--nodes={args.nodes} must be a positive integer")
     if args.cluster.endswith(".toml"):  # its `nodes` stands unless --nodes is given
         cluster = load_cluster_toml(args.cluster, nodes=args.nodes)
         _check_cluster_file_says_nodes(Path(args.cluster), args.nodes)
@@ -140,7 +141,7 @@ def build_cluster(args: argparse.Namespace) -> Cluster:
     for dest in flags:  # named by its flag: the profile's own message says peak_bf16_tflops
         value = getattr(args, dest)
         if value is not None and not (math.isfinite(value) and value > 0):
-            raise ValueError(f"--{dest.replace('_', '-')}={value} must be a positive number")
+            raise UsageError(f"--{dest.replace('_', '-')}={value} must be a positive number")
     return customize(cluster, **{field: getattr(args, dest) for dest, field in flags.items()})
 
 
@@ -148,7 +149,7 @@ def build_workload(args: argparse.Namespace) -> Workload:
     batch = args.global_batch
     if args.global_batch_tokens is not None:
         if args.global_batch_tokens <= 0 or args.global_batch_tokens % args.seq_len:
-            raise ValueError(
+            raise UsageError(
                 f"--global-batch-tokens={args.global_batch_tokens} must be a positive multiple "
                 f"of --seq-len={args.seq_len}"
             )
@@ -191,12 +192,12 @@ def build_plan(args: argparse.Namespace, work: Workload, cluster: Cluster) -> Pa
     for flag in ("tp", "pp", "cp", "micro_batch", "virtual_stages", "dp", "num_microbatches", "ep"):
         value = getattr(args, flag)
         if value is not None and value <= 0:
-            raise ValueError(f"--{flag.replace('_', '-')}={value} must be a positive integer")
+            raise UsageError(f"--{flag.replace('_', '-')}={value} must be a positive integer")
     inner = args.tp * args.pp * args.cp
     dp = args.dp
     if dp is None:
         if cluster.num_gpus % inner:
-            raise ValueError(
+            raise UsageError(
                 f"tp*pp*cp={inner} does not divide the {cluster.num_gpus} GPUs; pass --dp"
             )
         dp = cluster.num_gpus // inner
@@ -204,7 +205,7 @@ def build_plan(args: argparse.Namespace, work: Workload, cluster: Cluster) -> Pa
     if m is None:
         per = dp * args.micro_batch
         if work.global_batch % per:
-            raise ValueError(
+            raise UsageError(
                 f"global batch {work.global_batch} is not divisible by dp*micro_batch={per}"
             )
         m = work.global_batch // per

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from llmopt.errors import LlmoptError
 from llmopt.models.config import ModelConfig
 from llmopt.parallel.plan import ParallelPlan
 from llmopt.plan.grid import REDUCE_DTYPE_OF_STATE, Grid, to_grid
@@ -53,7 +54,7 @@ def rule_sources(name: str) -> list[tuple[str, str]]:
     return [(r.what, r.source) for r in RULES[check_framework(name)]]
 
 
-class FrameworkError(ValueError):
+class FrameworkError(LlmoptError, ValueError):
     """An unknown framework name."""
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from llmopt.errors import UsageError
 from llmopt.parallel.plan import RECOMPUTES, SCHEDULES, ParallelPlan
 
 # internal array key -> ParallelPlan field (etp, expert tensor parallelism, and gacc, the
@@ -54,7 +55,7 @@ def to_grid(
     ZeRO-2/3 gradient policy, one of GRAD_REDUCES; `ep` overrides plan.ep for an EP degree
     folded beyond dp·cp, which ParallelPlan does not hold)."""
     if grad_reduce not in GRAD_REDUCES:
-        raise ValueError(f"grad_reduce={grad_reduce!r}; choose from {', '.join(GRAD_REDUCES)}")
+        raise UsageError(f"grad_reduce={grad_reduce!r}; choose from {', '.join(GRAD_REDUCES)}")
     ep = plan.ep if ep is None else ep
     if etp is None:
         etp = plan.tp if ep > 1 else 1

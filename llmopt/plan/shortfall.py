@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from llmopt.errors import UsageError
 from llmopt.models.config import ModelConfig
 from llmopt.plan.grid import grid_row
 from llmopt.plan.hardware import GIB, Cluster
@@ -66,7 +67,7 @@ def nothing_fits_message(
     )
 
 
-class NothingFitsError(ValueError):
+class NothingFitsError(UsageError):
     """A search whose every plan is invalid; carries the evaluation so a caller can say which
     switch would admit plans (`llmopt.plan.fits.fits_with`)."""
 

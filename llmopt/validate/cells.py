@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from llmopt.errors import LlmoptError
 from llmopt.models.config import ModelConfig
 from llmopt.models.moe import MoEConfig
 from llmopt.models.presets import get_preset
@@ -24,7 +25,7 @@ _SCALE = {"": 1, "k": 1024, "m": 1024**2, "b": 1024**3}
 _NUMBER = r"~?\s*(\d[\d,]*(?:\.\d+)?)([kmb]?)(?![a-z])"
 
 
-class RowError(ValueError):
+class RowError(LlmoptError, ValueError):
     """A CSV row (or one of its cells) that cannot be understood."""
 
 
