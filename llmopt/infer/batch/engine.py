@@ -256,8 +256,7 @@ class Engine:
         argmax: list[int] | None,
         elapsed: float,
     ) -> list[int]:
-        """The tokens a request keeps from its rows: one sampled (or the greedy `argmax`), or
-        its verified guesses plus one."""
+        """The tokens a request keeps: one sampled (or `argmax`), or verified guesses + one."""
         params = r.params
         if r.spec is None:
             if argmax is not None:
@@ -353,8 +352,8 @@ class Engine:
         return [r.output for r in reqs]
 
     def cached_kv(self, request: Request, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [positions, kv_heads, dim] the cache holds for a request's computed
-        tokens (for inspection; a finished request's blocks are read until reused)."""
+        """Cached keys, values [positions, kv_heads, dim] of a request (a finished one's blocks
+        hold them until reused)."""
         table = request.blocks or request.final_blocks
         n = request.num_computed if request.blocks else request.num_tokens - 1
         bs = self.config.block_size
