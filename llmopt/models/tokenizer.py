@@ -29,6 +29,10 @@ from llmopt.models.hf_schema import HF_CONFIG, TOKENIZER_CONFIG, read_hf_json
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _BYTE = 1, 2, 3, 4, 6
 _SPACE = "\u2581"  # SentencePiece's space marker
 
+# llama.cpp's Llama 3 pre-tokenizers: whole-word vocabulary hits skip the merges, and BOS is
+# added unless the file says otherwise (llama-vocab.cpp)
+_LLAMA3_PRE = ("llama3", "llama-v3", "llama-bpe")
+
 # How text is split before byte-level BPE, by `tokenizer.ggml.pre` (llama.cpp's names). Each
 # reproduces the pre-tokenizer of the model's original `tokenizer.json`.
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -57,12 +61,13 @@ def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
         "qwen2": _QWEN2_SPLIT,
         "deepseek-r1-qwen": _QWEN2_SPLIT,
         "gpt2": _GPT2_SPLIT,
+        "gpt-2": _GPT2_SPLIT,
         "default": _GPT2_SPLIT,
     }.get(pre)
     if split is None:
         raise ValueError(
             f"GGUF pre-tokenizer {pre!r} is not supported; supported: smollm, starcoder, refact, "
-            "llama-bpe, llama3, smaug-bpe, qwen2, deepseek-r1-qwen, gpt2, default"
+            "llama-bpe, llama3, smaug-bpe, qwen2, deepseek-r1-qwen, gpt-2, gpt2, default"
         )
     return pre_tokenizers.Sequence(
         [
@@ -215,10 +220,13 @@ class Tokenizer:
         else:
             merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges") or []]
             vocab = {token: i for i, token in enumerate(tokens)}
-            backend = Backend(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-            backend.pre_tokenizer = _byte_level_pre_tokenizer(
-                fields.get("tokenizer.ggml.pre") or "default"
+            pre = fields.get("tokenizer.ggml.pre") or "default"
+            backend = Backend(
+                models.BPE(
+                    vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=pre in _LLAMA3_PRE
+                )
             )
+            backend.pre_tokenizer = _byte_level_pre_tokenizer(pre)
             backend.decoder = decoders.ByteLevel()
         backend.add_special_tokens(
             [
@@ -239,8 +247,14 @@ class Tokenizer:
             bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=fields.get("tokenizer.ggml.eos_token_id"),
             chat_template=fields.get("tokenizer.chat_template"),
-            # llama.cpp adds BOS to SentencePiece vocabularies unless the file says otherwise
-            add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", kind == "llama")),
+            # llama.cpp adds BOS to SentencePiece and Llama 3 vocabularies unless the file
+            # says otherwise
+            add_bos=bool(
+                fields.get(
+                    "tokenizer.ggml.add_bos_token",
+                    kind == "llama" or fields.get("tokenizer.ggml.pre") in _LLAMA3_PRE,
+                )
+            ),
         )
 
 
