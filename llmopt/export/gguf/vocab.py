@@ -60,8 +60,9 @@ def detect_pre(tokenizer: Any) -> str:
 
 
 def _added_types(data: dict, size: int, types: list[int]) -> None:
+    """CONTROL / USER_DEFINED for added tokens (an unknown or byte piece keeps its type)."""
     for added in data.get("added_tokens", []):
-        if added["id"] < size:
+        if added["id"] < size and types[added["id"]] == NORMAL:
             special = added.get("special") or looks_special(added["content"])
             types[added["id"]] = CONTROL if special else USER_DEFINED
 
