@@ -24,6 +24,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="output file (gguf) or directory (onnx, hf)")
     p.add_argument("--gguf-type", default="f16", choices=GGUF_TYPES, help="GGUF weight type")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "fp16"), help="ONNX/HF dtype")
+    p.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="HF: largest safetensors file (bytes or e.g. 500MB, 5GB); larger models are sharded "
+        "with model.safetensors.index.json (default: %(default)s)",
+    )
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.set_defaults(func=run, check=check_args)
 
@@ -32,6 +38,8 @@ def check_args(args: argparse.Namespace) -> None:
     """What `export` can refuse before loading the model (the output path: `llmopt.cli`)."""
     if args.format != "gguf" and args.gguf_type != "f16":
         raise ValueError(f"--gguf-type applies to --format gguf only, not {args.format}")
+    if args.format != "hf" and args.max_shard_size != "5GB":
+        raise ValueError(f"--max-shard-size applies to --format hf only, not {args.format}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,7 +62,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         from llmopt.export.hf import export_hf
 
-        out = export_hf(model, args.out, dtype=args.dtype, **common)
+        out = export_hf(
+            model, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size, **common
+        )
     files = [out] if out.is_file() else sorted(f for f in out.iterdir() if f.is_file())
     summary = {
         "model": args.model,

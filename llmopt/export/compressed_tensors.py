@@ -22,6 +22,7 @@ from llmopt.export.quantized_dir import (
     uniform_setting,
     write_quantized_directory,
 )
+from llmopt.export.tensors import DEFAULT_MAX_SHARD_SIZE
 
 
 def pack_bitstream(values: torch.Tensor, bits: int) -> torch.Tensor:
@@ -62,6 +63,7 @@ def export_compressed_tensors(
     *,
     dtype: str = "fp16",
     source: str | Path | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
 ) -> Path:
     """Write a compressed-tensors pack-quantized directory of a quantized model."""
     from llmopt.models.spec import spec_for
@@ -107,5 +109,7 @@ def export_compressed_tensors(
         "global_compression_ratio": None,
     }
     with staged_directory(out) as stage:
-        write_quantized_directory(model, stage, _layer_tensors(bits, sym), config, tokenizer, dtype)
+        write_quantized_directory(
+            model, stage, _layer_tensors(bits, sym), config, tokenizer, dtype, max_shard_size
+        )
     return out
