@@ -73,6 +73,8 @@ def vocab_tokenizer(path: Path):
 
 
 def tiny_model(arch: str, vocab: int, changes: dict[str, Any], seed: int = 0):
+    import torch
+
     from llmopt.models import ModelConfig, build_model
 
     shape = dict(hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4)
@@ -82,6 +84,11 @@ def tiny_model(arch: str, vocab: int, changes: dict[str, Any], seed: int = 0):
     )
     model = build_model(config, seed=None)
     model.init_weights(seed=seed, std=0.08)  # peaked enough that greedy choices are not ties
+    if config.architecture == "gemma2":
+        # Gemma multiplies embeddings by sqrt(hidden): undo it, else the tied head just
+        # repeats the input token and greedy text would test nothing
+        with torch.no_grad():
+            model.embed_tokens.weight.mul_(config.hidden_size**-0.5)
     return model.eval()
 
 
