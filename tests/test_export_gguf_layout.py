@@ -12,10 +12,10 @@ import torch
 from export_fixtures import smollm_tokenizer
 
 from llmopt.export import ExportError, export_gguf
-from llmopt.export.gguf.layout import LLAMA_CPP_ARCH
 from llmopt.export.gguf.mix import more_bits, tensor_types
 from llmopt.models import ModelConfig, build_model
 from llmopt.models.gguf import unpermute_rope_rows
+from llmopt.models.gguf_names import LLAMA_CPP_ARCH
 from llmopt.models.spec import registered_architectures
 
 BASE = dict(

@@ -9,8 +9,10 @@ What llama.cpp's `convert_hf_to_gguf.py` does per architecture, for our models:
   with weights w + 1, which our Gemma 2 already holds (the loaders added the spec's
   `norm_weight_offset`), its soft-caps and every-other-layer sliding window;
 - Llama 3.1's RoPE rescaling as a `rope_freqs` tensor of per-frequency divisors.
-Every tensor name is checked against the `gguf` package's list for the architecture, so a name
-llama.cpp would not load is refused here rather than by llama.cpp.
+The per-architecture tables (architecture names, our module -> tensor kind) live with the
+models in `llmopt.models.gguf_names`; every tensor name is checked against the `gguf`
+package's list for the architecture, so a name llama.cpp would not load is refused here rather
+than by llama.cpp.
 """
 
 from __future__ import annotations
@@ -23,37 +25,14 @@ import numpy as np
 import torch
 
 from llmopt.export.output import ExportError
-
-# our architecture -> what llama.cpp's converter writes as general.architecture
-LLAMA_CPP_ARCH = {
-    "llama": "llama",
-    "mistral": "llama",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-    "phi3": "phi3",
-    "gemma2": "gemma2",
-}
-_TOP = {"embedding": "TOKEN_EMBD", "final_norm": "OUTPUT_NORM", "head": "OUTPUT"}
-_BLOCK = {
-    "input_layernorm": "ATTN_NORM",
-    "self_attn.q_proj": "ATTN_Q",
-    "self_attn.k_proj": "ATTN_K",
-    "self_attn.v_proj": "ATTN_V",
-    "self_attn.o_proj": "ATTN_OUT",
-    "self_attn.q_norm": "ATTN_Q_NORM",
-    "self_attn.k_norm": "ATTN_K_NORM",
-    "self_attn.qkv_proj": "ATTN_QKV",  # fused (Phi-3)
-    "mlp.gate_proj": "FFN_GATE",
-    "mlp.up_proj": "FFN_UP",
-    "mlp.gate_up_proj": "FFN_UP",  # fused (Phi-3): the gate's rows first
-    "mlp.down_proj": "FFN_DOWN",
-}
-_PRE_NORM = {"post_attention_layernorm": "FFN_NORM"}
-_SANDWICH = {
-    "post_attention_layernorm": "ATTN_POST_NORM",
-    "pre_feedforward_layernorm": "FFN_NORM",
-    "post_feedforward_layernorm": "FFN_POST_NORM",
-}
+from llmopt.models.gguf_names import (
+    BLOCK_NORM_TENSORS,
+    BLOCK_TENSORS,
+    LLAMA_CPP_ARCH,
+    ROPE_PERMUTED,
+    TOP_TENSORS,
+    rope_divisors,
+)
 
 
 def llama_cpp_arch(architecture: str) -> str:
@@ -77,9 +56,17 @@ class _Names:
         self.allowed = {TENSOR_NAMES[t] for t in MODEL_TENSORS[by_name[arch]]}
         self.tensor_names = TENSOR_NAMES
         self.kinds = MODEL_TENSOR
-        block = dict(_BLOCK, **(_SANDWICH if spec.block_kind == "sandwich" else _PRE_NORM))
+        block = {**BLOCK_TENSORS, **BLOCK_NORM_TENSORS[spec.block_kind]}
         self.block = {module: getattr(MODEL_TENSOR, kind) for module, kind in block.items()}
-        self.top = {getattr(spec, attr): getattr(MODEL_TENSOR, k) for attr, k in _TOP.items()}
+        self.top = {
+            getattr(spec, attr): getattr(MODEL_TENSOR, k) for attr, k in TOP_TENSORS.items()
+        }
+
+    def kind(self, name: str) -> str:
+        """The MODEL_TENSOR member name of one of our block tensors ('' for top-level ones)."""
+        module = name.rsplit(".", 1)[0]
+        inner = module.split(".", 2)[2] if module.startswith(f"{self.spec.blocks}.") else ""
+        return self.block[inner].name if inner in self.block else ""
 
     def __call__(self, name: str) -> str:
         module, leaf = name.rsplit(".", 1)
@@ -98,18 +85,6 @@ class _Names:
                 f"llama.cpp's {self.arch} architecture has no {template!r} tensor (from {name!r})"
             )
         return f"{template.format(bid=index)}.{leaf}"
-
-
-def rope_divisors(config: Any) -> np.ndarray | None:
-    """llama.cpp's `rope_freqs`: base / scaled inverse frequency per pair (Llama 3.1's
-    rescaling), or None without rescaling."""
-    from llmopt.models.layers import rope_frequencies
-
-    scaling = config.rope_scaling or {}
-    if scaling.get("rope_type", scaling.get("type")) in (None, "default"):
-        return None
-    base = rope_frequencies(config.replace(rope_scaling=None))
-    return (base / rope_frequencies(config)).numpy().astype(np.float32)
 
 
 def gguf_tensors(
@@ -136,11 +111,10 @@ def gguf_tensors(
                 continue  # written with the group's first part
             pieces = [state[f"{prefix}.{index}.{part}.{leaf}"] for part in group.parts]
             tensor, name = torch.cat(pieces, 0), f"{prefix}.{index}.{group.name}.{leaf}"
-            inner = group.name
         array = tensor.float().numpy()
-        if spec.gguf_permuted_qk and inner in ("self_attn.q_proj", "self_attn.k_proj"):
-            heads = config.num_heads if inner == "self_attn.q_proj" else config.num_kv_heads
-            array = permute_rope_rows(array, heads)
+        heads = ROPE_PERMUTED.get(names.kind(name))
+        if spec.gguf_permuted_qk and heads is not None:
+            array = permute_rope_rows(array, getattr(config, heads))
         if name == f"{spec.embedding}.weight" and divisors is not None:
             yield f"{names.tensor_names[names.kinds.ROPE_FREQS]}.weight", divisors
         yield names(name), array
