@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmopt.artifacts import OutputPathError, atomic_directory, check_distinct, clean_stale
+from llmopt.artifacts import OutputPathError, check_distinct, clean_stale
 from llmopt.cli import main as cli_main
 from llmopt.compress.markers import sha256_file
 from llmopt.compress.quant.apply import quantize_model
@@ -29,6 +29,7 @@ from llmopt.jsonout import dumps
 from llmopt.models import ModelConfig, build_model
 from llmopt.models.finite import NonFiniteWeightsError
 from llmopt.models.loading import load_model, load_tokenizer, save_pretrained
+from llmopt.output_dir import output_directory
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -170,12 +171,12 @@ def test_a_replace_cut_between_its_two_renames_is_restored(tmp_path):
     assert (tmp_path / "out" / MARKER).is_file() and not aside.exists()
 
 
-def test_atomic_directory_refuses_to_replace_what_is_not_its_output(tmp_path):
+def test_output_directory_refuses_to_replace_what_is_not_its_output(tmp_path):
     mine = tmp_path / "data"
     mine.mkdir()
     (mine / "thesis.tex").write_text("years of work")
-    with pytest.raises(OutputPathError, match="not an earlier output of this kind"):
-        with atomic_directory(mine, marker=MARKER):
+    with pytest.raises(OutputPathError, match="llmopt did not write .thesis.tex.*--overwrite"):
+        with output_directory(mine, "quantize:llmopt"):
             pass
     assert (mine / "thesis.tex").read_text() == "years of work"
 

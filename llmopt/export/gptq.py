@@ -27,8 +27,15 @@ from llmopt.export.quantized_dir import (
     uniform_setting,
     write_quantized_directory,
 )
+from llmopt.export.tensors import DEFAULT_MAX_SHARD_SIZE
 
 GPTQ_BITS = (2, 4, 8)
+# Formats whose consumers want a symmetric grid: vLLM's Marlin kernels (gptq_marlin, and
+# compressed-tensors' W4A16/W8A16 Marlin path) take symmetric weights only; an asymmetric
+# GPTQ checkpoint falls back to slower kernels or is refused. `llmopt quantize` defaults to
+# symmetric for these formats (asymmetric for its own format, whose tables are in
+# docs/benchmarks/quant.md).
+SYMMETRIC_FORMATS = ("gptq", "compressed-tensors")
 
 
 def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
@@ -79,6 +86,9 @@ def dequantize_gptq(tensors: dict[str, torch.Tensor], bits: int) -> torch.Tensor
     return ((codes - zeros[g_idx]).float() * scales[g_idx]).t()
 
 
+KIND = "quantize:gptq"  # llmopt.output_dir: written by `llmopt quantize --format`
+
+
 def export_gptq(
     model: nn.Module,
     out: str | Path,
@@ -86,12 +96,15 @@ def export_gptq(
     *,
     dtype: str = "fp16",
     source: str | Path | None = None,
+    overwrite: bool = False,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
 ) -> Path:
-    """Write a GPTQ v1 directory (model.safetensors, config.json, quantize_config.json)."""
+    """Write a GPTQ v1 directory (model.safetensors, config.json, quantize_config.json).
+    `overwrite`: an `out` holding other files gets only this export's files replaced."""
     from llmopt.artifacts import atomic_write_text
     from llmopt.models.spec import spec_for
 
-    out = check_output(out, source)
+    out = check_output(out, source, KIND, overwrite)
     layers = quantized_layers(model)
     bits, group = uniform_setting(layers)
     if bits not in GPTQ_BITS:
@@ -112,7 +125,9 @@ def export_gptq(
         spec_for(model).head: spec_for(model).head in layers,
         "pack_dtype": "int32",
     }
-    with staged_directory(out) as stage:
-        write_quantized_directory(model, stage, gptq_tensors, config, tokenizer, dtype)
+    with staged_directory(out, KIND, overwrite) as stage:
+        write_quantized_directory(
+            model, stage, gptq_tensors, config, tokenizer, dtype, max_shard_size
+        )
         atomic_write_text(stage / "quantize_config.json", json.dumps(config, indent=2))
     return out

@@ -54,6 +54,9 @@ def dense_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return dense.to(dtype).eval()
 
 
+KIND = "export:onnx"  # llmopt.output_dir
+
+
 def export_onnx(
     model: nn.Module,
     out: str | Path,
@@ -63,17 +66,19 @@ def export_onnx(
     source: str | Path | None = None,
     opset: int = 18,
     external_data: bool | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Write `model.onnx` (+ config.json, tokenizer files) into the directory `out`.
 
     `external_data`: weights in `model.onnx.data` beside the graph (None: when they exceed
-    what one protobuf file may hold)."""
+    what one protobuf file may hold). `overwrite`: an `out` holding other files gets only
+    this export's files replaced."""
     import json
 
     from llmopt.artifacts import atomic_write_text
 
     torch_dtype = float_dtype(dtype)
-    out = check_output(out, source)
+    out = check_output(out, source, KIND, overwrite)
     cfg = model.config
     dense = dense_copy(model, torch_dtype)
     decoder = KVDecoder(dense).eval()
@@ -105,7 +110,7 @@ def export_onnx(
         {0: batch, 1: seq},
         tuple({0: batch, 2: past_len} for _ in past),  # *past
     )
-    with staged_directory(out) as stage, torch.no_grad():
+    with staged_directory(out, KIND, overwrite) as stage, torch.no_grad():
         torch.onnx.export(
             decoder,
             (ids, mask, positions, *past),

@@ -2,20 +2,27 @@
 
 Float exports (HF safetensors, GGUF, ONNX) store dense weights: a `QuantLinear` is
 dequantised to exactly the weight it computes with, so an export of a quantized model
-reproduces that model, not the float model it came from.
+reproduces that model, not the float model it came from. `save_safetensors` writes any
+export's tensors as HF lays them out (sharded with an index past `max_shard_size`).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
-_FLOAT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_SHORT = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # the API's older names
 
 
 def float_dtype(name: str) -> torch.dtype:
+    """A dtype named as torch names it (the CLI's one vocabulary); the Python API also takes
+    the short names fp32/fp16/bf16 it used to."""
     from llmopt.export.output import choice
 
+    name = _SHORT.get(name, name)
     return _FLOAT_DTYPES[choice(name, tuple(_FLOAT_DTYPES), "dtype")]
 
 
@@ -53,3 +60,46 @@ def checked(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
             raise ExportError(f"tensor {name!r} holds NaN or inf values; refusing to export it")
     return state
+
+
+DEFAULT_MAX_SHARD_SIZE = "5GB"  # transformers' `save_pretrained` default
+
+
+def save_safetensors(
+    state: dict[str, torch.Tensor],
+    directory: Path,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    metadata: dict[str, str] | None = None,
+) -> list[str]:
+    """Write `state` as HF does: one `model.safetensors`, or shards of at most
+    `max_shard_size` (bytes, or "500MB"/"5GB") named `model-0000k-of-0000n.safetensors`
+    plus `model.safetensors.index.json`; every file at the umask's mode. The split is
+    huggingface_hub's, so shard boundaries are the ones transformers would choose."""
+    import json
+
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    from llmopt.artifacts import atomic_write_text
+    from llmopt.export.output import ExportError, write_with
+    from llmopt.models.hf_schema import INDEX_FILE
+
+    if isinstance(max_shard_size, str) and max_shard_size.strip().isdigit():
+        max_shard_size = int(max_shard_size)
+    if isinstance(max_shard_size, int) and max_shard_size <= 0:
+        raise ExportError(f"max_shard_size={max_shard_size} must be positive")
+    try:
+        split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size)
+    except ValueError as exc:
+        raise ExportError(
+            f"max_shard_size={max_shard_size!r} is not a size: give bytes or a number with "
+            f"KB, MB, GB or TB (e.g. 2GB) ({exc})"
+        ) from None
+    meta = {"format": "pt", **(metadata or {})}
+    for filename, names in split.filename_to_tensors.items():
+        shard = {name: state[name].contiguous() for name in names}
+        write_with(directory / filename, lambda tmp, s=shard: save_file(s, str(tmp), metadata=meta))
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        atomic_write_text(directory / INDEX_FILE, json.dumps(index, indent=2))
+    return list(split.filename_to_tensors)

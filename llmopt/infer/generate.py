@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmopt.errors import UsageError
 from llmopt.infer.drafts import Draft, SpeculativeConfig
 from llmopt.infer.sampling import SamplingParams
 
@@ -27,14 +28,14 @@ def check_context(model: nn.Module, prompt_len: int, max_new_tokens: int) -> Non
     """Fail early, naming the numbers, when prompt + generation cannot fit the context."""
     ctx = model.config.max_seq_len
     if prompt_len == 0:
-        raise ValueError("the prompt is empty; generation needs at least one token")
+        raise UsageError("the prompt is empty; generation needs at least one token")
     if prompt_len >= ctx:
-        raise ValueError(
+        raise UsageError(
             f"prompt of {prompt_len} tokens is longer than the model context max_seq_len={ctx} "
             "(it must leave room for at least one new token)"
         )
     if prompt_len + max_new_tokens > ctx:
-        raise ValueError(
+        raise UsageError(
             f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} exceeds the model "
             f"context max_seq_len={ctx}; use max_new_tokens <= {ctx - prompt_len}"
         )
@@ -57,7 +58,7 @@ def decode_path(
     if reason is None:
         return "fused", None
     if fast:
-        raise ValueError(f"fast decode requested but unavailable: {reason}")
+        raise UsageError(f"fast decode requested but unavailable: {reason}")
     return "eager", reason
 
 
@@ -119,13 +120,13 @@ def generate(
     speculative counters under "speculative" when a draft ran.
     """
     if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
+        raise UsageError(f"max_new_tokens={max_new_tokens} must be >= 0")
     prompt_ids = [int(t) for t in prompt_ids]
     check_context(model, len(prompt_ids), max_new_tokens)
     vocab = model.config.vocab_size
     bad = [t for t in prompt_ids if not 0 <= t < vocab]
     if bad:
-        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        raise UsageError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
     if max_new_tokens == 0:
         return []
     engine = batch_one_engine(

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from llmopt.errors import UsageError
 from llmopt.infer.drafts import Draft, SpeculativeConfig, check_vocabularies
 from llmopt.infer.generate import batch_one_engine, check_context
 from llmopt.infer.sampling import SamplingParams
@@ -52,16 +53,16 @@ def speculative_generate(
     sampling = sampling or SamplingParams()
     config = config or SpeculativeConfig()
     if not prompt_ids:
-        raise ValueError("prompt_ids is empty: speculative decoding needs at least one token")
+        raise UsageError("prompt_ids is empty: speculative decoding needs at least one token")
     if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
+        raise UsageError(f"max_new_tokens={max_new_tokens} must be >= 0")
     vocab = target.config.vocab_size
     bad = [t for t in prompt_ids if not 0 <= t < vocab]
     if bad:
-        raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        raise UsageError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
     total = len(prompt_ids) + max_new_tokens
     if total > target.config.max_seq_len:
-        raise ValueError(
+        raise UsageError(
             f"prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) = {total} tokens "
             f"exceeds the model context max_seq_len={target.config.max_seq_len}"
         )

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmopt.errors import LlmoptError
 from llmopt.models.llama import Transformer
 from llmopt.models.spec import spec_for
 from llmopt.parallel.data_parallel import DataParallel, clip_to
@@ -52,7 +53,7 @@ from llmopt.parallel.tensor_parallel import apply_tensor_parallel
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float32}
 
 
-class EngineError(ValueError):
+class EngineError(LlmoptError, ValueError):
     """A plan this engine cannot run on this grid; the message names the value and the fix."""
 
 

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from llmopt.errors import UsageError
 from llmopt.models.config import ModelConfig  # noqa: F401  (re-exported for type hints)
 from llmopt.parallel.plan import RECOMPUTES, SCHEDULES  # noqa: F401  (re-exported)
 from llmopt.plan.flops import (  # noqa: F401  (re-exported)
@@ -53,6 +54,15 @@ class Workload:
     # benchmarks run); EP all-to-alls hidden behind compute (DeepEP / 1F1B A2A overlap).
     expert_imbalance: float = 1.0
     ep_comm_overlap: bool = False
+    # MoE token dispatcher (`llmopt.plan.dispatch.DISPATCHERS`): NCCL all-to-all, or DeepEP /
+    # HybridEP, which cross the network once per destination node
+    ep_dispatcher: str = "alltoall"
+    # DeepSeek's DualPipe schedule (bidirectional 1F1B): half the bubble, two copies of the
+    # stage's weights, dispatch/combine hidden behind the paired micro-batch's compute
+    dualpipe: bool = False
+    # Data-parallel sharding implementation (`llmopt.plan.timing.SHARDING_OVERLAP`): "fsdp"
+    # (FSDP2, Megatron's distributed optimizer / Megatron-FSDP) or "deepspeed" (ZeRO-3 hooks)
+    sharding: str = "fsdp"
     # Fine-tuning (llmopt.plan.memory.lora_model_states): LoRA adapters of this rank on every
     # block linear train; the frozen base is bf16, or packed INT4 with qlora.
     lora_rank: int = 0
@@ -62,31 +72,37 @@ class Workload:
         for name in ("seq_len", "global_batch"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"{name}={v!r} must be a positive integer")
+                raise UsageError(f"{name}={v!r} must be a positive integer")
         if self.precision not in ("bf16", "fp8"):
-            raise ValueError(f"precision={self.precision!r} is not supported; use bf16 or fp8")
+            raise UsageError(f"precision={self.precision!r} is not supported; use bf16 or fp8")
         if self.flops_convention not in FLOPS_CONVENTIONS:
-            raise ValueError(
+            raise UsageError(
                 f"flops_convention={self.flops_convention!r}; choose from "
                 + ", ".join(FLOPS_CONVENTIONS)
             )
         imb = self.expert_imbalance
         if isinstance(imb, bool) or not isinstance(imb, int | float) or not math.isfinite(imb):
-            raise ValueError(f"expert_imbalance={imb!r} must be a finite number >= 1")
+            raise UsageError(f"expert_imbalance={imb!r} must be a finite number >= 1")
         if imb < 1:
-            raise ValueError(f"expert_imbalance={imb!r} must be >= 1 (busiest over mean load)")
+            raise UsageError(f"expert_imbalance={imb!r} must be >= 1 (busiest over mean load)")
+        if self.ep_dispatcher not in ("alltoall", "deepep", "hybridep"):
+            raise UsageError(
+                f"ep_dispatcher={self.ep_dispatcher!r}; choose from alltoall, deepep, hybridep"
+            )
+        if self.sharding not in ("fsdp", "deepspeed"):
+            raise UsageError(f"sharding={self.sharding!r}; choose fsdp or deepspeed")
         if self.optimizer != "adam":
-            raise ValueError(f"optimizer={self.optimizer!r} is not supported; use adam")
+            raise UsageError(f"optimizer={self.optimizer!r} is not supported; use adam")
         if (
             isinstance(self.lora_rank, bool)
             or not isinstance(self.lora_rank, int)
             or (self.lora_rank < 0)
         ):
-            raise ValueError(f"lora_rank={self.lora_rank!r} must be a non-negative integer")
+            raise UsageError(f"lora_rank={self.lora_rank!r} must be a non-negative integer")
         if self.qlora and not self.lora_rank:
-            raise ValueError("qlora=True needs lora_rank > 0 (adapters on the INT4 base)")
+            raise UsageError("qlora=True needs lora_rank > 0 (adapters on the INT4 base)")
         if self.state_bytes not in STATE_BYTES:
-            raise ValueError(
+            raise UsageError(
                 f"state_bytes={self.state_bytes!r}; choose from {', '.join(STATE_BYTES)}"
             )
 

@@ -11,6 +11,9 @@ Re-derived sizes: a run config's [parallel] fixes num_microbatches for its own b
 When seq_len, global_batch or micro_batch is overridden on the command line (and
 num_microbatches is not), num_microbatches is derived again from the new sizes:
 global_batch / (dp * micro_batch).
+
+Over 400 lines: one dataclass whose every field carries its flag, its file key and its check;
+moving the checks away from the fields would scatter the one concept the module holds.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from llmopt.config_files import ConfigFileError, check_fields, dataclass_schema, read_config
+from llmopt.errors import LlmoptError
 from llmopt.parallel.plan import FP8_RECIPES, PRECISIONS, RECOMPUTES, SCHEDULES, ParallelPlan
 
 # Old spellings -> ParallelPlan's names (refused with a message naming the new one).
@@ -33,7 +37,71 @@ SKIPPED_TABLES = ("planner",)  # informational in a run config; the trainer igno
 RESIZING = ("seq_len", "global_batch", "micro_batch")  # overrides that re-derive num_microbatches
 
 
-class TrainConfigError(ValueError):
+# the help of each TrainConfig field's flag (llmopt train; llmopt distill shares the names)
+FIELD_HELP = {
+    "model": "preset whose shape a randomly initialised model takes (see llmopt plan)",
+    "init_from": "start from these weights: packaged name, .gguf, HF directory or checkpoint",
+    "num_layers": "override the preset's layer count",
+    "hidden_size": "override the preset's hidden size",
+    "intermediate_size": "override the preset's MLP width",
+    "num_heads": "override the preset's attention heads",
+    "num_kv_heads": "override the preset's KV heads (GQA)",
+    "tokenizer": "tokenizer to read text with (default: the model's own)",
+    "corpus": "pretraining text: corpus:NAME, a text file, or random (synthetic tokens)",
+    "data": "fine-tuning data instead of --corpus: FILE.jsonl|.json|.txt, a directory, hf:NAME",
+    "format": "fine-tuning record format: text, prompt_completion, messages or auto",
+    "packing": "concatenate fine-tuning examples into full rows",
+    "eval_fraction": "held-out share of the --data examples",
+    "eval_every": "held-out loss every N steps (0: before the first and after the last)",
+    "max_chars": "read at most this many characters of text",
+    "seq_len": "tokens per sequence",
+    "global_batch": "sequences per optimizer step, all data-parallel ranks together",
+    "micro_batch": "sequences per forward/backward on one data-parallel rank",
+    "steps": "optimizer steps the run ends at",
+    "lr": "peak learning rate (after warmup, cosine decay to --min-lr)",
+    "min_lr": "learning rate at the last step",
+    "warmup_steps": "steps of linear warmup",
+    "weight_decay": "AdamW weight decay",
+    "beta1": "AdamW beta1",
+    "beta2": "AdamW beta2",
+    "eps": "AdamW epsilon",
+    "clip": "gradient-norm clipping threshold (0: off)",
+    "seed": "seed of the initialisation and the data order",
+    "tp": "tensor-parallel degree",
+    "pp": "pipeline-parallel degree",
+    "dp": "data-parallel degree (-1: the rest of the world)",
+    "cp": "context-parallel degree (reserved: 1)",
+    "ep": "expert-parallel degree (reserved: 1)",
+    "sequence_parallel": "shard activations along the sequence between TP regions",
+    "zero_stage": "ZeRO stage 0-3 (optimizer, gradient, parameter sharding over DP)",
+    "recompute": "activation recomputation: none, selective or full",
+    "schedule": "pipeline schedule: gpipe, 1f1b or interleaved",
+    "virtual_stages": "model chunks per pipeline rank (interleaved schedule)",
+    "num_microbatches": "microbatches per step (default: global_batch / (dp x micro_batch))",
+    "precision": "compute precision: fp32, bf16 or fp8 (a recipe, not a --dtype)",
+    "fp8_recipe": "FP8 scaling recipe: current or delayed",
+    "reduce_dtype": "gradient-reduction dtype: fp32 or bf16",
+    "lora_rank": "LoRA rank (0: train every weight)",
+    "lora_alpha": "LoRA alpha (the update is scaled by alpha / rank)",
+    "lora_dropout": "dropout on the LoRA input",
+    "lora_targets": "linears LoRA wraps: all, attention, feed_forward or a comma list",
+    "qlora": "freeze the base linears in INT4 (QLoRA)",
+    "save_format": "checkpoint contents: resume, hf, both or all",
+    "report_to": "also log to: tensorboard, wandb, mlflow (comma-separated)",
+    "out_dir": "run directory (checkpoints, log, loss plot)",
+    "log_every": "progress line every N steps",
+    "save_every": "checkpoint every N steps (0: only at the end)",
+    "keep_checkpoints": "checkpoints kept (older ones are rotated out)",
+    "resume": "continue the run in --out-dir from its latest checkpoint",
+    "overwrite": "start afresh in an --out-dir holding a run (other files are kept)",
+    "skip_nonfinite_steps": "steps with a NaN/inf loss or gradient skipped before stopping",
+    "timeout_s": "seconds a collective may wait before the run fails naming the rank",
+    "peak_tflops": "per-device peak for MFU (default: a measured dense matmul)",
+    "progress": "show a progress bar",
+}
+
+
+class TrainConfigError(LlmoptError, ValueError):
     """A training configuration that cannot run."""
 
 
@@ -341,7 +409,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         base = _flag_type(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else None
-        help_text = f"(default: {default})"
+        help_text = FIELD_HELP[f.name] + (f" (default: {default})" if default is not None else "")
         if base is bool:
             parser.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=None, help=help_text

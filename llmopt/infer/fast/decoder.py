@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from llmopt.errors import UsageError
 from llmopt.infer.fast.model import FusedModel
 
 
@@ -29,7 +30,7 @@ class FastDecoder:
     ) -> None:
         cfg = model.config
         if not 0 < max_len <= cfg.max_seq_len:
-            raise ValueError(f"max_len={max_len} must be in [1, max_seq_len={cfg.max_seq_len}]")
+            raise UsageError(f"max_len={max_len} must be in [1, max_seq_len={cfg.max_seq_len}]")
         self.runner = FusedModel(model, threads=threads, int8_head=int8_head)
         self.bytes_per_token = self.runner.bytes_per_token
         self.kinds = self.runner.kinds
@@ -70,7 +71,7 @@ class FastDecoder:
         """Logits [vocab] after the prompt, its keys/values cached."""
         n = len(prompt_ids)
         if not 0 < n < self.max_len:
-            raise ValueError(f"prompt of {n} tokens must be in [1, {self.max_len - 1}]")
+            raise UsageError(f"prompt of {n} tokens must be in [1, {self.max_len - 1}]")
         ids = torch.tensor(prompt_ids, dtype=torch.long)
         logits = None
         for start in range(0, n, self.chunk):
@@ -88,7 +89,7 @@ class FastDecoder:
     def step(self, token: int) -> torch.Tensor:
         """Logits [vocab] after `token` (fp32, a new tensor)."""
         if self.length >= self.max_len:
-            raise ValueError(f"decoder cache full: {self.length} of {self.max_len} positions")
+            raise UsageError(f"decoder cache full: {self.length} of {self.max_len} positions")
         self._tok[0] = int(token)
         self._pos[0] = self.length
         self._len[0] = self.length + 1

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmopt.errors import LlmoptError
 from llmopt.infer.fast.tiles import (
     CODED,
     KernelWeight,
@@ -34,7 +35,7 @@ from llmopt.models.spec import ModelSpec, spec_for
 MLP_SILU_GATED, MLP_GELU_GATED, MLP_GELU = 0, 1, 2
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(LlmoptError, ValueError):
     """The model holds a layer kind the fused kernels do not implement."""
 
 

@@ -19,11 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmopt.errors import LlmoptError, UsageError
 from llmopt.infer.fast.build import build_error, load_kernels
 from llmopt.infer.fast.layout import FusedLayout, fused_layout
 
 
-class KernelsUnavailableError(RuntimeError):
+class KernelsUnavailableError(LlmoptError, RuntimeError):
     """The C++ kernels could not be built on this machine."""
 
 
@@ -93,9 +94,9 @@ class FusedModel:
     def __init__(self, model: nn.Module, threads: int | None = None, int8_head: bool = False):
         param = next(model.parameters(), None)
         if param is None or param.device.type != "cpu":
-            raise ValueError("the fused kernels run on CPU; move the model to CPU first")
+            raise UsageError("the fused kernels run on CPU; move the model to CPU first")
         if threads is not None and threads < 1:
-            raise ValueError(f"threads={threads} must be >= 1 (or None for torch's setting)")
+            raise UsageError(f"threads={threads} must be >= 1 (or None for torch's setting)")
         self.model = model
         self.threads = threads
         self.int8_head = int8_head
@@ -166,13 +167,13 @@ class FusedRunner:
         for what in ("k", "v"):
             t = getattr(cache, what)
             if t.dtype not in CACHE_DTYPES or t.device.type != "cpu" or not t.is_contiguous():
-                raise ValueError(
+                raise UsageError(
                     f"the fused runner needs a contiguous float32/bfloat16/float16 CPU cache; "
                     f"cache.{what} is {t.dtype} on {t.device}"
                 )
         expect = self.fused.kv_shape(cache.k.shape[1])
         if tuple(cache.k.shape) != expect or cache.v.shape != cache.k.shape:
-            raise ValueError(f"cache shape {tuple(cache.k.shape)} does not fit the model {expect}")
+            raise UsageError(f"cache shape {tuple(cache.k.shape)} does not fit the model {expect}")
         self.cache = cache
 
     def forward(self, batch: Any) -> torch.Tensor:

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmopt.errors import UsageError
+
 
 @dataclass(frozen=True)
 class BlockFormat:
@@ -52,7 +54,7 @@ def block_format(name: str) -> BlockFormat:
     try:
         return BLOCK_FORMATS[name]
     except KeyError:
-        raise ValueError(
+        raise UsageError(
             f"unknown block format {name!r}; valid: {', '.join(sorted(BLOCK_FORMATS))}"
         ) from None
 
@@ -66,7 +68,7 @@ class _PackedBuffers(nn.Module):
     def _init_buffers(self, rows: int, cols: int, fmt: BlockFormat) -> None:
         unit = max(fmt.block, fmt.super_block)
         if cols % unit:
-            raise ValueError(f"{fmt.name}: {cols} columns are not a multiple of {unit}")
+            raise UsageError(f"{fmt.name}: {cols} columns are not a multiple of {unit}")
         self.fmt = fmt
         packed = cols // 2 if fmt.bits == 4 else cols
         groups = cols // fmt.block
