@@ -89,9 +89,15 @@ def load_model(
         kind, path = resolve_spec(spec)
         if kind == "gguf":
             from llmopt.models.gguf import open_gguf
-            from llmopt.models.packed import load_packed_gguf
+            from llmopt.models.packed import packed_gguf_modules
 
-            model = load_packed_gguf(open_gguf(path), device=device)
+            gguf_file = open_gguf(path)
+            config = gguf_file.config()
+            modules = packed_gguf_modules(gguf_file, config)
+            tensors = gguf_file.state_dict(config, torch.float32, skip=set(modules))
+            model = model_from_tensors(
+                config, tensors, device=device, source=str(path), modules=modules
+            )
             check_finite_weights(model, str(spec))
             return model
         dtype = torch.float32

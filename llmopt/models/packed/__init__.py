@@ -2,8 +2,8 @@
 
 `BlockQuantLinear` / `BlockQuantEmbedding` hold codes, scales and mins; they dequantize on the
 fly in the eager forward and are read directly by the fused CPU kernels
-(`llmopt.infer.fast`). `load_packed_gguf` builds a model from a GGUF file with them
-(`llmopt.models.load_model(path, dtype="auto")`).
+(`llmopt.infer.fast`). `packed_gguf_modules` makes them from a GGUF file for
+`llmopt.models.load_model(path, dtype="auto")`.
 """
 
 from llmopt.models.packed.block import (
@@ -13,7 +13,7 @@ from llmopt.models.packed.block import (
     BlockQuantLinear,
     block_format,
 )
-from llmopt.models.packed.load import load_packed_gguf
+from llmopt.models.packed.load import packed_gguf_modules
 
 __all__ = [
     "BLOCK_FORMATS",
@@ -21,5 +21,5 @@ __all__ = [
     "BlockQuantEmbedding",
     "BlockQuantLinear",
     "block_format",
-    "load_packed_gguf",
+    "packed_gguf_modules",
 ]

@@ -1,7 +1,7 @@
-"""A model from a GGUF file with its quantized tensors kept as they are (`load_model(...,
-dtype="auto")`): every Q4_0/Q4_1/Q8_0/Q4_K/Q6_K linear becomes a `BlockQuantLinear`, a
-quantized token embedding a `BlockQuantEmbedding` sharing its codes with the head when the
-file ties them; everything else is fp32. Bytes per token then equal the file's (llama.cpp's).
+"""A GGUF file's quantized tensors kept as they are, for `load_model(..., dtype="auto")`: every
+Q4_0/Q4_1/Q8_0/Q4_K/Q6_K linear becomes a `BlockQuantLinear`, a quantized token embedding a
+`BlockQuantEmbedding` sharing its codes with the head when the file ties them; the loader
+loads everything else as fp32. Bytes per token then equal the file's (llama.cpp's).
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from llmopt.models.config import ModelConfig
 from llmopt.models.gguf import GGUFFile
-from llmopt.models.llama import Transformer
 from llmopt.models.packed.block import BUFFERS, BlockQuantEmbedding, BlockQuantLinear
 from llmopt.models.packed.gguf_blocks import GGML_FORMATS, packed_tensors
 
@@ -45,11 +45,9 @@ def packable(gguf_file: GGUFFile, gguf_name: str, final_softcap: float | None) -
     return not (final_softcap is not None and ours == "lm_head.weight")
 
 
-def load_packed_gguf(gguf_file: GGUFFile, device: torch.device | str = "cpu") -> Transformer:
-    """The model of `gguf_file` with quantized weights packed (see the module docstring)."""
-    from llmopt.models.loading import model_from_tensors
-
-    config = gguf_file.config()
+def packed_gguf_modules(gguf_file: GGUFFile, config: ModelConfig) -> dict[str, nn.Module]:
+    """Qualified module name -> packed module for every quantized weight of `gguf_file` we keep
+    (the loader swaps them in: `llmopt.models.loading.model_from_tensors(modules=...)`)."""
     modules: dict[str, nn.Module] = {}
     for gguf_name in gguf_file.tensors:
         if packable(gguf_file, gguf_name, config.final_softcap):
@@ -63,7 +61,4 @@ def load_packed_gguf(gguf_file: GGUFFile, device: torch.device | str = "cpu") ->
         for name in BUFFERS:
             setattr(head, name, getattr(embed, name))
         modules["lm_head"] = head  # one tensor in the file, one in memory
-    tensors = gguf_file.state_dict(config, torch.float32, skip=set(modules))
-    return model_from_tensors(
-        config, tensors, device=device, source=str(gguf_file.path), modules=modules
-    )
+    return modules
