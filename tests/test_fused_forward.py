@@ -193,6 +193,15 @@ def test_logits_rows_select_rows_and_cache_is_shared_with_eager_layout():
         cache = KVCache.for_model(model, max_len=8)
         want = model(torch.tensor([[1, 2, 3, 4, 5]]), cache)[0]
     torch.testing.assert_close(got, want[[4, 1]], rtol=0, atol=1e-4)
+    # a prefill chunk not at its prompt's end wants no logits: the step still fills the cache
+    meta = paged.step({0: [6, 7]})
+    meta["logits_rows"] = torch.zeros(0, dtype=torch.long)
+    out = fused.forward_tensors(**meta, k_cache=paged.k, v_cache=paged.v, block_size=4)
+    assert out.shape == (0, model.config.vocab_size)
+    got = paged.run(fused, {0: [8]})
+    with torch.no_grad():
+        want = model(torch.tensor([[6, 7, 8]]), cache)[0, -1]
+    torch.testing.assert_close(got[0], want, rtol=0, atol=1e-4)
     # the paged rows hold what the eager static cache holds, position by position
     table = paged.tables[0]
     for pos in range(5):

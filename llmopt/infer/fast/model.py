@@ -114,10 +114,17 @@ class FusedModel:
         return (len(self.layout.layers), rows, s["kv_heads"], s["head_dim"])
 
     def forward(
-        self, step: Any, k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int
+        self,
+        step: Any,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_size: int | None = None,
     ) -> torch.Tensor:
         """Logits [len(step.logits_rows), vocab] (fp32) of one step; `step` carries the
-        metadata tensors (`StepBatch` or any object with the same attributes)."""
+        metadata tensors (`StepBatch` or any object with the same attributes; `block_size`
+        defaults to `step.block_size`)."""
+        if block_size is None:
+            block_size = step.block_size
         return self.forward_tensors(
             *(getattr(step, name) for name in _STEP_FIELDS), k_cache, v_cache, block_size
         )
@@ -177,4 +184,4 @@ class FusedRunner:
         self.cache = cache
 
     def forward(self, batch: Any) -> torch.Tensor:
-        return self.fused.forward(batch, self.cache.k, self.cache.v, batch.block_size)
+        return self.fused.forward(batch, self.cache.k, self.cache.v)
