@@ -8,8 +8,9 @@ columns, codes unsigned) from whatever holds it:
 Views of linears that read one input and share a format are concatenated along output rows
 (fused QKV, gate/up), then tiled: 16 rows per tile, per 32-column block 8 lines of 16 int32
 lanes (lane i of line k: the 4 codes of row i at columns 4k..4k+3), 4-bit lines paired into
-one byte each (line m low nibble, line m + 4 high). Scales/mins become [tiles, groups, 16]
-(Q4_K's uint8 sub-scales/mins too, with their fp16 super-scales as [tiles, k / 256, 16]).
+one byte each (line m low nibble, line m + 4 high), 6-bit ones (Q6_K) likewise plus two planes
+of their top 2 bits. Scales/mins become [tiles, groups, 16] (the K-quants' integer sub-scales
+too, with their fp16 super-scales as [tiles, k / 256, 16]).
 Nothing here edits the model; the kernels get copies in their layout.
 """
 
@@ -31,14 +32,14 @@ class CodedView:
     """A weight as unsigned codes with W = code * scale + min (min = -zero * scale if absent)."""
 
     codes: torch.Tensor  # uint8 [n, k], one per weight
-    bits: int  # container width: 4 or 8
+    bits: int  # container width: 4, 6 (Q6_K) or 8
     group: int  # columns per scale: a multiple of 32, or 16 (Q6_K)
-    scales: torch.Tensor  # [n, groups] fp16 or fp32; uint8 sub-scales (Q4_K)
+    scales: torch.Tensor  # [n, groups] fp16 or fp32; K-quant sub-scales (uint8 Q4_K, int8 Q6_K)
     mins: torch.Tensor | None  # same shape and dtype family, or None
     zero: float
     bias: torch.Tensor | None
     name: str  # format, for reports (q4_1, int4-g128, ...)
-    super_scales: torch.Tensor | None = None  # Q4_K: fp16 [n, k / 256] (and the mins')
+    super_scales: torch.Tensor | None = None  # K-quants: fp16 [n, k / 256] (Q4_K's mins too)
     super_mins: torch.Tensor | None = None
 
     def key(self) -> tuple:
@@ -68,9 +69,11 @@ def coded_view(module: nn.Module) -> CodedView | None:
         if fmt.super_block and fmt.has_mins:  # Q4_K: both levels kept (6-bit subs, fp16)
             return CodedView(codes, fmt.bits, fmt.block, module.scales, module.mins, 0.0, bias,
                              fmt.name, module.super_scales, module.super_mins)  # fmt: skip
-        # Q6_K's int8 sub-scales times its fp16 super-scale: exact fp32 products
-        scales = module.scale_values() if fmt.super_block else module.scales
-        return CodedView(codes, fmt.bits, fmt.block, scales, module.mins, fmt.zero, bias, fmt.name)
+        if fmt.super_block:  # Q6_K: 6-bit codes, int8 sub-scales x fp16 super-scales
+            return CodedView(codes, 6, fmt.block, module.scales, None, fmt.zero, bias, fmt.name,
+                             module.super_scales)  # fmt: skip
+        return CodedView(codes, fmt.bits, fmt.block, module.scales, module.mins, fmt.zero, bias,
+                         fmt.name)  # fmt: skip
     if _is_quant_linear(module):
         from llmopt.compress.quant.formats import unpack_codes
 
@@ -99,15 +102,24 @@ def int8_rows(weight: torch.Tensor) -> CodedView:
 
 
 def tile_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 codes [n, k] -> [tiles, k / 32, 256 (4-bit) | 512 (8-bit)] (module docstring)."""
+    """uint8 codes [n, k] -> [tiles, k / 32, 256 (4-bit) | 384 (6-bit) | 512 (8-bit)]: see the
+    module docstring; 6-bit codes add two planes holding the top 2 bits of lines 0-3, 4-7."""
     n, k = codes.shape
     tiles = -(-n // TILE)
     if tiles * TILE != n:
         codes = torch.cat([codes, codes.new_zeros(tiles * TILE - n, k)])
     c = codes.view(tiles, TILE, k // BLOCK, 8, 4).permute(0, 2, 3, 1, 4)  # [T, B, line, row, 4]
-    if bits == 4:
-        c = c[:, :, :4] | (c[:, :, 4:] << 4)
-    return c.reshape(tiles, k // BLOCK, -1).contiguous()
+    if bits == 8:
+        return c.reshape(tiles, k // BLOCK, -1).contiguous()
+    low = (c[:, :, :4] & 0x0F) | ((c[:, :, 4:] & 0x0F) << 4)
+    parts = [low.reshape(tiles, k // BLOCK, -1)]
+    if bits == 6:
+        top = (c >> 4).reshape(tiles, k // BLOCK, 2, 4, TILE * 4)  # [T, B, plane, q, 64]
+        planes = (
+            top[:, :, :, 0] | top[:, :, :, 1] << 2 | top[:, :, :, 2] << 4 | top[:, :, :, 3] << 6
+        )
+        parts.append(planes.reshape(tiles, k // BLOCK, -1))
+    return torch.cat(parts, dim=-1).contiguous()
 
 
 def tile_lanes(values: torch.Tensor) -> torch.Tensor:

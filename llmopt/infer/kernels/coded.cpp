@@ -3,7 +3,9 @@
 // Tile layout (built by llmopt/infer/fast/tiles.py): for each tile of 16 output rows and each
 // block of 32 columns, 8 "lines" of 16 int32 lanes; lane i of line k holds the 4 codes of row i
 // at columns 4k..4k+3. 8-bit codes store the 8 lines as they are (512 bytes); 4-bit codes store
-// 4 lines of bytes whose low nibbles are line m and high nibbles line m + 4 (256 bytes).
+// 4 lines of bytes whose low nibbles are line m and high nibbles line m + 4 (256 bytes); 6-bit
+// codes (Q6_K) store their low nibbles so, then 2 planes of 64 bytes whose bits 2q..2q+1 are
+// the top 2 bits of line 4p + q (384 bytes: the file's 6 bits per weight).
 // Scales and mins are [tiles, groups, 16]: one 16-lane vector per tile and column group.
 //
 // Per block, `vpdpbusd(acc, w_line_k, broadcast(x[4k:4k+4]))` for k < 8 sums 32 columns of 16
@@ -27,12 +29,13 @@ Linear make_coded_linear(int64_t n, int64_t k, int64_t bits, int64_t group, at::
   l.bits = bits;
   l.group = group;
   l.zero = static_cast<float>(zero);
-  TORCH_CHECK(bits == 4 || bits == 8, "coded linear: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "coded linear: bits must be 4, 6 or 8, got ",
+              bits);
   TORCH_CHECK(n > 0 && k > 0 && k % kBlock == 0, "coded linear: in_features ", k,
               " must be a positive multiple of ", kBlock);
   TORCH_CHECK(group == 16 || (group >= kBlock && group % kBlock == 0), "coded linear: group ",
               group, " must be 16 or a multiple of ", kBlock);
-  const int64_t line_bytes = bits == 4 ? 256 : 512;
+  const int64_t line_bytes = block_bytes(bits);
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 &&
                   codes.size(0) == l.tiles() && codes.size(1) == l.blocks() &&
                   codes.size(2) == line_bytes,
@@ -45,8 +48,9 @@ Linear make_coded_linear(int64_t n, int64_t k, int64_t bits, int64_t group, at::
                 "coded linear: ", what, " must be [", l.tiles(), ", ", l.groups(), ", 16], got ",
                 t.sizes());
     TORCH_CHECK(t.scalar_type() == at::kHalf || t.scalar_type() == at::kFloat ||
-                    t.scalar_type() == at::kByte,
-                "coded linear: ", what, " must be float16, float32 or uint8 (K-quant levels)");
+                    t.scalar_type() == at::kByte || t.scalar_type() == at::kChar,
+                "coded linear: ", what,
+                " must be float16, float32, or uint8/int8 K-quant sub-scales");
   };
   check_vec(scales, "scales");
   l.scales = scales.contiguous();
@@ -75,8 +79,19 @@ Linear make_coded_linear(int64_t n, int64_t k, int64_t bits, int64_t group, at::
     TORCH_CHECK(!l.mins.defined() || l.mins.scalar_type() != at::kByte,
                 "coded linear: uint8 mins need uint8 sub-scales");
   }
-  TORCH_CHECK(group != 16 || (bits == 8 && !l.scale_f16 && l.min_kind == MIN_ZERO),
-              "coded linear: 16-column groups need 8-bit codes, fp32 scales and a zero point");
+  const bool q6 = bits == 6 || group == 16;
+  TORCH_CHECK(!q6 || (bits == 6 && group == 16 && k % 256 == 0 && !l.mins.defined() &&
+                      scales.scalar_type() == at::kChar && super_scales.has_value()),
+              "coded linear: 6-bit codes (Q6_K) need 16-column groups, int8 sub-scales, fp16 "
+              "super-scales and a zero point");
+  TORCH_CHECK(scales.scalar_type() != at::kChar || q6, "coded linear: int8 scales are Q6_K's");
+  if (q6) {
+    TORCH_CHECK(super_scales->scalar_type() == at::kHalf && super_scales->dim() == 3 &&
+                    super_scales->size(0) == l.tiles() && super_scales->size(1) == k / 256 &&
+                    super_scales->size(2) == kTile,
+                "coded linear: super-scales must be float16 [", l.tiles(), ", ", k / 256, ", 16]");
+    l.super_scales = super_scales->contiguous();
+  }
   if (bias.has_value() && bias->defined() && bias->numel() > 0) {
     l.bias = bias->contiguous().to(at::kFloat);
     TORCH_CHECK(l.bias.numel() == n, "bias has ", l.bias.numel(), " values, want ", n);
@@ -116,7 +131,29 @@ inline void kq_lanes(const Linear& l, int64_t tile, int64_t g, float* ws, float*
   }
 }
 
+// Q6_K levels of `tile`'s 16-column group g: scale = int8 sub * fp16 super
+inline void q6_lanes(const Linear& l, int64_t tile, int64_t g, float* ws) {
+  float d[kTile];
+  lanes<true>(l.super_scales.data_ptr(), tile, l.k / 256, g / 16, d);
+  const int8_t* sc = l.scales.data_ptr<int8_t>() + (tile * l.groups() + g) * kTile;
+  for (int i = 0; i < kTile; ++i) ws[i] = static_cast<float>(sc[i]) * d[i];
+}
+
+// code e (= 4 * row + column) of line m of a block at p, for any bit width
+inline int code_of(const uint8_t* p, int bits, int m, int e) {
+  if (bits == 8) return p[64 * m + e];
+  const uint8_t v = p[64 * (m % 4) + e];
+  const int lo = m < 4 ? (v & 0x0F) : (v >> 4);
+  if (bits == 4) return lo;
+  return lo | (((p[256 + 64 * (m / 4) + e] >> (2 * (m % 4))) & 3) << 4);
+}
+
 #ifdef LLMOPT_AVX512
+inline __m512 load_i8_lanes(const void* p, int64_t tile, int64_t groups, int64_t g) {
+  const int8_t* q = static_cast<const int8_t*>(p) + (tile * groups + g) * kTile;
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+}
+
 inline __m512 load_u8_lanes(const void* p, int64_t tile, int64_t groups, int64_t g) {
   const uint8_t* q = static_cast<const uint8_t*>(p) + (tile * groups + g) * kTile;
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
@@ -146,14 +183,14 @@ inline int32_t load4(const int8_t* p) {
   return v;
 }
 
-// One tile of 16 rows for TT tokens starting at tok0 (rows of y are ldy apart). HALF: one
-// scale per 16 columns (lines 0-3 and 4-7 of a block are summed apart).
+// One tile of 16 rows for TT tokens starting at tok0 (rows of y are ldy apart). HALF (Q6_K,
+// BITS 6): one scale per 16 columns (lines 0-3 and 4-7 of a block are summed apart).
 template <int BITS, bool SF16, int MK, bool HALF, int TT>
 void tile_avx512(const Linear& l, int64_t tile, const QRows& qx, int64_t tok0, float* y,
                  int64_t ldy) {
   const int64_t nb = l.blocks(), groups = l.groups(), k = l.k;
   const int64_t per = HALF ? 1 : l.group / kBlock;
-  const int64_t line_bytes = BITS == 4 ? 256 : 512;
+  const int64_t line_bytes = block_bytes(BITS);
   const uint8_t* wp = l.codes.data_ptr<uint8_t>() + tile * nb * line_bytes;
   const void* sp = l.scales.data_ptr();
   const void* mp = MK == MIN_ZERO ? nullptr : l.mins.data_ptr();
@@ -174,12 +211,30 @@ void tile_avx512(const Linear& l, int64_t tile, const QRows& qx, int64_t tok0, f
         w[m] = _mm512_and_si512(v, nib);
         w[m + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
       }
+    } else if (BITS == 6) {  // low nibbles, then the top 2 bits from two planes
+      const __m512i hi[2] = {_mm512_loadu_si512(wp + 256), _mm512_loadu_si512(wp + 320)};
+      const __m512i top = _mm512_set1_epi8(0x30);
+      for (int m = 0; m < 4; ++m) {
+        const __m512i v = _mm512_loadu_si512(wp + 64 * m);
+        w[m] = _mm512_and_si512(v, nib);
+        w[m + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+      }
+      for (int m = 0; m < 8; ++m) {  // bits 2q..2q+1 of the plane to bits 4..5: w | (h & 0x30)
+        const __m512i p = hi[m / 4];
+        const int q = m % 4;
+        const __m512i h = q == 0 ? _mm512_slli_epi16(p, 4)
+                          : q == 1 ? _mm512_slli_epi16(p, 2)
+                          : q == 2 ? p
+                                   : _mm512_srli_epi16(p, 2);
+        w[m] = _mm512_ternarylogic_epi32(w[m], h, top, 0xF8);
+      }
     } else {
       for (int m = 0; m < 8; ++m) w[m] = _mm512_loadu_si512(wp + 64 * m);
     }
     if (HALF) {
-      ws = load_lanes<false>(sp, tile, groups, 2 * b);
-      ws2 = load_lanes<false>(sp, tile, groups, 2 * b + 1);
+      if (b % 8 == 0) dv = load_lanes<true>(l.super_scales.data_ptr(), tile, nb / 8, b / 8);
+      ws = _mm512_mul_ps(load_i8_lanes(sp, tile, groups, 2 * b), dv);
+      ws2 = _mm512_mul_ps(load_i8_lanes(sp, tile, groups, 2 * b + 1), dv);
       wm = _mm512_mul_ps(ws, negzero);
       wm2 = _mm512_mul_ps(ws2, negzero);
     } else if (MK == MIN_KQ) {
@@ -238,28 +293,24 @@ void tile_scalar(const Linear& l, int64_t tile, const QRows& qx, int64_t tok0, f
                  int64_t ldy) {
   const int64_t nb = l.blocks(), groups = l.groups(), k = l.k;
   const int64_t per = HALF ? 1 : l.group / kBlock;
-  const int64_t line_bytes = BITS == 4 ? 256 : 512;
+  const int64_t line_bytes = block_bytes(BITS);
   const uint8_t* wp = l.codes.data_ptr<uint8_t>() + tile * nb * line_bytes;
   float acc[TT][kTile] = {};
   float ws[2][kTile] = {}, wm[2][kTile] = {};
   uint8_t w[8][64];
   for (int64_t b = 0; b < nb; ++b, wp += line_bytes) {
-    for (int m = 0; m < (BITS == 4 ? 4 : 8); ++m) {
-      for (int i = 0; i < 64; ++i) {
-        const uint8_t v = wp[64 * m + i];
-        if (BITS == 4) {
-          w[m][i] = v & 0x0F;
-          w[m + 4][i] = v >> 4;
-        } else {
-          w[m][i] = v;
-        }
-      }
-    }
+    for (int m = 0; m < 8; ++m)
+      for (int e = 0; e < 64; ++e) w[m][e] = static_cast<uint8_t>(code_of(wp, BITS, m, e));
     for (int h = 0; h < (HALF ? 2 : 1); ++h) {
       if (!HALF && b % per) break;
       const int64_t g = HALF ? 2 * b + h : b / per;
       if (MK == MIN_KQ) {
         kq_lanes(l, tile, g, ws[h], wm[h]);
+        continue;
+      }
+      if (HALF) {
+        q6_lanes(l, tile, g, ws[h]);
+        for (int i = 0; i < kTile; ++i) wm[h][i] = ws[h][i] * -l.zero;
         continue;
       }
       lanes<SF16>(l.scales.data_ptr(), tile, groups, g, ws[h]);
@@ -346,7 +397,7 @@ void run_min(const Linear& l, const QRows& qx, int64_t n_tok, float* y, int64_t 
 
 void coded_rows(const Linear& l, const QRows& qx, int64_t n_tok, float* y, int64_t ldy) {
   TORCH_CHECK(qx.k == l.k && qx.n >= n_tok, "coded linear: activation rows do not match");
-  if (l.group == 16) return run_tiles<8, false, MIN_ZERO, true>(l, qx, n_tok, y, ldy);
+  if (l.bits == 6) return run_tiles<6, false, MIN_ZERO, true>(l, qx, n_tok, y, ldy);
   if (l.bits == 4) {
     if (l.scale_f16) return run_min<4, true>(l, qx, n_tok, y, ldy);
     return run_min<4, false>(l, qx, n_tok, y, ldy);
@@ -367,7 +418,7 @@ void weight_row(const Linear& l, int64_t row, float* out) {
     return;
   }
   const int64_t tile = row / kTile, i = row % kTile, nb = l.blocks();
-  const int64_t line_bytes = l.bits == 4 ? 256 : 512;
+  const int64_t line_bytes = block_bytes(l.bits);
   const uint8_t* wp = l.codes.data_ptr<uint8_t>() + tile * nb * line_bytes;
   float ws[kTile], wm[kTile];
   int64_t loaded = -1;
@@ -376,6 +427,10 @@ void weight_row(const Linear& l, int64_t row, float* out) {
       const int64_t g = (b * kBlock + 4 * m) / l.group;
       if (g != loaded && l.min_kind == MIN_KQ) {
         kq_lanes(l, tile, g, ws, wm);
+        loaded = g;
+      } else if (g != loaded && l.bits == 6) {
+        q6_lanes(l, tile, g, ws);
+        for (int j = 0; j < kTile; ++j) wm[j] = ws[j] * -l.zero;
         loaded = g;
       } else if (g != loaded) {
         if (l.scale_f16)
@@ -391,13 +446,7 @@ void weight_row(const Linear& l, int64_t row, float* out) {
         loaded = g;
       }
       for (int j = 0; j < 4; ++j) {
-        int code;
-        if (l.bits == 8) {
-          code = wp[64 * m + 4 * i + j];
-        } else {
-          const uint8_t v = wp[64 * (m % 4) + 4 * i + j];
-          code = m < 4 ? (v & 0x0F) : (v >> 4);
-        }
+        const int code = code_of(wp, static_cast<int>(l.bits), m, 4 * static_cast<int>(i) + j);
         out[b * kBlock + 4 * m + j] = static_cast<float>(code) * ws[i] + wm[i];
       }
     }

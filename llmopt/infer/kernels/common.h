@@ -29,6 +29,8 @@ enum Kind : int64_t { F32 = 0, BF16 = 1, CODED = 2 };
 enum MinKind : int64_t { MIN_ZERO = 0, MIN_F16 = 1, MIN_F32 = 2, MIN_KQ = 3 };
 
 constexpr int64_t kTile = 16;   // output rows per coded tile (one zmm of int32 lanes)
+// bytes of one tile's block of 32 columns: 4-bit nibbles, 6-bit nibbles + 2-bit planes, bytes
+constexpr int64_t block_bytes(int64_t bits) { return bits == 4 ? 256 : bits == 6 ? 384 : 512; }
 constexpr int64_t kBlock = 32;  // columns per activation scale
 // Per-row elementwise work (norms, RoPE, activation rounding) runs in parallel from this many
 // rows on: below it one row costs less than waking the other threads.
@@ -39,7 +41,7 @@ struct Linear {
   at::Tensor w;  // F32: float [n, k]; BF16: bfloat16 [n, k]
   // CODED: codes [tiles, blocks, 256 (4-bit) | 512 (8-bit)] uint8 (see coded.cpp for the
   // order), scales / mins [tiles, groups, 16] fp16 or fp32, group = columns per scale: a
-  // multiple of 32, or 16 (Q6_K: 8-bit codes, fp32 scales, a fixed zero point)
+  // multiple of 32, or 16 (Q6_K: 6-bit codes, int8 sub-scales x fp16 super_scales, zero 32)
   int64_t bits = 0, group = 0, min_kind = MIN_ZERO;
   bool scale_f16 = true;
   float zero = 0.f;
