@@ -22,6 +22,7 @@ SOURCES = (
     "step.cpp",
     "attention.cpp",
     "coded.cpp",
+    "coded_linear.cpp",
     "dense.cpp",
     "math.cpp",
 )
