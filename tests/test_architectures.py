@@ -20,8 +20,10 @@ from llmopt.compress.quant.apply import quant_linears, quantize_model
 from llmopt.compress.quant.linear import QuantLinear
 from llmopt.infer.drafts import EarlyExitModel
 from llmopt.models import ConfigError, ModelConfig, build_model, get_spec, spec_for
+from llmopt.models.experts import MoE
 from llmopt.models.llama import KVCache
 from llmopt.models.loading import load_model, save_pretrained
+from llmopt.models.moe import MoEConfig
 from llmopt.models.spec import registered_architectures
 from llmopt.parallel.pipeline.stage import split_model
 from llmopt.precision.fp8 import convert_to_fp8, fp8_modules, fp8_targets
@@ -65,8 +67,45 @@ CONFIGS = {
         query_pre_attn_scalar=24,
         architecture="gemma2",
     ),
+    # MoE: 4 experts, top 2; Qwen2-MoE with a dense first block and a gated shared expert
+    "mixtral": ModelConfig(
+        name="tiny-mixtral", **BASE, architecture="mixtral", moe=MoEConfig(4, 2, 128)
+    ),
+    "qwen2_moe": ModelConfig(
+        name="tiny-qwen2-moe",
+        **BASE,
+        attention_bias=True,
+        architecture="qwen2_moe",
+        moe=MoEConfig(
+            4,
+            2,
+            32,
+            moe_layers=1,
+            shared_experts=1,
+            shared_ffn_hidden=64,
+            shared_gate=True,
+            norm_topk=False,
+        ),  # fmt: skip
+    ),
+    "qwen3_moe": ModelConfig(
+        name="tiny-qwen3-moe",
+        **BASE,
+        head_dim=32,
+        architecture="qwen3_moe",
+        moe=MoEConfig(4, 2, 32),
+    ),  # fmt: skip
 }
 ARCHS = sorted(CONFIGS)
+
+
+def block_linear_names(model: nn.Module) -> list[str]:
+    """Every linear the spec names in the model's blocks (experts expanded)."""
+    spec = spec_for(model)
+    return [
+        f"{block_name}.{n}"
+        for block_name, block in spec.named_blocks(model)
+        for n, _ in spec.named_block_modules(block, spec.block_linears)
+    ]
 
 
 def tiny(arch: str, dtype: torch.dtype = torch.float32, num_layers: int = 2) -> nn.Module:
@@ -204,7 +243,8 @@ def test_fp8_conversion_runs_close_to_bf16(arch):
     model = convert_to_fp8(copy.deepcopy(ref), "current", amax_group=None, fallback="emulate")
     spec = get_spec(arch)
     assert sorted(fp8_modules(model)) == sorted(fp8_targets(ref))
-    assert len(fp8_modules(model)) == CONFIGS[arch].num_layers * len(spec.block_linears)
+    assert sorted(fp8_modules(model)) == sorted(block_linear_names(ref))
+    assert spec  # experts included: their linears are FP8 GEMMs too
     ids = tokens()
     with torch.no_grad():
         err = rel(model(ids), ref(ids))
@@ -223,17 +263,20 @@ def test_quantized_logits_close(arch, method):
     qmodel = quantize_model(model, method, bits=8, group_size=32, calib_tokens=calib, **options)
     spec = get_spec(arch)
     names = sorted(quant_linears(qmodel))
-    assert names == sorted(
-        f"{block}.{n}" for block, _ in spec.named_blocks(model) for n in spec.block_linears
-    )
+    assert names == sorted(block_linear_names(model))  # experts included
     if CONFIGS[arch].attention_bias:  # biases ride along, unquantized
         q = qmodel.get_submodule(spec.named_blocks(qmodel)[0][0] + "." + spec.column_parallel[0])
         assert isinstance(q, QuantLinear) and q.bias is not None and q.bias.abs().sum() > 0
     if method == "awq":
         prevs = [g["prev"] for layer in qmodel.quant_report["layers"] for g in layer["groups"]]
-        # MHA (qwen2 here) folds v -> o too; GQA skips it
-        expected = 4 if CONFIGS[arch].num_kv_heads == CONFIGS[arch].num_heads else 3
-        assert len(prevs) == expected * CONFIGS[arch].num_layers
+        # MHA (qwen2 here) folds v -> o too; GQA skips it. A MoE block folds only into q/k/v
+        # (each expert reads the norm through the router's permutation: no shared scale)
+        mha = CONFIGS[arch].num_kv_heads == CONFIGS[arch].num_heads
+        expected = sum(
+            (2 if mha else 1) if isinstance(block.mlp, MoE) else (4 if mha else 3)
+            for _, block in spec.named_blocks(model)
+        )
+        assert len(prevs) == expected
     ids = tokens()
     with torch.no_grad():
         err = rel(qmodel(ids), model(ids))
@@ -249,10 +292,15 @@ def test_quantized_logits_close(arch, method):
 def test_early_exit_draft_equals_the_truncated_model(arch):
     target = tiny(arch)
     draft = EarlyExitModel(target, 1)
-    truncated = build_model(CONFIGS[arch].replace(num_layers=1), seed=None)
-    truncated.load_state_dict(
-        {k: v for k, v in target.state_dict().items() if not k.startswith("layers.1.")}
-    )
+    moe = CONFIGS[arch].moe
+    if moe is not None and moe.moe_layers is not None:  # a dense first block: keep it dense
+        truncated = copy.deepcopy(target)
+        truncated.layers = truncated.layers[:1]
+    else:
+        truncated = build_model(CONFIGS[arch].replace(num_layers=1), seed=None)
+        truncated.load_state_dict(
+            {k: v for k, v in target.state_dict().items() if not k.startswith("layers.1.")}
+        )
     ids = tokens()
     with torch.no_grad():
         assert torch.equal(draft(ids), truncated.eval()(ids))

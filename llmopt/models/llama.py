@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from llmopt.models.config import ConfigError, ModelConfig
+from llmopt.models.experts import feed_forward
 from llmopt.models.gemma2 import SandwichBlock
 from llmopt.models.kv_cache import KVCache
 from llmopt.models.layers import (
@@ -63,7 +64,7 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = feed_forward(config, layer_idx)  # MLP, or MoE where the config has experts
 
     def forward(self, x, cos, sin, cache: KVCache | None = None, start: int = 0):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, start)
@@ -75,9 +76,8 @@ class Transformer(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        if config.moe is not None or config.mla is not None:  # planner-only shapes
-            raise ConfigError(f"{config.name}: experts/latent attention are planned, not built; "
-                              "llmopt's model is dense")  # fmt: skip
+        if config.mla is not None:  # planner-only shape
+            raise ConfigError(f"{config.name}: latent attention is planned, not built")
         self.config = config
         spec = get_spec(config.architecture)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)

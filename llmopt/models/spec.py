@@ -69,6 +69,9 @@ class ModelSpec:
     # checkpoint tensors that fuse our linears along output rows (Phi-3's qkv_proj), split at
     # load and fused again at save; names are block-level, parts in concatenation order
     hf_fused: tuple[FusedGroup, ...] = ()
+    # block-level modules the HF checkpoint names differently: (ours, HF's), `*` an index
+    # (Mixtral's block_sparse_moe.experts.*.w1 is our mlp.experts.*.gate_proj)
+    hf_renames: tuple[tuple[str, str], ...] = ()
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
     gate_activation: str = "silu"  # of the gated MLP: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
     # ModelConfig fields beyond the Llama ones that this architecture may set
@@ -81,7 +84,12 @@ class ModelSpec:
     # inside one block
     attention: str = "self_attn"  # has num_heads / num_kv_heads that TP divides
     attention_core: str = "self_attn.core"  # softmax(QK^T)V alone: selective recompute wraps it
-    feed_forward: str = "mlp"  # the block's MLP module
+    feed_forward: str = "mlp"  # the block's MLP module (a MoE block where the config has experts)
+    feed_forward_norm: str = "post_attention_layernorm"  # the norm whose output it reads
+    # mixture of experts (`llmopt.models.experts`): where the routed experts and the router
+    # live in a MoE block (empty: the architecture has no MoE blocks)
+    experts: str = ""
+    router: str = ""
     column_parallel: tuple[str, ...] = (
         "self_attn.q_proj",
         "self_attn.k_proj",
@@ -147,13 +155,27 @@ class ModelSpec:
     def named_block_modules(
         self, block: nn.Module, names: tuple[str, ...]
     ) -> list[tuple[str, nn.Module]]:
-        """(name, module) for each of `names` the block has, in the given order."""
+        """(name, module) for each of `names` the block has, in the given order. A `*` part
+        (`mlp.experts.*.gate_proj`) stands for every child of the container before it, in
+        index order: the experts a block (or, under expert parallelism, a rank) holds."""
         found = []
         for name in names:
-            module = self.block_module(block, name)
-            if module is not None:
-                found.append((name, module))
+            for full in self.expand(block, name):
+                module = self.block_module(block, full)
+                if module is not None:
+                    found.append((full, module))
         return found
+
+    def expand(self, block: nn.Module, name: str) -> list[str]:
+        """The concrete names a (possibly `*`) block-level name stands for in this block."""
+        head, star, tail = name.partition(".*.")
+        if not star:
+            return [name]
+        container = self.block_module(block, head)
+        if container is None:
+            return []
+        keys = sorted((k for k, _ in container.named_children()), key=int)
+        return [f"{head}.{k}.{tail}" for k in keys]
 
     def block_module(self, block: nn.Module, name: str) -> nn.Module | None:
         """The submodule `name` of a block, or None where this block has none."""
@@ -287,6 +309,7 @@ register_spec(
         scaled_embedding=True,
         norm_weight_offset=1.0,
         block_norms=_SANDWICH_NORMS,
+        feed_forward_norm="pre_feedforward_layernorm",
         branch_norms=("post_attention_layernorm", "post_feedforward_layernorm"),
         awq_groups=(  # the MLP reads pre_feedforward_layernorm (post_attention's is on the branch)
             ScalingGroup(
@@ -305,5 +328,66 @@ register_spec(
             "query_pre_attn_scalar",
             "full_attention_every",
         ),
+    )
+)
+
+
+# Mixture-of-experts architectures: the Llama-family attention with a MoE block
+# (`llmopt.models.experts.MoE`) as the feed-forward of the blocks the config makes sparse. The
+# dense names stay listed (DeepSeek's first blocks, Qwen's mlp_only_layers are dense MLPs).
+_ATTENTION_IN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+_EXPERTS_IN = ("mlp.experts.*.gate_proj", "mlp.experts.*.up_proj")
+_SHARED_IN = ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj")
+_MOE_COLUMN = (*_ATTENTION_IN, "mlp.gate_proj", "mlp.up_proj", *_EXPERTS_IN, *_SHARED_IN)
+_MOE_ROW = (
+    "self_attn.o_proj",
+    "mlp.down_proj",
+    "mlp.experts.*.down_proj",
+    "mlp.shared_experts.down_proj",
+)
+_MOE = {
+    "experts": "mlp.experts",
+    "router": "mlp.gate",
+    "column_parallel": _MOE_COLUMN,
+    "row_parallel": _MOE_ROW,
+    "gptq_order": (
+        _ATTENTION_IN,
+        ("self_attn.o_proj",),
+        ("mlp.gate_proj", "mlp.up_proj", *_EXPERTS_IN, *_SHARED_IN),
+        ("mlp.down_proj", "mlp.experts.*.down_proj", "mlp.shared_experts.down_proj"),
+    ),
+}
+register_spec(
+    ModelSpec(
+        "mixtral",
+        hf_architectures=("MixtralForCausalLM",),
+        sliding_window=True,
+        hf_renames=(
+            ("mlp.gate", "block_sparse_moe.gate"),
+            ("mlp.experts.*.gate_proj", "block_sparse_moe.experts.*.w1"),
+            ("mlp.experts.*.up_proj", "block_sparse_moe.experts.*.w3"),
+            ("mlp.experts.*.down_proj", "block_sparse_moe.experts.*.w2"),
+        ),
+        **_MOE,
+    )
+)
+register_spec(
+    ModelSpec(
+        "qwen2_moe",
+        hf_architectures=("Qwen2MoeForCausalLM",),
+        attention_bias=True,
+        gguf_permuted_qk=False,
+        hf_renames=(("mlp.shared_experts", "mlp.shared_expert"),),
+        **_MOE,
+    )
+)
+register_spec(
+    ModelSpec(
+        "qwen3_moe",
+        hf_architectures=("Qwen3MoeForCausalLM",),
+        gguf_permuted_qk=False,
+        qk_norm=True,
+        head_norms=("self_attn.q_norm", "self_attn.k_norm"),
+        **_MOE,
     )
 )

@@ -29,6 +29,21 @@ DIMS = ("tp", "cp", "dp", "pp")  # innermost first
 DEFAULT_TIMEOUT_S = 120.0
 
 
+def tp_split_sizes(cfg: ModelConfig) -> list[tuple[str, int]]:
+    """(name, size) of every dimension tensor parallelism splits (experts' widths included)."""
+    sizes = [
+        ("num_heads", cfg.num_heads),
+        ("num_kv_heads", cfg.num_kv_heads),
+        ("intermediate_size", cfg.intermediate_size),
+        ("vocab_size", cfg.vocab_size),
+    ]
+    if cfg.moe is not None:
+        sizes.append(("expert_ffn_hidden", cfg.moe.expert_ffn_hidden))
+        if cfg.moe.shared_experts:
+            sizes.append(("shared expert width", cfg.moe.shared_experts * cfg.moe.shared_hidden))
+    return sizes
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     """Degrees of parallelism. `dp=-1` means "whatever is left of world_size"."""
@@ -104,13 +119,7 @@ class ParallelDims:
         self, config: ModelConfig, seq_len: int | None = None, sequence_parallel: bool = False
     ) -> None:
         """Raise a ValueError naming the first shape that this layout cannot split."""
-        checks = [
-            ("num_heads", config.num_heads),
-            ("num_kv_heads", config.num_kv_heads),
-            ("intermediate_size", config.intermediate_size),
-            ("vocab_size", config.vocab_size),
-        ]
-        for name, value in checks:
+        for name, value in tp_split_sizes(config):
             if value % self.tp:
                 raise ValueError(f"tp={self.tp} does not divide {name}={value}")
         if sequence_parallel and seq_len is not None and seq_len % self.tp:

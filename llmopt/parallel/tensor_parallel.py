@@ -29,9 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmopt.models.experts import MoE
 from llmopt.models.llama import Transformer
 from llmopt.models.spec import spec_for
 from llmopt.parallel.comm import Group
+from llmopt.parallel.grid import tp_split_sizes
 
 SEQ_DIM = 1  # activations are [batch, seq, hidden]
 
@@ -218,12 +220,7 @@ def apply_tensor_parallel(
     """Shard `model` in place over `group` (Megatron TP, optionally with SP); returns it."""
     cfg = model.config
     tp = group.size
-    for name, value in (
-        ("num_heads", cfg.num_heads),
-        ("num_kv_heads", cfg.num_kv_heads),
-        ("intermediate_size", cfg.intermediate_size),
-        ("vocab_size", cfg.vocab_size),
-    ):
+    for name, value in tp_split_sizes(cfg):
         if value % tp:
             raise ValueError(f"tp={tp} does not divide {name}={value}")
     model.tp_group = group
@@ -236,11 +233,15 @@ def apply_tensor_parallel(
     spec = spec_for(model)
     norms, branch_norms = [], []
     for _, block in spec.named_blocks(model):
+        moe = _moe_of(block, spec)
         for _, linear in spec.named_block_modules(block, spec.column_parallel):
             _shard_linear(linear, 0, group)
-        for _, linear in spec.named_block_modules(block, spec.row_parallel):
+        for name, linear in spec.named_block_modules(block, spec.row_parallel):
             _shard_linear(linear, 1, group)
-            linear.register_forward_hook(_row_output_hook(group, sp))
+            if moe is None or not name.startswith(spec.feed_forward + "."):
+                linear.register_forward_hook(_row_output_hook(group, sp))
+        if moe is not None:
+            _shard_moe(moe, group, sp)
         attention = spec.block_module(block, spec.attention)
         attention.num_heads //= tp
         attention.num_kv_heads //= tp
@@ -276,6 +277,28 @@ def apply_tensor_parallel(
         _shard_linear(head, 0, group)
     model.vocab_start = group.rank * rows
     return model
+
+
+def _moe_of(block: nn.Module, spec) -> MoE | None:
+    ff = spec.block_module(block, spec.feed_forward)
+    return ff if isinstance(ff, MoE) else None
+
+
+def _shard_moe(moe: MoE, group: Group, sp: bool) -> None:
+    """A MoE block's experts are split like the dense MLP (Megatron's expert TP = tp): each
+    rank's experts and shared experts give partial outputs, summed once at the block's output
+    (not per expert). The replicated router (and Qwen2-MoE's shared-expert gate) then see
+    partial gradients through those partial outputs: summed over TP like the head norms. The
+    auxiliary losses, computed alike on every rank, enter each rank's backward at 1/tp, so
+    the input-gradient all-reduce sums them to one."""
+    moe.register_forward_hook(_row_output_hook(group, sp))
+    replicated = [moe.gate.weight]
+    if hasattr(moe, "shared_expert_gate"):
+        replicated.append(moe.shared_expert_gate.weight)
+    for weight in replicated:
+        weight.tp_replicated = True
+        weight.register_hook(_sum_grad_over_tp(group))
+    moe.aux_replicas = group.size
 
 
 def lm_loss_from_hidden(
