@@ -75,7 +75,7 @@ def test_logits_match_transformers_to_1e5(hf_moe):
     ids = _ids()
     with torch.no_grad():
         expected = ref(ids).logits
-        got = ours(ids)
+    got = ours(ids)  # with grad: training forwards count their routing
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     # the routing is decisive and varied: every expert of the last block gets tokens
     routed = ours.layers[2].mlp.take_stats()["routed"]

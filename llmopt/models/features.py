@@ -41,6 +41,8 @@ def decoder_features(config: Any, windows: bool = False) -> tuple[str, ...]:
         found.append("query_pre_attn_scalar")
     if config.full_attention_every is not None:
         found.append("per-layer sliding windows")
+    if getattr(config, "moe", None) is not None:
+        found.append("mixture-of-experts feed-forward")
     return tuple(found)
 
 

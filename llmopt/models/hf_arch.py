@@ -360,7 +360,9 @@ def check_moe(config: Any, spec: ModelSpec) -> None:
 
 
 def _check_hf_moe(config: Any, spec: ModelSpec) -> None:
-    """Refuse experts or routing the architecture's HF config and modules cannot express."""
+    """Refuse experts or routing the architecture's HF config and modules cannot express.
+    Training-only settings (loss coefficients, capacity factor, bias rate) are not refused:
+    HF's forward routes dropless, which is how a capacity-trained model is served."""
     m: MoEConfig = config.moe
     name = spec.hf_architectures[0]
     arch = _MOE_ARCH[spec.architecture]
@@ -376,11 +378,6 @@ def _check_hf_moe(config: Any, spec: ModelSpec) -> None:
             f"{name} routes by softmax over all experts without bias or scale; this model has "
             f"score={m.score!r}, num_groups={m.num_groups}, expert_bias={m.expert_bias}, "
             f"route_scale={m.route_scale}: no HF equivalent"
-        )
-    if m.capacity_factor is not None or m.z_loss_coef:
-        raise ConfigError(
-            f"capacity_factor={m.capacity_factor} and z_loss_coef={m.z_loss_coef} have no {name} "
-            "equivalent (HF routes dropless, without z-loss)"
         )
     if spec.architecture == "mixtral" and not m.norm_topk:
         raise ConfigError("HF Mixtral renormalises the top-k weights: norm_topk must be true")

@@ -47,9 +47,11 @@ from llmopt.parallel.pipeline.stage import (
 )
 from llmopt.parallel.plan import ParallelPlan
 from llmopt.parallel.recompute import apply_activation_checkpointing
+from llmopt.parallel.routing import moe_blocks, set_aux_scale, step_routing
 from llmopt.parallel.tensor_parallel import apply_tensor_parallel
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float32}
+BUFFER = "buffer/"  # state_dict() prefix of trained buffers
 
 
 class EngineError(ValueError):
@@ -81,6 +83,7 @@ class StepOutput:
     pipeline: StepResult
     metrics: dict[str, float] = field(default_factory=dict)  # the objective's, if any
     applied: bool = True  # False: a non-finite step skipped (`step(skip_nonfinite=True)`)
+    routing: dict[str, object] = field(default_factory=dict)  # MoE: `llmopt.parallel.routing`
 
 
 class Engine:
@@ -117,6 +120,10 @@ class Engine:
         apply_activation_checkpointing(model, plan.recompute)
         self.stages = split_model(model, grid.pp.rank, pp, plan.virtual_stages, layers_per_stage)
         self.rank_module = _RankModule(self.stages)
+        self.moe_blocks = moe_blocks(self.stages)
+        set_aux_scale(self.moe_blocks, plan.num_microbatches)
+        # trained state that is not a parameter (MoE balancing biases), by single-model name
+        self.extra_state = persistent_buffers(self.stages)
         tied = bool(cfg.tie_embeddings) and pp > 1
         param_dtype = DTYPES[plan.precision]
         self.dp = DataParallel(
@@ -222,7 +229,16 @@ class Engine:
             self.update_params()
         self.zero_grad()
         metrics = self.objective_metrics() if applied else {}
-        return StepOutput(loss, norm, result, metrics, applied)
+        return StepOutput(loss, norm, result, metrics, applied, self.routing_stats(applied))
+
+    def routing_stats(self, update_bias: bool = True) -> dict[str, object]:
+        """The MoE routing statistics of the forwards since the last call (collective over
+        the world for a model with experts; {} for a dense one); moves the balancing biases
+        unless `update_bias` is False (a skipped step)."""
+        forwards = self.grid.dp.size * self.plan.num_microbatches
+        return step_routing(
+            self.moe_blocks, self.grid, self.model.config, forwards, self.device, update_bias
+        )
 
     def objective_metrics(self) -> dict[str, float]:
         """What a custom objective logs for the step just run (uncounted: logging)."""
@@ -282,8 +298,11 @@ class Engine:
         }
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's fp32 masters (full or ZeRO shard) by unit name."""
-        return {u.name: u.master.detach() for u in self.dp.units}
+        """This rank's fp32 masters (full or ZeRO shard) by unit name, and its trained
+        buffers (MoE balancing biases) under `buffer/<name>`."""
+        state = {u.name: u.master.detach() for u in self.dp.units}
+        state.update({f"{BUFFER}{n}": b.detach() for n, b in self.extra_state.items()})
+        return state
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -292,6 +311,10 @@ class Engine:
             if unit.name not in state:
                 raise KeyError(f"the state lacks unit {unit.name!r}")
             unit.master.copy_(state[unit.name])
+        for name, buf in self.extra_state.items():
+            if f"{BUFFER}{name}" not in state:
+                raise KeyError(f"the state lacks buffer {name!r}")
+            buf.copy_(state[f"{BUFFER}{name}"])
         self.update_params()
 
     def gather_full(self, locals_: list[torch.Tensor | None]) -> dict[str, torch.Tensor]:
@@ -351,6 +374,17 @@ class Engine:
             meta, pp_rank, self.grid.pp.size, self.plan.virtual_stages, self.layers_per_stage
         )
         return [(n, p.shape) for n, p in stage_parameters(stages).items()]
+
+
+def persistent_buffers(stages: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
+    """Persistent buffers of the stages by single-model name (the trained ones: MoE biases)."""
+    out = {}
+    for stage in stages:
+        for module_name, module in stage.named_modules():
+            for name, buf in module.named_buffers(recurse=False):
+                if buf is not None and name not in module._non_persistent_buffers_set:
+                    out[f"{module_name}.{name}" if module_name else name] = buf
+    return out
 
 
 def _check_plan(plan: ParallelPlan, grid: RankGrid) -> None:

@@ -47,6 +47,15 @@ class TrainConfig:
     intermediate_size: int | None = None
     num_heads: int | None = None
     num_kv_heads: int | None = None
+    vocab_size: int | None = None
+    # mixture of experts (a MoE preset or --init-from model; llmopt.models.moe.MoEConfig)
+    num_experts: int | None = None  # shape overrides of a MoE preset
+    expert_ffn_hidden: int | None = None
+    moe_top_k: int | None = None  # experts per token
+    moe_aux_loss_coef: float | None = None  # Switch load-balancing loss weight
+    moe_z_loss_coef: float | None = None  # router z-loss weight
+    moe_capacity_factor: float | None = None  # None: dropless
+    moe_bias_update_rate: float | None = None  # aux-loss-free balancing (expert_bias models)
     # data
     tokenizer: str | None = None  # None: the model's own (init_from, else the preset's)
     corpus: str = "corpus:web-bible"  # corpus:NAME, a text file, or random (synthetic tokens)
@@ -120,10 +129,9 @@ class TrainConfig:
         if self.dp != -1 and self.dp < 1:
             raise TrainConfigError(f"dp={self.dp} must be positive (or -1: the rest of the world)")
         for name in ("cp", "ep"):
-            if getattr(self, name) != 1:
-                raise TrainConfigError(
-                    f"{name}={getattr(self, name)!r}: the trainer runs {name}=1 only"
-                )
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise TrainConfigError(f"{name}={value!r} must be a positive integer")
         if self.num_microbatches is not None and (
             not isinstance(self.num_microbatches, int) or self.num_microbatches < 1
         ):

@@ -13,7 +13,14 @@ from typing import Any
 from llmopt.train.config import TrainConfigError
 
 # TrainConfig's shape flags (all ModelConfig fields of the same name).
-SHAPE_FLAGS = ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads")
+SHAPE_FLAGS = (
+    "num_layers",
+    "hidden_size",
+    "intermediate_size",
+    "num_heads",
+    "num_kv_heads",
+    "vocab_size",
+)
 # ModelConfig fields a checkpoint's tensors (and their meaning) do not depend on: every other
 # field must agree on resume (max_seq_len only sizes the recomputed RoPE tables).
 NOT_SHAPE = ("name", "max_seq_len", "extra", "bos_token_id", "eos_token_id", "eos_token_ids")

@@ -32,7 +32,9 @@ import torch.distributed as dist
 
 from llmopt.jsonout import dumps
 from llmopt.models.config import ModelConfig
+from llmopt.models.experts import set_routing
 from llmopt.models.llama import Transformer, build_model
+from llmopt.models.moe import MoEConfigError
 from llmopt.models.presets import get_preset
 from llmopt.parallel.comm import CommCounter
 from llmopt.parallel.engine import DTYPES, Engine, Objective, parallelize
@@ -48,7 +50,7 @@ from llmopt.train.finetune_data import build_data, own_tokenizer
 from llmopt.train.nonfinite import NonFiniteGuard
 from llmopt.train.reporting import Progress, Reporter, plot_losses
 from llmopt.train.rundir import prepare_run_dir
-from llmopt.train.shapes import check_shape_flags
+from llmopt.train.shapes import SHAPE_FLAGS, check_shape_flags
 
 FAULT_ENV = "LLMOPT_FAULT"  # "kind:rank:step", kind in raise|kill|kill-in-save (tests)
 
@@ -73,15 +75,39 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
 
 
+# TrainConfig field -> MoEConfig field (the `moe_` prefix keeps the flags unambiguous)
+MOE_FIELDS = {
+    "num_experts": "num_experts",
+    "expert_ffn_hidden": "expert_ffn_hidden",
+    "moe_top_k": "top_k",
+    "moe_aux_loss_coef": "aux_loss_coef",
+    "moe_z_loss_coef": "z_loss_coef",
+    "moe_capacity_factor": "capacity_factor",
+    "moe_bias_update_rate": "bias_update_rate",
+}
+
+
+def with_moe_overrides(config: ModelConfig, cfg: TrainConfig) -> ModelConfig:
+    """`config` with the run's MoE overrides (none: unchanged); refused for a dense model."""
+    changes = {f: getattr(cfg, k) for k, f in MOE_FIELDS.items() if getattr(cfg, k) is not None}
+    if not changes:
+        return config
+    if config.moe is None:
+        given = ", ".join(
+            "--" + k.replace("_", "-") for k in MOE_FIELDS if getattr(cfg, k) is not None
+        )
+        raise TrainConfigError(f"{given}: model {config.name!r} has no experts (dense)")
+    try:
+        return config.replace(moe=dataclasses.replace(config.moe, **changes))
+    except MoEConfigError as exc:
+        raise TrainConfigError(str(exc)) from None
+
+
 def model_config(cfg: TrainConfig) -> ModelConfig:
     base = get_preset(cfg.model)
-    changes = {
-        name: getattr(cfg, name)
-        for name in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads")
-        if getattr(cfg, name) is not None
-    }
+    changes = {name: getattr(cfg, name) for name in SHAPE_FLAGS if getattr(cfg, name) is not None}
     changes["max_seq_len"] = max(base.max_seq_len, cfg.seq_len)
-    return base.replace(**changes)
+    return with_moe_overrides(base.replace(**changes), cfg)
 
 
 def build_initial_model(cfg: TrainConfig, device: torch.device) -> Transformer:
@@ -90,6 +116,7 @@ def build_initial_model(cfg: TrainConfig, device: torch.device) -> Transformer:
 
         model = load_model(cfg.init_from, dtype=torch.float32, device=device)
         check_shape_flags(cfg.to_dict(), model.config.to_dict(), cfg.init_from)
+        set_routing(model, with_moe_overrides(model.config, cfg))
         if cfg.seq_len > model.config.max_seq_len:
             raise TrainConfigError(
                 f"seq_len={cfg.seq_len} exceeds the model context {model.config.max_seq_len}"
@@ -287,6 +314,7 @@ def _train(
                 "comm": comm,
                 **({"skipped": "non-finite loss or gradient norm"} if stepped.skipped else {}),
                 **stepped.metrics,
+                **stepped.routing,  # MoE: aux/z losses, imbalance, dropped, tokens per expert
             }
             result.losses.append(loss_value)
             result.steps.append(record)

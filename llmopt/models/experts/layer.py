@@ -15,7 +15,8 @@ all-to-all over the expert-parallel ranks) and keeps only the local experts, and
 losses need are global (`llmopt.models.experts.losses`).
 
 Routing statistics (assignments per expert before drops, dropped assignments, the losses)
-accumulate over forwards until `take_stats()`; recomputation in backward is not counted.
+of training forwards (grad enabled) accumulate until `take_stats()`; evaluation, inference
+and recomputation in backward are not counted.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ class MoE(nn.Module):
         held, held_counts, state = self.exchange.dispatch(x[tokens], counts)
         y = self.exchange.combine(self.experts(held, held_counts), state)
         weights = routing.weights.reshape(-1)[order].unsqueeze(-1)
-        if not _recomputing():
+        if torch.is_grad_enabled() and not _recomputing():
             stats = self._current_stats(x.device)
             stats["routed"] += expert_counts(routing, e)
             stats["dropped"] += routing.ids.numel() - len(order)
@@ -185,3 +186,20 @@ def feed_forward(config: ModelConfig, layer_idx: int) -> nn.Module:
             f"with experts needs one of {', '.join(moe_archs)}"
         )
     return MoE(config, layer_idx)
+
+
+def set_routing(model: nn.Module, config: ModelConfig) -> None:
+    """Give a built model `config`'s routing settings (losses, capacity, bias rate): the same
+    experts, so only the MoEConfig changes; shapes must agree."""
+    old = model.config.moe
+    if old is None or config.moe == old:
+        model.config = config
+        return
+    shape = ("num_experts", "expert_ffn_hidden", "moe_layers", "shared_experts", "expert_bias")
+    changed = [f for f in shape if getattr(old, f) != getattr(config.moe, f)]
+    if changed:
+        raise ConfigError(f"MoE fields {changed} change the model's experts: build a new model")
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.moe = module.gate.moe = config.moe
+    model.config = config
