@@ -5,6 +5,7 @@ It is pure data (no torch), so `llmopt plan` can build and print plans without i
 engine. One name per concept everywhere (planner, engine, trainer, CLI flags, TOML/JSON):
 
     tp, pp, dp, cp, ep          parallel degrees (Megatron rank order: tp, cp, ep, dp, pp)
+    expert_tp                   TP degree of the routed experts: 1 or tp (unset: tp)
     sequence_parallel           Megatron-style SP over the TP group (needs tp > 1)
     zero_stage                  0 (DDP), 1 (optimizer states), 2 (+ gradients), 3 (+ parameters)
     micro_batch                 sequences per forward/backward on one DP rank
@@ -80,6 +81,7 @@ class ParallelPlan:
     precision: Precision = "bf16"
     fp8_recipe: str = "current"
     reduce_dtype: str = "fp32"
+    expert_tp: int | None = None
 
     def __post_init__(self) -> None:
         for name in (*DEGREES, "micro_batch", "num_microbatches", "virtual_stages"):
@@ -112,6 +114,16 @@ class ParallelPlan:
             )
         if self.sequence_parallel and self.tp == 1:
             raise PlanError("sequence_parallel=true needs tp>1 (it splits activations over TP)")
+        if self.expert_tp is not None:
+            _positive_int("expert_tp", self.expert_tp)
+            object.__setattr__(self, "expert_tp", int(self.expert_tp))
+            if self.expert_tp not in (1, self.tp):
+                raise PlanError(f"expert_tp={self.expert_tp} must be 1 or tp={self.tp}")
+
+    @property
+    def resolved_expert_tp(self) -> int:
+        """The experts' TP degree: expert_tp, or tp when unset (Megatron's default)."""
+        return self.tp if self.expert_tp is None else self.expert_tp
 
     # ---- derived ----
     @property
@@ -127,6 +139,8 @@ class ParallelPlan:
     def short(self) -> str:
         parts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}"]
         parts += [f"{n}={getattr(self, n)}" for n in ("cp", "ep") if getattr(self, n) > 1]
+        if self.expert_tp is not None and self.ep > 1:
+            parts.append(f"expert_tp={self.expert_tp}")
         return ",".join(parts)
 
     def check_batch(self, global_batch: int) -> None:
@@ -166,7 +180,8 @@ class ParallelPlan:
     def to_toml(self, table: str = "parallel") -> str:
         lines = [f"[{table}]"]
         for key, value in self.to_dict().items():
-            lines.append(f"{key} = {_toml_value(value)}")
+            if value is not None:  # unset (expert_tp): TOML has no null
+                lines.append(f"{key} = {_toml_value(value)}")
         return "\n".join(lines) + "\n"
 
     @classmethod

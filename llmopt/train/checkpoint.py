@@ -212,7 +212,11 @@ def _save_shard(partial: Path, engine: Engine, optimizer: AdamW, grid: RankGrid)
     tensors["rng/cpu"] = torch.get_rng_state()
     if torch.cuda.is_available():
         tensors["rng/cuda"] = torch.cuda.get_rng_state()
-    meta = {"param_groups": json.dumps(state["param_groups"]), "rank": str(grid.rank)}
+    meta = {
+        "param_groups": json.dumps(state["param_groups"]),
+        "rank": str(grid.rank),
+        "units": json.dumps(engine.units_layout()),
+    }
     name = f"rank{grid.rank:05d}.safetensors"
     atomic_write(partial / name, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
 
@@ -314,14 +318,19 @@ def load_checkpoint(
     if not file.is_file():
         raise FileNotFoundError(f"checkpoint shard missing: {file}")
     verify_files(path, manifest, [file.name])
-    tensors = load_file(str(file))
-    engine.load_state_dict(
-        {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("master/")}
-    )
     from safetensors import safe_open
 
     with safe_open(str(file), framework="pt") as handle:
         meta = handle.metadata()
+    if "units" in meta and json.loads(meta["units"]) != engine.units_layout():
+        raise ValueError(
+            f"{file} holds units {json.loads(meta['units'])}, this rank has "
+            f"{engine.units_layout()}: the checkpoint is of another model split"
+        )
+    tensors = load_file(str(file))
+    engine.load_state_dict(
+        {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("master/")}
+    )
     state: dict[str, Any] = {"state": {}, "param_groups": json.loads(meta["param_groups"])}
     for key, value in tensors.items():
         if key.startswith("optim/"):

@@ -56,6 +56,22 @@ class LocalExchange:
         return y
 
 
+class AllTokens:
+    """Every token of the forward is routed here (no rank splits the tokens)."""
+
+    def scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, H] -> the rows this rank routes."""
+        return x
+
+    def gather(self, y: torch.Tensor) -> torch.Tensor:
+        """The routed rows' outputs -> the block's output layout."""
+        return y
+
+    def shared(self, x: torch.Tensor, mlp: nn.Module) -> torch.Tensor:
+        """The shared experts on x, in the block's output layout."""
+        return mlp(x)
+
+
 def _recomputing() -> bool:
     """Inside backward (activation recomputation): the forward already counted."""
     return torch._C._current_graph_task_id() != -1
@@ -81,6 +97,7 @@ class MoE(nn.Module):
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
         # set by the parallelisms (llmopt.parallel), defaults for one process
         self.exchange = LocalExchange()
+        self.tokens = AllTokens()
         self.token_group: Callable[[torch.Tensor], None] | None = None  # in-place sum
         self.aux_scale = 1.0  # the losses' gradient (the trainer: 1 / micro-batches)
         self.aux_replicas = 1  # ranks computing the same losses (TP): each enters 1/this
@@ -89,14 +106,18 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        routing = self.gate(flat)
-        out = self._routed(flat, routing)
+        local = self.tokens.scatter(flat)
+        routing = self.gate(local)
+        out = self.tokens.gather(self._routed(local, routing))
         if hasattr(self, "shared_experts"):
-            shared = self.shared_experts(flat)
-            if hasattr(self, "shared_expert_gate"):
-                shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
-            out = out + shared
+            out = out + self.tokens.shared(flat, self._shared)
         return self._with_losses(out.view(shape), routing)
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        shared = self.shared_experts(x)
+        if hasattr(self, "shared_expert_gate"):
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return shared
 
     def _routed(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         e, k = self.num_experts, routing.ids.shape[1]
