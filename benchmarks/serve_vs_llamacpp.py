@@ -1,30 +1,49 @@
-"""Serving race on loopback: `llmopt serve` vs `llama_cpp.server`, same GGUF, threads, requests.
+"""Serving race on loopback: `llmopt serve` vs llama.cpp's C++ `llama-server`, same GGUF.
 
-Both servers are started here, on free loopback ports, with the same thread count (llmopt:
-OMP_NUM_THREADS / torch threads; llama.cpp: --n_threads and --n_threads_batch), and both stay up
-for the whole run. Each concurrency level is then driven by `llmopt.serve.bench` (the engine of
-`llmopt bench serve`) against one server and then the other, alternating which goes first, so
-drifting load on a shared machine hits both alike. Same prompts, same max_tokens, greedy,
-bounded by --requests and --time-limit per level. One warm-up request per server first.
+What users deploy is `llama-server` (parallel slots, continuous batching), so that is the
+anchor, started with `-np STREAMS` slots, `-t/-tb THREADS`, and `--no-repack` (llama.cpp's
+AMX/repacked path dies with SIGILL on the development VMs). `llmopt serve` gets the same GGUF
+(its weights as the file has them), `--threads THREADS` and `--max-num-seqs STREAMS`.
 
-    python benchmarks/serve_vs_llamacpp.py --threads 2 --concurrency 1,4,16 --requests 16 \\
-        --out runs/serve_vs_llamacpp.json
+Build llama-server from the llama.cpp sources that the llama-cpp-python 0.3.36 sdist vendors
+(never in CI, ~11 min on 2 cores), then pass its path with --llama-server:
 
-Writes the JSON report and a PNG (tokens/s and TTFT p50 against concurrency, both servers).
+    pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 && tar xzf llama_cpp_python-0.3.36.tar.gz
+    cd llama_cpp_python-0.3.36/vendor/llama.cpp
+    cmake -B build -DLLAMA_BUILD_SERVER=ON -DLLAMA_CURL=OFF && cmake --build build --target llama-server -j2
+
+Method: for each thread count both servers are started (on one core with --threads 1: both
+pinned to core 0, the load generator to core 1), then for each round and each stream count
+both are driven by `llmopt.serve.bench` (same prompts from benchmarks/data/race_prompts.txt,
+greedy, --max-tokens each, EOS ignored), alternating which goes first. Figures are medians
+over the rounds. Achieved weight bandwidth is tokens/s x bytes read per token (1 stream) and
+decode steps/s x bytes per step (16 streams), beside the machine's measured copy bandwidth.
+
+    python benchmarks/serve_vs_llamacpp.py --llama-server PATH/llama-server --threads 1,2 \\
+        --streams 1,16 --rounds 3 --out runs/serve_vs_llamacpp.json
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import socket
+import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from _report import run_info, save_figure, table, write_report
+
+PROMPTS = Path(__file__).with_name("data") / "race_prompts.txt"
+SERVERS = ("llmopt", "llama-server")
+
+
+def read_prompts(path: Path = PROMPTS) -> list[str]:
+    lines = path.read_text().splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
 
 
 def free_port() -> int:
@@ -33,10 +52,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(name: str, argv: list[str], threads: int, log: Path) -> subprocess.Popen:
+def pinned(argv: list[str], cores: str | None) -> list[str]:
+    return ["taskset", "-c", cores, *argv] if cores and shutil.which("taskset") else argv
+
+
+def start_server(argv: list[str], threads: int, log: Path) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    out = log.open("w")
-    return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+    return subprocess.Popen(argv, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
 def wait_ready(name: str, proc: subprocess.Popen, url: str, log: Path, timeout: float) -> None:
@@ -46,8 +68,8 @@ def wait_ready(name: str, proc: subprocess.Popen, url: str, log: Path, timeout: 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
-            raise SystemExit(f"{name} exited with {proc.returncode} before serving: {tail[0]}")
+            tail = log.read_text(errors="replace").strip().splitlines()[-3:] or ["(no output)"]
+            raise SystemExit(f"{name} exited with {proc.returncode} before serving: {tail}")
         try:
             if httpx.get(url + "/v1/models", timeout=5).status_code == 200:
                 return
@@ -67,44 +89,107 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def llamacpp_settings(gguf: Path, threads: int, n_ctx: int, port: int, extra: bool) -> list[str]:
-    """llama_cpp.server's command line. Its app serialises completions behind one lock on a
-    single `Llama` (llama-cpp-python's server has no parallel slots), so concurrent requests
-    queue; `interrupt_requests` (default True) would end a running stream whenever another
-    request arrives, so it is turned off: every request runs to max_tokens. Started through
-    _llamacpp.py, which turns llama.cpp's extra buffer types (AMX, repacking) off unless
-    `extra`: AMX faults on the development VM."""
-    return [
-        sys.executable, str(Path(__file__).with_name("_llamacpp.py")),
-        *(["--extra-bufts"] if extra else []), "--",
-        "--model", str(gguf), "--model_alias", "smollm2-135m",
-        "--host", "127.0.0.1", "--port", str(port),
-        "--n_ctx", str(n_ctx), "--n_batch", "512",
-        "--n_threads", str(threads), "--n_threads_batch", str(threads),
-        "--interrupt_requests", "False",
-    ]  # fmt: skip
+def commands(args, gguf: Path, threads: int, ports: dict[str, int]) -> dict[str, list[str]]:
+    slots = max(args.streams)
+    ctx = slots * args.ctx_per_slot
+    return {
+        "llmopt": [
+            "llmopt", "serve", "--model", args.model, "--served-model-name", "race",
+            "--port", str(ports["llmopt"]), "--threads", str(threads),
+            "--max-num-seqs", str(slots),
+        ],
+        "llama-server": [
+            args.llama_server, "-m", str(gguf), "-a", "race", "--host", "127.0.0.1",
+            "--port", str(ports["llama-server"]), "-np", str(slots), "-c", str(ctx),
+            "-t", str(threads), "-tb", str(threads), "--no-repack", "--no-webui",
+        ],
+    }  # fmt: skip
 
 
-def llmopt_settings(model: str, port: int, max_seqs: int) -> list[str]:
-    return [
-        sys.executable, "-m", "llmopt", "serve", "--model", model,
-        "--served-model-name", "smollm2-135m", "--port", str(port),
-        "--max-num-seqs", str(max_seqs),
-    ]  # fmt: skip
+def bytes_per_step(model_name: str) -> int:
+    """Weight bytes one decode step reads in `llmopt serve` (the fused layout of the GGUF)."""
+    from llmopt.infer.fast import weight_bytes_for
+    from llmopt.models.loading import load_model
+
+    return weight_bytes_for(load_model(model_name, dtype="auto"))
 
 
-def plot(rows: list[dict], path: Path, title: str) -> None:
+def race(args, threads: int, prompts: list[str], console) -> list[dict[str, Any]]:
+    from llmopt.models.registry import resolve
+    from llmopt.serve.bench import run_bench
+
+    gguf = resolve(args.model)
+    ports = {name: free_port() for name in SERVERS}
+    urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
+    argv = commands(args, gguf, threads, ports)
+    server_cores, client_cores = ("0", "1") if threads == 1 and os.cpu_count() > 1 else (None, None)
+    logs = {k: args.out.with_name(f"{args.out.stem}.t{threads}.{k}.log") for k in SERVERS}
+    procs = {k: start_server(pinned(argv[k], server_cores), threads, logs[k]) for k in SERVERS}
+    if client_cores:
+        os.sched_setaffinity(0, {int(client_cores)})
+    rows = []
+    try:
+        for k in SERVERS:
+            wait_ready(k, procs[k], urls[k], logs[k], args.startup_timeout)
+            run_bench(urls[k], [1], 2, 60.0, prompts=prompts, max_tokens=4)  # warm-up
+        for rnd in range(args.rounds):
+            for i, streams in enumerate(args.streams):
+                order = SERVERS if (rnd + i) % 2 == 0 else SERVERS[::-1]
+                for k in order:
+                    requests = max(args.requests_per_stream * streams, args.min_requests)
+                    report = run_bench(
+                        urls[k], [streams], requests, args.time_limit,
+                        prompts=prompts, max_tokens=args.max_tokens,
+                    )  # fmt: skip
+                    row = {"server": k, "threads": threads, "round": rnd, **report["levels"][0]}
+                    rows.append(row)
+                    console.print(
+                        f"t{threads} round {rnd} {k:13s} {streams:2d} streams: "
+                        f"{row['output_tokens_per_s']:.1f} tok/s, TTFT p50 "
+                        f"{(row['ttft_p50_s'] or 0) * 1000:.0f} ms, errors {row['errors']}"
+                    )
+    finally:
+        for proc in procs.values():
+            stop(proc)
+        os.sched_setaffinity(0, set(range(os.cpu_count())))
+    return rows
+
+
+def medians(rows: list[dict]) -> list[dict]:
+    out = []
+    keys = sorted({(r["threads"], r["concurrency"], r["server"]) for r in rows})
+    for threads, streams, server in keys:
+        mine = [r for r in rows if (r["threads"], r["concurrency"], r["server"]) == (threads, streams, server)]  # fmt: skip
+        med = {
+            k: statistics.median([r[k] for r in mine if r[k] is not None] or [0.0])
+            for k in ("output_tokens_per_s", "ttft_p50_s", "itl_p50_s", "tpot_mean_s")
+        }
+        out.append({"threads": threads, "streams": streams, "server": server, "rounds": len(mine),
+                    "errors": sum(r["errors"] for r in mine), **med})  # fmt: skip
+    for r in out:
+        ref = next(x for x in out if x["server"] == "llama-server" and
+                   (x["threads"], x["streams"]) == (r["threads"], r["streams"]))  # fmt: skip
+        r["tok_s_vs_llama_server"] = r["output_tokens_per_s"] / ref["output_tokens_per_s"]
+        r["ttft_vs_llama_server"] = (
+            r["ttft_p50_s"] / ref["ttft_p50_s"] if ref["ttft_p50_s"] else None
+        )
+    return out
+
+
+def plot(summary: list[dict], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    for server in ("llmopt", "llama.cpp"):
-        mine = [r for r in rows if r["server"] == server]
-        conc = [r["concurrency"] for r in mine]
-        a.plot(conc, [r["output_tokens_per_s"] for r in mine], marker="o", label=server)
-        b.plot(conc, [(r["ttft_p50_s"] or 0) * 1000 for r in mine], marker="o", label=server)
+    for server in SERVERS:
+        for threads in sorted({r["threads"] for r in summary}):
+            mine = [r for r in summary if r["server"] == server and r["threads"] == threads]
+            x = [r["streams"] for r in mine]
+            label = f"{server} t{threads}"
+            a.plot(x, [r["output_tokens_per_s"] for r in mine], marker="o", label=label)
+            b.plot(x, [r["ttft_p50_s"] * 1000 for r in mine], marker="o", label=label)
     a.set(xscale="log", xlabel="concurrent streams", ylabel="output tokens/s", title="throughput")
     b.set(xscale="log", yscale="log", xlabel="concurrent streams", ylabel="ms", title="TTFT p50")
     a.legend()
@@ -116,103 +201,99 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--llama-server", default=shutil.which("llama-server"),
+                        help="path of the llama-server binary (see the module docstring)")  # fmt: skip
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--concurrency", default="1,4,16")
-    parser.add_argument("--requests", type=int, default=16, help="requests per level and server")
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--streams", default="1,16")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--time-limit", type=float, default=120.0, help="seconds per level")
-    parser.add_argument("--n-ctx", type=int, default=2048, help="llama.cpp context")
+    parser.add_argument("--requests-per-stream", type=int, default=2)
+    parser.add_argument("--min-requests", type=int, default=8)
+    parser.add_argument("--ctx-per-slot", type=int, default=512)
+    parser.add_argument("--time-limit", type=float, default=180.0, help="seconds per level")
     parser.add_argument("--startup-timeout", type=float, default=300.0)
-    parser.add_argument(
-        "--llamacpp-extra-bufts", action="store_true", help="let llama.cpp use AMX/repacking"
-    )
     parser.add_argument("--out", type=Path, default=Path("runs/serve_vs_llamacpp.json"))
     args = parser.parse_args()
     try:
-        levels = [int(c) for c in args.concurrency.split(",")]
+        args.threads = [int(t) for t in args.threads.split(",")]
+        args.streams = [int(s) for s in args.streams.split(",")]
     except ValueError:
-        parser.error(f"--concurrency {args.concurrency!r} must be comma-separated integers")
-    if args.threads < 1 or args.requests < 1 or args.max_tokens < 1 or min(levels) < 1:
-        parser.error("--threads, --requests, --max-tokens and every level must be >= 1")
-    from _llamacpp import require_llama_cpp
-
-    require_llama_cpp("llama_cpp.server")
+        parser.error("--threads and --streams are comma-separated integers")
+    if not args.llama_server or not Path(args.llama_server).is_file():
+        parser.error(f"--llama-server {args.llama_server!r} is not a file; build it (see --help)")
+    if min(args.threads + args.streams) < 1 or args.rounds < 1 or args.max_tokens < 1:
+        parser.error("--threads, --streams, --rounds and --max-tokens must be >= 1")
     from rich.console import Console
 
-    from llmopt.models.registry import resolve
-    from llmopt.serve.bench import run_bench
-    from llmopt.serve.bench_cli import DEFAULT_PROMPTS
+    from llmopt.profile.peaks import measure_peaks
 
     console = Console()
-    gguf = resolve(args.model)
-    ports = {"llmopt": free_port(), "llama.cpp": free_port()}
-    urls = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
-    argv = {
-        "llmopt": llmopt_settings(args.model, ports["llmopt"], max(levels)),
-        "llama.cpp": llamacpp_settings(
-            gguf, args.threads, args.n_ctx, ports["llama.cpp"], args.llamacpp_extra_bufts
-        ),
-    }
-    logs = {k: args.out.with_name(f"{args.out.stem}.{k.replace('.', '')}.log") for k in argv}
+    prompts = read_prompts()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    procs = {k: start_server(k, argv[k], args.threads, logs[k]) for k in argv}
-    rows: list[dict[str, Any]] = []
     load_before = os.getloadavg()
-    try:
-        for k in procs:
-            wait_ready(k, procs[k], urls[k], logs[k], args.startup_timeout)
-            run_bench(urls[k], [1], 1, 60.0, prompts=list(DEFAULT_PROMPTS), max_tokens=4)
-        for i, c in enumerate(levels):
-            order = ["llmopt", "llama.cpp"][:: 1 if i % 2 == 0 else -1]
-            for k in order:
-                console.print(f"{k}: {c} concurrent streams")
-                report = run_bench(
-                    urls[k], [c], args.requests, args.time_limit,
-                    prompts=list(DEFAULT_PROMPTS), max_tokens=args.max_tokens,
-                )  # fmt: skip
-                rows.append({"server": k, **report["levels"][0]})
-    finally:
-        for proc in procs.values():
-            stop(proc)
+    peaks = {t: _peak_bandwidth(t, measure_peaks) for t in args.threads}
+    rows = []
+    for threads in args.threads:
+        rows += race(args, threads, prompts, console)
     load_after = os.getloadavg()
-    for r in rows:
-        ref = next(x for x in rows if x["server"] == "llama.cpp" and x["concurrency"] == r["concurrency"])  # fmt: skip
-        r["tokens_per_s_vs_llamacpp"] = r["output_tokens_per_s"] / ref["output_tokens_per_s"]
-        ttft, ref_ttft = r["ttft_p50_s"], ref["ttft_p50_s"]
-        r["ttft_p50_vs_llamacpp"] = ttft / ref_ttft if ttft and ref_ttft else None
-
-    def ms(v: float | None) -> str:
-        return "-" if v is None else f"{v * 1000:.0f}"
-
-    title = (
-        f"{args.model}: llmopt serve vs llama_cpp.server, {args.threads} threads, "
-        f"{args.max_tokens} tokens/request"
-    )
-    columns = ["streams", "server", "reqs", "err", "tokens", "out tok/s", "TTFT p50 ms",
-               "ITL p50 ms", "TPOT ms", "tok/s vs llama.cpp", "TTFT vs llama.cpp"]  # fmt: skip
+    summary = medians(rows)
+    step_bytes = bytes_per_step(args.model)
+    for r in summary:
+        if r["server"] == "llmopt":
+            steps_per_s = r["output_tokens_per_s"] / r["streams"]  # every stream decodes each step
+            r["weight_GB_per_s"] = steps_per_s * step_bytes / 1e9
+            r["copy_GB_per_s"] = peaks[r["threads"]] / 1e9
+    title = f"{args.model}: llmopt serve vs llama-server, {args.max_tokens} tokens/request"
+    columns = ["threads", "streams", "server", "rounds", "err", "out tok/s", "TTFT p50 ms",
+               "ITL p50 ms", "tok/s vs llama-server", "TTFT vs llama-server", "weights GB/s",
+               "copy GB/s"]  # fmt: skip
     cells = [
-        [str(r[k]) for k in ("concurrency", "server", "requests", "errors", "output_tokens")]
-        + [f"{r['output_tokens_per_s']:.1f}"]
-        + [ms(r[k]) for k in ("ttft_p50_s", "itl_p50_s", "tpot_mean_s")]
-        + [f"{r['tokens_per_s_vs_llamacpp']:.2f}x"]
-        + [f"{r['ttft_p50_vs_llamacpp']:.2f}x" if r["ttft_p50_vs_llamacpp"] else "-"]
-        for r in rows
+        [
+            str(r["threads"]),
+            str(r["streams"]),
+            r["server"],
+            str(r["rounds"]),
+            str(r["errors"]),
+            f"{r['output_tokens_per_s']:.1f}",
+            f"{r['ttft_p50_s'] * 1000:.0f}",
+            f"{r['itl_p50_s'] * 1000:.1f}",
+            f"{r['tok_s_vs_llama_server']:.2f}x",
+            f"{r['ttft_vs_llama_server']:.2f}x" if r["ttft_vs_llama_server"] else "-",
+            f"{r['weight_GB_per_s']:.1f}" if "weight_GB_per_s" in r else "-",
+            f"{r['copy_GB_per_s']:.1f}" if "copy_GB_per_s" in r else "-",
+        ]  # fmt: skip
+        for r in summary
     ]
     console.print(table(title, columns, cells))
     console.print(f"load average before {load_before}, after {load_after}")
     payload = {
         "run": run_info(),
         "args": {k: str(v) for k, v in vars(args).items()},
-        "gguf": gguf.name,
-        "commands": {k: " ".join(v) for k, v in argv.items()},
+        "commands": {
+            t: commands(args, Path("GGUF"), t, {k: 0 for k in SERVERS}) for t in args.threads
+        },
+        "weight_bytes_per_step": step_bytes,
+        "copy_bytes_per_s": peaks,
         "load_average_before": load_before,
         "load_average_after": load_after,
-        "levels": rows,
+        "summary": summary,
+        "rounds": rows,
     }
     write_report(console, args.out, payload)
-    plot(rows, args.out.with_suffix(".png"), title)
+    plot(summary, args.out.with_suffix(".png"), title)
     return 0
+
+
+def _peak_bandwidth(threads: int, measure) -> float:
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return measure("cpu", copy_mib=256).bytes_per_s
+    finally:
+        torch.set_num_threads(before)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,9 @@ is swept by the next write of the same path.
 given it (0666 minus the umask), so others can read what llmopt writes where the umask allows.
 
 Whole directories (a quantized or pruned model, an export) are built in a temporary sibling
-and swapped into place by `atomic_directory`: the previous directory stays intact until the new
-one is complete. `check_distinct` refuses an output that is, contains or lies in the input.
+and swapped into place by `replace_directory` (`llmopt.output_dir` decides what an output
+directory may replace): the previous directory stays intact until the new one is complete.
+`check_distinct` refuses an output that is, contains or lies in the input.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ import socket
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from llmopt.errors import LlmoptError
 
 _UMASK_LOCK = threading.Lock()
 
@@ -75,7 +77,7 @@ def atomic_save_figure(fig: Any, path: str | Path, dpi: int = 110) -> None:
 # ---- whole directories (quantize, prune, export, distill outputs) ----
 
 
-class OutputPathError(ValueError):
+class OutputPathError(LlmoptError, ValueError):
     """An output path that would overwrite, contain or sit inside the input, or hold other data."""
 
 
@@ -167,33 +169,3 @@ def replace_directory(staging: Path, out: Path) -> None:
     os.replace(out, aside)
     os.replace(staging, out)
     shutil.rmtree(aside, ignore_errors=True)
-
-
-@contextmanager
-def atomic_directory(out: str | Path, marker: str | None = None) -> Iterator[Path]:
-    """A temporary sibling of `out` to fill; when the block succeeds it replaces `out` whole.
-
-    Until then an existing `out` is untouched (an interrupt, exception or kill leaves it as it
-    was; the temporary is removed, or swept by the next writer of `out` when the process was
-    killed). `marker`: an existing non-empty `out` without that file is not an output of this
-    kind and is refused rather than replaced (it may be the user's data)."""
-    out = Path(out).expanduser()
-    if out.exists() and not out.is_dir():
-        raise OutputPathError(f"output {out} exists and is not a directory")
-    if marker is not None and out.is_dir() and any(out.iterdir()) and not (out / marker).exists():
-        raise OutputPathError(
-            f"output {out} exists and is not an earlier output of this kind (no {marker}); "
-            "choose a new or empty directory"
-        )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    clean_stale(out)
-    staging = Path(
-        tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.{_owner_tag()}.", suffix=".tmp")
-    )
-    try:
-        os.chmod(staging, 0o777 & ~_current_umask())  # mkdtemp's 0700 is for staging only
-        yield staging
-        replace_directory(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise

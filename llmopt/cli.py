@@ -11,7 +11,9 @@ import argparse
 import importlib
 import os
 import sys
-from typing import Any
+from typing import Any, NoReturn
+
+from llmopt.errors import LlmoptError
 
 # name -> (module with `register(subparsers)`, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -44,21 +46,88 @@ OUTPUTS: dict[str, tuple[tuple[str, str], ...]] = {
     "plan": (("emit", "file"), ("plot", "file")),
 }
 EXIT_USAGE = 2  # bad input: one line on stderr naming the value, the file or the path
+EXIT_BUG = 1  # an exception that is not an input error: a bug in llmopt, with its traceback
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), quietly
 EXIT_PIPE_CLOSED = 0  # the reader stopped early (`llmopt plan --json | head`): not a failure
 
 
-class CliError(Exception):
+class CliError(LlmoptError):
     """An error to print as one line (no traceback) with exit status 2."""
+
+
+# flags renamed to one vocabulary (vLLM's names, the model config's field names): the old name
+# is refused with one line naming the new one, rather than argparse's "unrecognized arguments"
+RENAMED_FLAGS: dict[str, dict[str, str]] = {
+    "plan": {
+        "--layers": "--num-layers",
+        "--hidden": "--hidden-size",
+        "--heads": "--num-heads",
+        "--kv-heads": "--num-kv-heads",
+        "--ffn": "--intermediate-size",
+        "--vocab": "--vocab-size",
+        "--mlp": "--activation",
+        "--sp": "--sequence-parallel",
+        "--zero": "--zero-stage",
+        "--microbatches": "--num-microbatches",
+    },
+    "serve": {
+        "--max-batched-tokens": "--max-num-batched-tokens",
+        "--no-prefix-caching": "--no-enable-prefix-caching",
+    },
+}
 
 
 class Parser(argparse.ArgumentParser):
     """argparse without prefix matching: `--gpus 8` must not silently mean `--gpus-per-node`.
-    Subparsers inherit the class, so every `llmopt` parser refuses abbreviations."""
+    Subparsers inherit the class, so every `llmopt` parser refuses abbreviations. The top
+    parser of a command (`command` set) reports what its subcommand left over in one line
+    named after the command (`llmopt serve: error: unrecognized arguments: --bogus`)."""
+
+    command: str | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("allow_abbrev", False)
+        kwargs["formatter_class"] = _showing_defaults(kwargs.get("formatter_class"))
         super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        if self.command is None:
+            super().error(message)
+        self.exit(EXIT_USAGE, f"llmopt {self.command}: error: {message}\n")
+
+
+class _DefaultsShown(argparse.HelpFormatter):
+    """Every flag's help ends with its default, unless the help already says it or the
+    default says nothing (None, False, a suppressed value)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        quiet = action.default in (None, False, argparse.SUPPRESS) or not action.option_strings
+        if quiet or "default" in text.lower() or text == argparse.SUPPRESS:
+            return text
+        shown = action.default
+        if isinstance(shown, (list, tuple)):
+            shown = ",".join(str(v) for v in shown)
+        return f"{text} (default: {str(shown).replace('%', '%%')})".strip()
+
+
+def _showing_defaults(formatter: type | None) -> type:
+    """`formatter` (argparse's plain one by default) with `_DefaultsShown`'s help strings: the
+    one place every `llmopt` parser and subparser gets its shown defaults from."""
+    base = formatter or argparse.HelpFormatter
+    if issubclass(base, _DefaultsShown):
+        return base
+    return type(f"Defaults{base.__name__}", (_DefaultsShown, base), {})
+
+
+def renamed_flag(command: str, argv: list[str]) -> str | None:
+    """The one-line refusal of a flag `command` renamed, if argv uses one."""
+    renamed = RENAMED_FLAGS.get(command, {})
+    for token in argv:
+        old = token.split("=", 1)[0]
+        if old in renamed:
+            return f"{old} was renamed {renamed[old]} (one flag vocabulary across commands)"
+    return None
 
 
 def _top_parser() -> argparse.ArgumentParser:
@@ -74,6 +143,7 @@ def _top_parser() -> argparse.ArgumentParser:
 
 def build_parser(command: str) -> argparse.ArgumentParser:
     parser = Parser(prog="llmopt")
+    parser.command = command
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     module = importlib.import_module(COMMANDS[command][0])
     module.register(sub)
@@ -88,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help()
             return 0 if argv else 2
         parser.error(f"unknown command {argv[0]!r}; choose from {', '.join(COMMANDS)}")
+    renamed = renamed_flag(argv[0], argv[1:])
+    if renamed is not None:
+        print(f"llmopt {argv[0]}: error: {renamed}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         args = build_parser(argv[0]).parse_args(argv)
         check_arguments(argv[0], args)
@@ -99,11 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         _silence_stdout()
         return EXIT_PIPE_CLOSED
     except Exception as exc:
-        message = error_message(exc)
-        if message is None:
-            raise
-        print(f"llmopt {argv[0]}: error: {message}", file=sys.stderr)
-        return EXIT_USAGE
+        return fail(argv[0], exc)
 
 
 def check_arguments(command: str, args: argparse.Namespace) -> None:
@@ -123,19 +193,47 @@ def check_arguments(command: str, args: argparse.Namespace) -> None:
 
 
 def error_message(exc: BaseException) -> str | None:
-    """The one line to print for an input error, or None for a bug (shown as a traceback)."""
-    if isinstance(exc, KeyError):  # a lookup's message, or a bare missing key
-        text = str(exc.args[0]) if exc.args else ""
-        return text if " " in text else f"missing key {text!r}"
-    if isinstance(exc, UnicodeDecodeError):
-        return f"input is not UTF-8 text ({exc.reason} at byte {exc.start})"
-    if isinstance(exc, OSError):
+    """The one line to print for an input error, or None for a bug (shown as a traceback).
+
+    Input errors are `LlmoptError`s (every error llmopt raises for bad input derives from it),
+    the operating system's refusals about a path (a missing file, no permission, a full disk),
+    and the errors of the libraries that parse a user's file for us (safetensors, jinja).
+    A `ValueError`, `KeyError` or `TypeError` from anywhere else is a bug, not bad input."""
+    if isinstance(exc, LlmoptError):
+        return " ".join(str(exc).split()) or type(exc).__name__
+    if isinstance(exc, OSError) and not isinstance(exc, (BrokenPipeError, ConnectionError)):
         if exc.filename is not None and exc.strerror:
             return f"{exc.filename}: {exc.strerror}"
-        return str(exc)
-    if isinstance(exc, (CliError, ValueError)) or _is_library_input_error(exc):
+        if exc.strerror or str(exc):
+            return " ".join((exc.strerror or str(exc)).split())
+        return None
+    if _is_library_input_error(exc):
         return " ".join(str(exc).split()) or type(exc).__name__
     return None
+
+
+def fail(command: str, exc: BaseException) -> int:
+    """Print `exc` as `llmopt COMMAND: error: ...` (input errors) or as a bug with its
+    traceback; the exit status. The torchrun workers of train and distill use it too."""
+    message = error_message(exc)
+    if message is None:
+        report_bug(command, exc)
+        return EXIT_BUG
+    print(f"llmopt {command}: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def report_bug(command: str, exc: BaseException) -> None:
+    """An exception no input check produced: the traceback, and where to report it."""
+    import traceback
+
+    traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+    print(
+        f"llmopt {command}: internal error: {type(exc).__name__} is a bug in llmopt, not a "
+        "problem with your input; please report it on the llmopt issue tracker with the "
+        "command line and the traceback above",
+        file=sys.stderr,
+    )
 
 
 def _is_library_input_error(exc: BaseException) -> bool:

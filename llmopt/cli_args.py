@@ -14,8 +14,10 @@ import math
 from pathlib import Path
 from typing import Any
 
+from llmopt.errors import LlmoptError
 
-class ArgumentError(ValueError):
+
+class ArgumentError(LlmoptError, ValueError):
     """A command-line value the command cannot use; the message names the flag."""
 
 
@@ -86,3 +88,109 @@ def text_file(args: argparse.Namespace, dest: str, head_bytes: int = 1 << 16) ->
             f"{flag(dest)} {path} is not UTF-8 text (byte {head[exc.start]:#04x} at offset "
             f"{exc.start})"
         ) from None
+
+
+OVERWRITE_HELP = (
+    "write into an --out that holds other files: replace only the files this command writes, "
+    "keep the others (without it such an --out is refused)"
+)
+
+
+def add_overwrite(parser: argparse.ArgumentParser) -> None:
+    """The one `--overwrite` every command that writes a directory takes."""
+    parser.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+
+
+def output_dir(
+    args: argparse.Namespace, kind: str, dest: str = "out", source: str | None = "model"
+) -> None:
+    """`--out` is not the input (`--model` where it is a path) and is new, empty, an earlier
+    output of `kind` or `--overwrite` is given, before any work (`llmopt.output_dir`)."""
+    from llmopt.artifacts import check_distinct
+    from llmopt.output_dir import check_output_dir
+
+    value = getattr(args, dest, None)
+    if value is None:
+        return
+    model = getattr(args, source, None) if source else None
+    if isinstance(model, str) and model and Path(model).expanduser().exists():
+        check_distinct(value, model, flag(dest))
+    overwrite = bool(getattr(args, "overwrite", False))
+    check_output_dir(value, kind, overwrite=overwrite, flag=flag(dest))
+
+
+def output_file(args: argparse.Namespace, dest: str, magic: bytes, what: str) -> None:
+    """A single-file output that exists must be an earlier one (its first bytes are `magic`)
+    unless `--overwrite`: a user's file of that name is never replaced unasked."""
+    value = getattr(args, dest, None)
+    if value is None or getattr(args, "overwrite", False):
+        return
+    path = Path(value)
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    with open(path, "rb") as handle:
+        head = handle.read(len(magic))
+    if head != magic:
+        raise ArgumentError(
+            f"{flag(dest)} {path} exists and is not {what}; choose a new file name, or pass "
+            "--overwrite to replace it"
+        )
+
+
+DEVICE_TYPES = ("cpu", "cuda")  # what llmopt runs on (torch.device accepts many more names)
+
+
+def device(args: argparse.Namespace, dest: str = "device") -> None:
+    """`--device` is cpu or cuda[:N]; torch's own error lists twenty device types."""
+    value = getattr(args, dest, None)
+    if value is None:
+        return
+    kind, _, index = value.partition(":")
+    if kind not in DEVICE_TYPES or (index and not (index.isdigit() and kind == "cuda")):
+        raise ArgumentError(
+            f"{flag(dest)} {value!r} is not a device llmopt runs on; use cpu, cuda or cuda:N"
+        )
+
+
+# ---- one dtype vocabulary: torch's (and transformers'/vLLM's) names ----
+DTYPES = ("float32", "bfloat16", "float16")
+OLD_DTYPE_SPELLINGS = {
+    "fp32": "float32", "f32": "float32", "float": "float32",
+    "fp16": "float16", "f16": "float16", "half": "float16",
+    "bf16": "bfloat16",
+}  # fmt: skip
+
+
+def dtype_name(value: str) -> str:
+    """argparse type of every `--dtype`-like flag: a name of DTYPES. Other spellings (fp16,
+    bf16, half, ...) are refused naming the one to use, so one script reads the same on every
+    command (the rule of docs/reliability.md#one-cli-vocabulary)."""
+    if value in DTYPES:
+        return value
+    hint = OLD_DTYPE_SPELLINGS.get(value.lower())
+    if hint is not None:
+        raise argparse.ArgumentTypeError(f"{value!r} is spelled {hint!r} in llmopt (as in torch)")
+    raise argparse.ArgumentTypeError(f"{value!r} is not a dtype; choose from {', '.join(DTYPES)}")
+
+
+def add_dtype(
+    parser: argparse.ArgumentParser,
+    flag: str = "--dtype",
+    default: str = "float32",
+    help: str = "dtype of the weights and compute",
+    choices: tuple[str, ...] = DTYPES,
+) -> None:
+    parser.add_argument(
+        flag,
+        type=dtype_name,
+        choices=choices,
+        default=default,
+        metavar="{" + ",".join(choices) + "}",
+        help=help,
+    )
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]

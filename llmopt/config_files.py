@@ -4,7 +4,7 @@
 One layer, so every bad file gets the same kind of one-line error: the file, the key, the bad
 value and what was expected. Bools are not integers; NaN and infinity are not numbers; unknown
 keys are refused in files we write (`unknown="refuse"`) and kept in files other tools write.
-This module imports nothing from llmopt, so any reader can use it without an import cycle.
+This module imports only `llmopt.errors`, so any reader can use it without an import cycle.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from llmopt.errors import LlmoptError
 
 try:
     import tomllib
@@ -44,7 +46,7 @@ MIN_FREE_BYTES = 1 << 20  # an output check refuses a disk with less free space
 Schema = Mapping[str, str | tuple[str, ...]]
 
 
-class ConfigFileError(ValueError):
+class ConfigFileError(LlmoptError, ValueError):
     """A user file that is unreadable, malformed or holds a wrongly typed value."""
 
 

@@ -23,6 +23,7 @@ def test_hf_export_loads_in_transformers_with_equal_logits(tmp_path, arch):
         [
             "config.json",
             "generation_config.json",
+            "llmopt_output.json",  # the record that lets a later export replace this one
             "model.safetensors",
             "tokenizer.json",
             "tokenizer_config.json",

@@ -22,7 +22,13 @@ def _ort_greedy(session, cfg, prompt: list[int], n: int, dtype) -> tuple[list[in
     }
     ids, tokens, all_logits = np.array([prompt]), [], []
     for _ in range(n):
-        logits, *presents = session.run(None, {"input_ids": ids, **past})
+        done = next(iter(past.values())).shape[2]
+        feeds = {
+            "input_ids": ids,
+            "attention_mask": np.ones((1, done + ids.shape[1]), np.int64),
+            "position_ids": np.arange(done, done + ids.shape[1])[None],
+        }
+        logits, *presents = session.run(None, feeds | past)
         all_logits.append(logits[0])
         tokens.append(int(logits[0, -1].argmax()))
         past = dict(zip(past, presents, strict=True))

@@ -162,8 +162,37 @@ def test_merge_folds_the_adapter_into_the_base(run, capsys):
             str(out),
         ]
     )
+    assert code == 0  # an earlier merge output is replaced
+    (out / "notes.txt").write_text("mine")  # ... but never a file of the user's
+    code = main(
+        [
+            "merge",
+            "--base",
+            str(run["base"]),
+            "--adapter",
+            str(run["ckpt"] / "adapter"),
+            "--out",
+            str(out),
+        ]
+    )
+    assert code == 0 and (out / "notes.txt").read_text() == "mine"
+    other = run["root"] / "other"
+    other.mkdir()
+    (other / "thesis.tex").write_text("years of work")
+    capsys.readouterr()
+    code = main(
+        [
+            "merge",
+            "--base",
+            str(run["base"]),
+            "--adapter",
+            str(run["ckpt"] / "adapter"),
+            "--out",
+            str(other),
+        ]
+    )
     err = capsys.readouterr().err.strip()
-    assert code == 2 and len(err.splitlines()) == 1 and "not empty" in err
+    assert code == 2 and len(err.splitlines()) == 1 and "--overwrite" in err and "thesis.tex" in err
 
 
 def test_qlora_trains_on_an_int4_base_and_hf_only_is_not_resumable(run):

@@ -22,7 +22,7 @@ from llmopt.compress.prune.config import PruneConfig
 from llmopt.compress.quant.config import QuantConfig
 from llmopt.config_files import read_manifest
 from llmopt.eval.gate import GateThresholds
-from llmopt.infer.sampling import SamplingConfig
+from llmopt.infer.sampling import SamplingParams
 from llmopt.infer.speculative_loop import SpeculativeConfig
 from llmopt.models.config import ModelConfig
 from llmopt.models.hf_schema import HF_CONFIG
@@ -120,7 +120,7 @@ def test_quant_config_typed(kwargs):
 @given(temperature=FLOATS, top_k=INTS, top_p=FLOATS)
 def test_sampling_config(temperature, top_k, top_p):
     def build():
-        config = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+        config = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         assert math.isfinite(config.temperature) and config.temperature >= 0
         assert 0 < config.top_p <= 1 and config.top_k >= 0
 

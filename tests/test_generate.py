@@ -14,9 +14,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from llmopt.infer.generate import generate  # noqa: E402
-from llmopt.infer.sampling import SamplingConfig, logits_to_probs  # noqa: E402
+from llmopt.infer.sampling import SamplingParams, logits_to_probs  # noqa: E402
 
-GREEDY = SamplingConfig()
+GREEDY = SamplingParams()
 
 
 def _naive(model, prompt: list[int], n: int, sampling=GREEDY, generator=None) -> list[int]:
@@ -39,7 +39,7 @@ def test_greedy_generate_equals_full_recompute(tiny_model):
 
 
 def test_seeded_sampling_equals_full_recompute_with_same_generator(tiny_model):
-    sampling = SamplingConfig(temperature=1.5, top_k=40, top_p=0.9)
+    sampling = SamplingParams(temperature=1.5, top_k=40, top_p=0.9)
     got = generate(tiny_model, [3, 4, 5], max_new_tokens=16, sampling=sampling, seed=7)
     ref = _naive(tiny_model, [3, 4, 5], 16, sampling, torch.Generator().manual_seed(7))
     assert got == ref
@@ -50,7 +50,11 @@ def test_seeded_sampling_equals_full_recompute_with_same_generator(tiny_model):
 
 def test_top_k_one_is_greedy(tiny_model):
     sampled = generate(
-        tiny_model, [9, 8, 7], max_new_tokens=12, sampling=SamplingConfig(1.0, top_k=1), seed=0
+        tiny_model,
+        [9, 8, 7],
+        max_new_tokens=12,
+        sampling=SamplingParams(temperature=1.0, top_k=1),
+        seed=0,
     )
     assert sampled == generate(tiny_model, [9, 8, 7], max_new_tokens=12)
 
@@ -113,7 +117,7 @@ def test_cli_json_reports_decode_and_prefill_rates_fast_by_default(small_dir, ca
     base = ("--model", str(small_dir), "--prompt", "Hello there friend", "--max-new-tokens", "9")
     fast = _cli_json(capsys, *base)
     eager = _cli_json(capsys, *base, "--eager")
-    assert fast["decode_path"] == "fast" and fast["fallback_reason"] is None
+    assert fast["decode_path"] == "fused" and fast["fallback_reason"] is None
     assert eager["decode_path"] == "eager" and eager["fallback_reason"] == "eager requested"
     assert fast["token_ids"] == eager["token_ids"] and len(fast["token_ids"]) == 9
     for result in (fast, eager):
@@ -124,7 +128,7 @@ def test_cli_json_reports_decode_and_prefill_rates_fast_by_default(small_dir, ca
             result["prompt_tokens"] / result["prefill_s"], rel=0.01
         )
     head8 = _cli_json(capsys, *base, "--int8-head")
-    assert head8["decode_path"] == "fast" and len(head8["token_ids"]) == 9
+    assert head8["decode_path"] == "fused" and len(head8["token_ids"]) == 9
 
 
 def test_cli_int8_head_with_eager_is_one_line_error(small_dir, capsys):

@@ -1,7 +1,6 @@
 """Gemma 2 through the model spec: sqrt(hidden)-scaled embeddings, (1 + w) RMSNorm, sandwich
 norms, GeGLU, attention and final-logit soft-capping, query_pre_attn_scalar, alternating
-sliding-window layers, tied embeddings; HF parity and the refusals of consumers that
-reimplement the Llama block."""
+sliding-window layers, tied embeddings; HF parity and the settings we refuse."""
 
 from __future__ import annotations
 
@@ -11,7 +10,6 @@ import pytest
 import torch
 
 from llmopt.models import ConfigError, ModelConfig
-from llmopt.models.features import UnsupportedArchitectureError, require_llama_block
 from llmopt.models.loading import load_model, save_pretrained
 from tests.model_parity import check_parity, save_tiny_hf
 
@@ -127,20 +125,6 @@ def test_unsupported_gemma2_settings_are_refused(gemma2_dir):
         gemma.replace(architecture="llama", sliding_window=None, full_attention_every=None)
     with pytest.raises(ConfigError, match="full_attention_every=2 needs a sliding_window"):
         gemma.replace(sliding_window=None)
-
-
-def test_consumers_that_reimplement_the_llama_block_refuse(gemma2_dir):
-    from llmopt.infer.batch.runner import PagedRunner
-    from llmopt.infer.fast.layout import UnsupportedModelError, decoder_weights
-
-    ours = load_model(gemma2_dir[1])
-    refused = r"adds sliding-window attention \(window 6\), sandwich block norms, sqrt"
-    with pytest.raises(UnsupportedModelError, match=refused):
-        decoder_weights(ours)
-    with pytest.raises(UnsupportedArchitectureError, match="paged batch runner implements"):
-        PagedRunner(ours, num_blocks=4, block_size=8)
-    with pytest.raises(UnsupportedArchitectureError, match="attention soft-capping"):
-        require_llama_block(ours.config, "x")
 
 
 def test_tensor_parallel_gradients_of_the_branch_norms_equal_the_unsharded_model():

@@ -102,18 +102,3 @@ def test_tensor_parallel_gradients_of_the_qk_norms_equal_the_unsharded_model():
     for errors in run_distributed(tp_gradient_errors, 2, "qwen3", timeout_s=180):
         assert set(errors) == {"sp=False", "sp=True"}
         assert max(errors.values()) < 1e-6, errors
-
-
-def test_fast_decode_and_the_paged_runner_refuse_the_qk_norms(qwen3_dir):
-    from llmopt.infer.batch.runner import PagedRunner
-    from llmopt.infer.fast.layout import UnsupportedModelError, decoder_weights
-    from llmopt.infer.generate import decode_path
-    from llmopt.models.features import UnsupportedArchitectureError
-
-    ours = load_model(qwen3_dir[1])
-    with pytest.raises(UnsupportedModelError, match="'qwen3' adds per-head q/k RMSNorm"):
-        decoder_weights(ours)
-    path, reason = decode_path(ours, None)  # generate() falls back to the eager model
-    assert path == "eager" and "per-head q/k RMSNorm" in reason
-    with pytest.raises(UnsupportedArchitectureError, match="paged batch runner"):
-        PagedRunner(ours, num_blocks=4, block_size=8)

@@ -126,7 +126,7 @@ def test_bad_destinations_and_files_are_refused(tmp_path, tiny_model):
             save_pruned(pruned, out, source=src)
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("keep me")
-    with pytest.raises(PruneFileError, match="exists and is not an llmopt prune output"):
+    with pytest.raises(PruneFileError, match="holds files llmopt did not write \\(notes.txt\\)"):
         save_pruned(pruned, tmp_path / "other")
     out = save_pruned(pruned, tmp_path / "p")
     save_pruned(prune_model(tiny_model, "magnitude", "4:8"), out)  # replaces an old output

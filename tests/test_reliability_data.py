@@ -19,16 +19,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmopt.artifacts import OutputPathError, atomic_directory, check_distinct, clean_stale
+from llmopt.artifacts import OutputPathError, check_distinct, clean_stale
 from llmopt.cli import main as cli_main
 from llmopt.compress.markers import sha256_file
 from llmopt.compress.quant.apply import quantize_model
 from llmopt.compress.quant.io import MARKER, WEIGHTS, load_quantized_model, save_quantized
-from llmopt.infer.sampling import SamplingConfig
+from llmopt.infer.sampling import SamplingParams
 from llmopt.jsonout import dumps
 from llmopt.models import ModelConfig, build_model
 from llmopt.models.finite import NonFiniteWeightsError
 from llmopt.models.loading import load_model, load_tokenizer, save_pretrained
+from llmopt.output_dir import output_directory
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -170,12 +171,12 @@ def test_a_replace_cut_between_its_two_renames_is_restored(tmp_path):
     assert (tmp_path / "out" / MARKER).is_file() and not aside.exists()
 
 
-def test_atomic_directory_refuses_to_replace_what_is_not_its_output(tmp_path):
+def test_output_directory_refuses_to_replace_what_is_not_its_output(tmp_path):
     mine = tmp_path / "data"
     mine.mkdir()
     (mine / "thesis.tex").write_text("years of work")
-    with pytest.raises(OutputPathError, match="not an earlier output of this kind"):
-        with atomic_directory(mine, marker=MARKER):
+    with pytest.raises(OutputPathError, match="llmopt did not write .thesis.tex.*--overwrite"):
+        with output_directory(mine, "quantize:llmopt"):
             pass
     assert (mine / "thesis.tex").read_text() == "years of work"
 
@@ -195,7 +196,7 @@ def test_atomic_directory_refuses_to_replace_what_is_not_its_output(tmp_path):
 )
 def test_sampling_config_refuses_non_finite_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        SamplingConfig(**kwargs)
+        SamplingParams(**kwargs)
 
 
 def test_generate_temperature_nan_is_one_line_before_the_model_loads(capsys):

@@ -1,11 +1,11 @@
 """Bad input through the real CLI: one line naming the flag / file / key, exit 2, never a
-traceback (issue 18, findings 7, 9 and 10). The corpus of bad files is built by
-benchmarks/reliability_cases.py, the same list `benchmarks/reliability_probe.py` counts."""
+traceback (issue 18, findings 7, 9 and 10; issue 30). The cases are the reliability sweep's
+(`llmopt.validate.reliability`); CI's quick tier runs its sample, the benchmark
+`benchmarks/reliability_sweep.py` all of them."""
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -16,24 +16,12 @@ import pytest
 
 from llmopt import cli
 from llmopt.config_files import ConfigFileError, check_output, read_manifest, read_pointer
+from llmopt.validate.reliability import CASES, Case, builders, classify, run_case, sample
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load(name: str):
-    if str(ROOT / "benchmarks") not in sys.path:
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-probe = _load("reliability_probe")
-cases = sys.modules["reliability_cases"]
-LOCAL = [c for c in cases.CASES if c.local]  # the probe also writes to /proc; tests do not
-FAST = [c for c in LOCAL if not c.needs_model]
-MODEL = [c for c in LOCAL if c.needs_model]
+# the planner's cases (owner="planner") join the sample once its branch is merged
+QUICK = sample()
+MODEL = [c for c in CASES if c.kind == "model directory" and c.local]
 
 
 def run_cli(argv: list[str], capsys) -> tuple[int, str]:
@@ -44,37 +32,44 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("case", FAST, ids=[c.name for c in FAST])
+@pytest.mark.parametrize("case", QUICK, ids=[c.name for c in QUICK])
 def test_bad_input_is_one_clean_line(case, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    result = probe.run_case(case, tmp_path)
+    result = run_case(case, tmp_path)
     assert result["outcome"] == "clean", result
+
+
+def test_the_sample_holds_every_named_quick_case_and_the_catalogue_every_issue_30_case():
+    named = {c.name for c in CASES if c.named and c.local and not c.needs_model and not c.owner}
+    assert named <= {c.name for c in QUICK}
+    assert len(QUICK) >= 40 and len(CASES) >= 140
+    kinds = {c.kind for c in CASES}
+    assert {"output directories", "resource limits", "chat data", "merge"} <= kinds
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
-    return cases.tiny_hf(tmp_path_factory.mktemp("model"))
+    return builders.tiny_hf(tmp_path_factory.mktemp("model"))
 
 
 @pytest.mark.parametrize("case", MODEL, ids=[c.name for c in MODEL])
 def test_bad_model_directory_is_one_clean_line(case, tiny_dir, tmp_path, monkeypatch):
     # the case's own tiny_hf call copies the module's directory instead of building again
     monkeypatch.setattr(
-        cases, "tiny_hf", lambda root, name="tiny": Path(shutil.copytree(tiny_dir, root / name))
+        builders, "tiny_hf", lambda root, name="tiny": Path(shutil.copytree(tiny_dir, root / name))
     )
-    result = probe.run_case(case, tmp_path)
+    result = run_case(case, tmp_path)
     assert result["outcome"] == "clean", result
 
 
 def test_classify_tells_vague_traceback_and_silent_apart():
-    case = cases.Case("x", "k", lambda t: [], names=("--stride",))
-    assert (
-        probe.classify(case, 2, "llmopt eval: error: --stride 0 must be >= 1\n", False) == "clean"
-    )
-    assert probe.classify(case, 2, "llmopt eval: error: 0\n", False) == "vague"
-    assert probe.classify(case, 0, "", False) == "silent"
-    assert probe.classify(case, 2, "Traceback (most recent call last):\n", False) == "traceback"
-    assert probe.classify(case, None, "", True) == "traceback"
+    case = Case("x", "k", lambda t: [], names=("--stride",))
+    assert classify(case, 2, "llmopt eval: error: --stride 0 must be >= 1\n", False) == "clean"
+    assert classify(case, 2, "llmopt eval: error: 0\n", False) == "vague"
+    assert classify(case, 0, "", False) == "silent"
+    assert classify(case, 2, "Traceback (most recent call last):\n", False) == "traceback"
+    assert classify(case, None, "", True) == "traceback"
+    assert classify(case, "hang", "still running after 60 s", False) == "hang"
 
 
 # ---- finding 7: a cluster TOML's nodes stands unless --nodes is given ----
@@ -177,15 +172,34 @@ def test_plan_json_into_head_is_quiet():
     assert proc.wait(timeout=120) == 0 and err == ""
 
 
-def test_a_bug_still_shows_its_traceback(monkeypatch):
+@pytest.mark.parametrize("bug", [ZeroDivisionError, ValueError, KeyError, TypeError])
+def test_a_bug_still_shows_its_traceback(bug, monkeypatch, capsys):
+    """Only `LlmoptError`s are input errors: a ValueError or KeyError from inside llmopt is a
+    bug, shown with its traceback and a request to report it (exit 1), never a usage line."""
     import llmopt.report.cli as report_cli
 
-    def bug(args):
-        raise ZeroDivisionError("a bug, not an input error")
+    def run(args):
+        raise bug("a bug, not an input error")
 
-    monkeypatch.setattr(report_cli, "run", bug)
-    with pytest.raises(ZeroDivisionError):
-        cli.main(["report", str(ROOT / "docs"), "--out", "unused.html"])
+    monkeypatch.setattr(report_cli, "run", run)
+    code, err = run_cli(["report", str(ROOT / "docs"), "--out", "unused.html"], capsys)
+    assert code == cli.EXIT_BUG == 1
+    assert "Traceback (most recent call last)" in err and f"{bug.__name__}: " in err
+    assert "is a bug in llmopt" in err and "please report it" in err
+    assert "error: a bug" not in err  # not printed as an input error
+
+
+def test_an_input_error_is_one_line(monkeypatch, capsys):
+    import llmopt.report.cli as report_cli
+    from llmopt.errors import LlmoptError, UsageError
+
+    def run(args):
+        raise UsageError("--thing 3 must be 1 or 2")
+
+    monkeypatch.setattr(report_cli, "run", run)
+    code, err = run_cli(["report", str(ROOT / "docs"), "--out", "unused.html"], capsys)
+    assert code == 2 and err == "llmopt report: error: --thing 3 must be 1 or 2\n"
+    assert issubclass(UsageError, LlmoptError) and issubclass(UsageError, ValueError)
 
 
 # ---- finding 10: vague messages, silently reinterpreted values, escaping paths ----
@@ -260,3 +274,38 @@ def test_truncated_checkpoint_shard_names_the_file(tmp_path, capsys, tiny_dir):
     shard.write_bytes(shard.read_bytes()[:100])
     with pytest.raises(SafetensorsError, match=r"m/model.safetensors \(100 bytes\) is truncated"):
         list(iter_tensors(directory, torch.float32))
+
+
+# ---- issue 30 item 3: one root for every user-facing error ----
+INTERNAL_ERRORS = {
+    "OutOfBlocksError": "the serving engine's allocator; requests are checked against it first",
+    "APIError": "an HTTP error body of the server, not a CLI error",
+    "QueueFullError": "the server's 429",
+    "UnavailableError": "the server's 503",
+    "_Hang": "the sweep's own time limit",
+    "_Captured": "control flow of GPTQ's calibration hooks",
+    "_Stop": "control flow of the lm-eval adapter's stop strings",
+}
+
+
+def test_every_error_class_derives_from_the_root():
+    """Read from the source (no imports): every exception class llmopt defines reaches
+    `LlmoptError` through its bases, except the internal ones listed with the reason."""
+    import ast
+
+    bases: dict[str, list[str]] = {}
+    for path in (ROOT / "llmopt").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                names = [b.id if isinstance(b, ast.Name) else ast.unparse(b) for b in node.bases]
+                bases.setdefault(node.name, names)
+    errors = [n for n, bs in bases.items() if n.endswith("Error") or "Exception" in bs]
+
+    def rooted(name: str, seen: frozenset = frozenset()) -> bool:
+        if name == "LlmoptError":
+            return True
+        return name not in seen and any(rooted(b, seen | {name}) for b in bases.get(name, []))
+
+    loose = sorted(n for n in errors if not rooted(n) and n not in INTERNAL_ERRORS)
+    assert loose == [], loose
+    assert len([n for n in errors if rooted(n)]) >= 58

@@ -71,7 +71,9 @@ def test_reusing_an_out_dir_needs_resume_or_overwrite(tmp_path, capsys):
     # the launcher refuses before torchrun starts (one line, status 2)
     argv = ["train", "--nproc-per-node", "2", "--out-dir", str(out), "--corpus", "random"]
     assert cli_main(argv) == 2
-    assert "--resume to continue it, --overwrite to delete it" in capsys.readouterr().err
+    assert "--resume to continue a run, --overwrite to replace what a run writes" in (
+        capsys.readouterr().err
+    )
     # --overwrite starts afresh: only the new run's checkpoint and log remain, latest resolves
     _run(out, overwrite=True, save_every=0)
     assert _ckpts(out) == ["latest", "step_000002"]

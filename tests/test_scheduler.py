@@ -9,7 +9,6 @@ import torch
 
 from llmopt.infer.batch import Engine, EngineConfig, InvalidRequestError, SamplingParams
 from llmopt.infer.generate import generate
-from llmopt.infer.sampling import SamplingConfig
 
 
 def _prompts(lengths, vocab=128, seed=1):
@@ -94,7 +93,7 @@ def test_ngram_speculation_accepts_guesses_on_repetitive_prompt(tiny_model):
 
 def test_seeded_sampling_alone_matches_generate_and_ignores_batch_mates(tiny_model):
     prompts = _prompts([6, 11, 4])
-    cfg = SamplingConfig(temperature=0.9, top_k=20, top_p=0.9)
+    cfg = SamplingParams(temperature=0.9, top_k=20, top_p=0.9)
     params = SamplingParams(max_tokens=12, temperature=0.9, top_k=20, top_p=0.9, seed=123)
     ref = generate(tiny_model, prompts[0], max_new_tokens=12, sampling=cfg, seed=123)
     alone = Engine(tiny_model, EngineConfig(num_blocks=32, block_size=4))
@@ -150,7 +149,7 @@ def test_request_larger_than_the_pool_is_refused(tiny_model):
     [
         ({"max_tokens": 0}, "max_tokens=0 must be >= 1"),
         ({"temperature": -1.0}, r"temperature=-1.0 must be in \[0, 100\]"),
-        ({"temperature": float("nan")}, "temperature=nan must be finite"),
+        ({"temperature": float("nan")}, "temperature=nan must be a finite number"),
         ({"top_p": 0.0}, r"top_p=0.0 must be in \(0, 1\]"),
         ({"top_k": -2}, "top_k=-2 must be >= 0"),
         ({"top_k": 1.5}, "top_k=1.5 must be an integer"),

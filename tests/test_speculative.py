@@ -6,7 +6,7 @@ from fixtures_speculative import one_thread_fixture, target_fixture  # noqa: F40
 
 from llmopt.infer.drafts import EarlyExitModel, ModelDraft, NGramDraft, Proposal
 from llmopt.infer.generate import generate
-from llmopt.infer.sampling import SamplingConfig
+from llmopt.infer.sampling import SamplingParams
 from llmopt.infer.speculative import SpeculativeConfig, speculative_generate
 from llmopt.models import KVCache, build_model
 
@@ -49,15 +49,19 @@ def _expected_rounds(max_new: int, gamma: int, wrong_at: int) -> dict[int, int]:
     return hist
 
 
-def _assert_cache_matches_fresh_prefill(model, cache: KVCache, tokens: list[int]) -> None:
-    """The rolled-back cache must hold exactly the keys/values of the committed tokens.
-    Tolerance 1e-5: batched and incremental passes round matmuls differently in fp32."""
-    n = cache.length
+def _assert_cache_matches_fresh_prefill(model, res, tokens: list[int]) -> None:
+    """The engine's cache must hold exactly the keys/values of the committed tokens (rejected
+    guesses' slots overwritten). Tolerance 1e-5: batched and incremental passes round matmuls
+    differently in fp32."""
+    n = res.context_len
     assert n == len(tokens) - 1  # every committed token but the last
     fresh = KVCache.for_model(model, 1, n)
     model(torch.tensor([tokens[:n]]), fresh)
-    torch.testing.assert_close(cache.k[:, :, :, :n], fresh.k, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(cache.v[:, :, :, :n], fresh.v, atol=1e-5, rtol=1e-5)
+    for layer in range(model.config.num_layers):
+        k, v = res.engine.cached_kv(res.request, layer)  # [n, kv_heads, dim]
+        assert k.shape[0] == n
+        torch.testing.assert_close(k.permute(1, 0, 2), fresh.k[layer, 0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v.permute(1, 0, 2), fresh.v[layer, 0], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("gamma", [1, 2, 3, 5, 8])
@@ -77,7 +81,7 @@ def test_rollback_at_every_acceptance_length(target, gamma):
         assert res.tokens == ref, f"gamma={gamma} wrong_at={wrong_at}"
         assert dict(res.stats.accept_lengths) == _expected_rounds(max_new, gamma, wrong_at)
         assert res.stats.generated == max_new
-        _assert_cache_matches_fresh_prefill(target, res.target_cache, prompt + ref)
+        _assert_cache_matches_fresh_prefill(target, res, prompt + ref)
 
 
 @pytest.mark.parametrize("wrong_at", [0, 2, 5])
@@ -93,9 +97,10 @@ def test_rollback_at_the_context_limit(target, wrong_at):
         config=SpeculativeConfig(gamma=5),
     )
     assert res.tokens == ref
-    assert res.target_cache.max_len == ctx
-    assert res.target_cache.length == ctx - 1
-    _assert_cache_matches_fresh_prefill(target, res.target_cache, prompt + ref)
+    engine = res.engine
+    assert engine.blocks.num_blocks * engine.blocks.block_size >= ctx
+    assert res.context_len == ctx - 1
+    _assert_cache_matches_fresh_prefill(target, res, prompt + ref)
     with pytest.raises(ValueError, match="= 65 tokens exceeds the model context max_seq_len=64"):
         speculative_generate(target, NGramDraft(), prompt, max_new_tokens=21)
 
@@ -155,7 +160,7 @@ def test_eos_stops_generation(target):
 def test_ngram_draft_proposes_the_continuation_of_the_last_match():
     draft = NGramDraft(max_n=3)
     draft.start([], 0)
-    greedy = SamplingConfig()
+    greedy = SamplingParams()
     ctx = [5, 6, 7, 8, 9, 1, 2, 5, 6, 7]
     assert draft.propose(ctx, 3, greedy, None).tokens == [8, 9, 1]
     ctx = ctx + [3, 4, 6, 7]  # "6 7" last followed by 3 (at index 8-9): latest match wins

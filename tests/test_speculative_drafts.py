@@ -16,7 +16,7 @@ from llmopt.infer.drafts import (
     make_draft,
 )
 from llmopt.infer.generate import generate
-from llmopt.infer.sampling import SamplingConfig
+from llmopt.infer.sampling import SamplingParams
 from llmopt.infer.speculative import (
     SpeculativeConfig,
     add_speculative_arguments,
@@ -200,9 +200,11 @@ def test_stats_dict_and_calibration(target):
     res = speculative_generate(
         target, make_draft("early-exit:2", target), PROMPT, max_new_tokens=20
     )
-    length = res.target_cache.length
+    length = res.context_len
+    before = res.engine.cached_kv(res.request, 0)[0].clone()
     calibrate(res, target, repeats=2)
-    assert res.target_cache.length == length
+    assert res.context_len == length == len(PROMPT) + 19
+    assert torch.equal(res.engine.cached_kv(res.request, 0)[0], before)  # the run's cache
     d = res.stats.to_dict()
     json.dumps(d)
     assert d["generated"] == 20
@@ -226,13 +228,13 @@ def test_cli_arguments_and_run(target):
         False,
         True,
     )
-    ids, stats = run_speculative_from_args(args, target, None, PROMPT, SamplingConfig())
+    ids, stats = run_speculative_from_args(args, target, None, PROMPT, SamplingParams())
     assert ids == generate(target, PROMPT, max_new_tokens=16)
     assert stats["identical_to_plain"] is True
     assert stats["measured_speedup"] > 0 and stats["gamma"] == 3
     args = parser.parse_args(["--draft", "ngram", "--gamma", "0"])
     with pytest.raises(ValueError, match="--gamma 0 must be >= 1"):
-        run_speculative_from_args(args, target, None, PROMPT, SamplingConfig())
+        run_speculative_from_args(args, target, None, PROMPT, SamplingParams())
     args = parser.parse_args(["--draft", "ngram", "--adaptive-gamma"])
-    ids, stats = run_speculative_from_args(args, target, None, PROMPT, SamplingConfig())
+    ids, stats = run_speculative_from_args(args, target, None, PROMPT, SamplingParams())
     assert ids == generate(target, PROMPT, max_new_tokens=16) and stats == {}

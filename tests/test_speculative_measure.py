@@ -11,7 +11,7 @@ from fixtures_speculative import one_thread_fixture, target_fixture  # noqa: F40
 
 from llmopt.infer.drafts import EarlyExitModel, ModelDraft, NGramDraft
 from llmopt.infer.generate import generate
-from llmopt.infer.sampling import SamplingConfig
+from llmopt.infer.sampling import SamplingParams
 from llmopt.infer.speculative import (
     Comparison,
     PassCosts,
@@ -170,7 +170,7 @@ def test_measure_plain_and_compare_with_plain_greedy(target):
 
 
 def test_compare_with_plain_in_sampling_mode_does_not_claim_identity(target):
-    sampling = SamplingConfig(temperature=1.0)
+    sampling = SamplingParams(temperature=1.0)
     _, comp = compare_with_plain(
         target, NGramDraft(), PROMPT, max_new_tokens=10, sampling=sampling, seed=3
     )
@@ -205,9 +205,11 @@ def test_pooled_comparison_pools_rates_not_ratios():
 def test_calibrate_with_the_draft_times_its_passes(target):
     draft = ModelDraft(EarlyExitModel(target, 2), "early-exit:2")
     result, comp = compare_with_plain(target, draft, PROMPT, max_new_tokens=16)
-    length = result.target_cache.length
+    length = result.context_len
+    before = result.engine.cached_kv(result.request, 0)[0].clone()
     costs = calibrate(result, target, repeats=2, draft=draft)
-    assert result.target_cache.length == length  # the run's cache is not touched
+    assert result.context_len == length == len(PROMPT) + 15
+    assert torch.equal(result.engine.cached_kv(result.request, 0)[0], before)  # not touched
     assert sorted(costs) == ["cpu", "wall"]
     assert sorted(costs["wall"].target) == list(range(1, 10))  # up to γ = 8 for the optimum
     assert costs["wall"].target[1] == 1.0

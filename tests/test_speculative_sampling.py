@@ -17,9 +17,9 @@ import torch
 from fixtures_speculative import one_thread_fixture  # noqa: F401
 from scipy import stats as scistats
 
-import llmopt.infer.speculative_loop as loop
+import llmopt.infer.batch.engine as loop  # the one decode loop verifies the guesses
 from llmopt.infer.drafts import ModelDraft, NGramDraft
-from llmopt.infer.sampling import SamplingConfig, logits_to_probs, sample
+from llmopt.infer.sampling import SamplingParams, logits_to_probs, sample
 from llmopt.infer.speculative import SpeculativeConfig, speculative_generate, verify_sampled
 from llmopt.models import ModelConfig, build_model
 
@@ -56,7 +56,7 @@ def draft_model():
 
 
 @torch.no_grad()
-def _exact_joint(model, sampling: SamplingConfig) -> torch.Tensor:
+def _exact_joint(model, sampling: SamplingParams) -> torch.Tensor:
     """P(t1, t2 | PROMPT) as a [VOCAB * VOCAB] vector, by enumeration."""
     p1 = logits_to_probs(model(torch.tensor([PROMPT]))[0, -1], sampling)
     seqs = torch.tensor([[*PROMPT, t] for t in range(VOCAB)])
@@ -64,7 +64,7 @@ def _exact_joint(model, sampling: SamplingConfig) -> torch.Tensor:
     return (p1[:, None] * p2).reshape(-1)
 
 
-def _speculative_counts(target, draft, sampling: SamplingConfig) -> torch.Tensor:
+def _speculative_counts(target, draft, sampling: SamplingParams) -> torch.Tensor:
     counts = torch.zeros(VOCAB * VOCAB)
     for i in range(N_SAMPLES):
         res = speculative_generate(
@@ -105,7 +105,7 @@ def _fit(target, draft, sampling):
 
 @pytest.mark.parametrize(
     "sampling",
-    [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=5, top_p=0.9)],
+    [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)],
     ids=["t1", "t0.7-topk5-topp0.9"],
 )
 def test_model_draft_samples_the_target_distribution(target, draft_model, sampling):
@@ -118,7 +118,7 @@ def test_model_draft_samples_the_target_distribution(target, draft_model, sampli
 
 
 def test_deterministic_ngram_draft_samples_the_target_distribution(target):
-    sampling = SamplingConfig(temperature=1.0)
+    sampling = SamplingParams(temperature=1.0)
     assert NGramDraft().propose(PROMPT, 1, sampling, None).tokens == [3]
     tv, bound, pvalue = _fit(target, NGramDraft(), sampling)
     assert tv < bound, (tv, bound)
@@ -144,7 +144,7 @@ def _accept_always(p, q, guesses, generator):
 @pytest.mark.parametrize("wrong_rule", [_resample_from_target, _accept_always])
 def test_wrong_acceptance_rule_fails_the_same_test(target, draft_model, wrong_rule, monkeypatch):
     monkeypatch.setattr(loop, "verify_sampled", wrong_rule)
-    tv, bound, pvalue = _fit(target, ModelDraft(draft_model, "d"), SamplingConfig(temperature=1.0))
+    tv, bound, pvalue = _fit(target, ModelDraft(draft_model, "d"), SamplingParams(temperature=1.0))
     # The same verdict the correct rule passes must fail; chi-square is the sharper of the two
     # (the resample-from-p mistake shifts the joint law by TV ~0.06, below the N=2000 bound).
     assert not (tv < bound and pvalue > 1e-4), (tv, bound, pvalue)

@@ -7,9 +7,11 @@ import sys
 import time
 from typing import Any
 
+from llmopt import cli_args
 from llmopt.jsonout import dumps
 
 FORMATS = ("llmopt", "autoawq", "gptq", "compressed-tensors", "gguf")
+GGUF_DEFAULT = "q4_0"  # --gguf-type of --format gguf
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -23,7 +25,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "`llmopt generate/eval --model DIR` loads (or AutoAWQ's GEMM layout).",
     )
     p.add_argument("--model", default="smollm2-135m", help="model name, .gguf or HF directory")
-    p.add_argument("--method", default="awq", choices=METHODS)
+    p.add_argument(
+        "--method",
+        default="awq",
+        choices=METHODS,
+        help="rtn: round to nearest; awq: activation-aware scales; gptq: Hessian-based rounding",
+    )
     p.add_argument("--bits", type=int, default=4, help=f"one of {list(VALID_BITS)}")
     p.add_argument("--group-size", type=int, default=128, help="32, 64, 128 or -1 (per channel)")
     p.add_argument("--sym", action="store_true", help="symmetric grid (zero point fixed)")
@@ -71,7 +78,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="output layout (gguf: the quantized weights dequantised into --gguf-type)",
     )
     p.add_argument(
-        "--gguf-type", default="q4_0", help="GGUF weight type for --format gguf (f16, q8_0, ...)"
+        "--gguf-type",
+        default=None,
+        help=f"GGUF weight type for --format gguf only (f16, q8_0, ...; default {GGUF_DEFAULT})",
     )
     p.add_argument(
         "--float-dtype",
@@ -83,9 +92,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--out",
         required=True,
-        help="output directory (not the source's; an earlier quantize output there is replaced "
-        "whole once the new one is complete)",
+        help="output directory (a .gguf file for --format gguf); not the source's. An earlier "
+        "quantize output of the same format there is replaced once the new one is complete",
     )
+    cli_args.add_overwrite(p)
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.set_defaults(func=run, check=check_args)
 
@@ -97,7 +107,7 @@ def _check_export_options(args: argparse.Namespace) -> None:
     if args.format == "gguf":
         from llmopt.export.gguf import GGUF_TYPES
 
-        choice(args.gguf_type, GGUF_TYPES, "gguf type")
+        choice(args.gguf_type or GGUF_DEFAULT, GGUF_TYPES, "gguf type")
     if args.format == "gptq":
         from llmopt.export.gptq import GPTQ_BITS
 
@@ -110,24 +120,34 @@ def _export(qmodel, args: argparse.Namespace, tokenizer):
     if args.format == "gptq":
         from llmopt.export.gptq import export_gptq
 
-        return export_gptq(qmodel, args.out, tokenizer, source=args.model)
+        return export_gptq(qmodel, args.out, tokenizer, source=args.model, overwrite=args.overwrite)
     if args.format == "compressed-tensors":
         from llmopt.export.compressed_tensors import export_compressed_tensors
 
-        return export_compressed_tensors(qmodel, args.out, tokenizer, source=args.model)
+        return export_compressed_tensors(
+            qmodel, args.out, tokenizer, source=args.model, overwrite=args.overwrite
+        )
     from llmopt.export.gguf import export_gguf
 
-    return export_gguf(qmodel, args.out, tokenizer, qtype=args.gguf_type, source=args.model)
+    qtype = args.gguf_type or GGUF_DEFAULT
+    return export_gguf(qmodel, args.out, tokenizer, qtype=qtype, source=args.model)
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """Counts named by their flags, before anything loads."""
-    from llmopt import cli_args
-
+    """Counts named by their flags and the output, before anything loads."""
     cli_args.integer(args, "calib_samples", 1)
     cli_args.integer(args, "calib_seq_len", 1)
     cli_args.integer(args, "range_grid", 0)
     cli_args.integer(args, "clip_tokens", 1)
+    if args.gguf_type is not None and args.format != "gguf":
+        raise cli_args.ArgumentError(
+            f"--gguf-type {args.gguf_type} applies to --format gguf only, not --format "
+            f"{args.format}; drop it or add --format gguf"
+        )
+    if args.format == "gguf":
+        cli_args.output_file(args, "out", b"GGUF", "a GGUF file")
+    else:
+        cli_args.output_dir(args, f"quantize:{args.format}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -180,14 +200,16 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "autoawq":
         from llmopt.compress.quant.autoawq import export_autoawq
 
-        out = export_autoawq(qmodel, args.out, tokenizer)
+        out = export_autoawq(qmodel, args.out, tokenizer, overwrite=args.overwrite)
     elif args.format in ("gptq", "compressed-tensors", "gguf"):
         out = _export(qmodel, args, tokenizer)
     else:
         from llmopt.compress.quant.io import save_quantized
 
         float_dtype = None if args.float_dtype == "keep" else getattr(torch, args.float_dtype)
-        out = save_quantized(qmodel, args.out, tokenizer, float_dtype=float_dtype)
+        out = save_quantized(
+            qmodel, args.out, tokenizer, float_dtype=float_dtype, overwrite=args.overwrite
+        )
     sizes = model_nbytes(qmodel)
     summary: dict[str, Any] = {
         "model": args.model,

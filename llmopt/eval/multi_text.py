@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmopt.errors import LlmoptError
 from llmopt.eval.gate import GateReport, GateThresholds, apply_gates
 from llmopt.eval.kl import KLResult, kl_divergence
 from llmopt.eval.perplexity import PerplexityResult, perplexity
@@ -21,7 +22,7 @@ from llmopt.eval.perplexity import PerplexityResult, perplexity
 TextProgress = Callable[[str, int, int], None]
 
 
-class TextSpecError(ValueError):
+class TextSpecError(LlmoptError, ValueError):
     """A list of text specs that cannot be evaluated (empty, a duplicate, a too-short text)."""
 
 
@@ -46,7 +47,7 @@ def load_tokens(tokenizer, text_spec: str, max_tokens: int | None) -> list[int]:
     from llmopt.data.corpus import load_text
 
     if max_tokens is not None and max_tokens < 2:
-        raise ValueError(f"--max-tokens {max_tokens} must be >= 2")
+        raise TextSpecError(f"--max-tokens {max_tokens} must be >= 2")
     max_chars = None if max_tokens is None else max_tokens * 16
     while True:
         text = load_text(text_spec, max_chars=max_chars)

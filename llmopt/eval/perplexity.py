@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from llmopt.errors import UsageError
 from llmopt.models.llama import Transformer
 from llmopt.models.spec import spec_for
 
@@ -51,11 +52,11 @@ def windows(n_tokens: int, ctx: int, stride: int) -> Iterator[Window]:
 def check_window_args(model: Transformer, n_tokens: int, ctx: int, stride: int) -> None:
     max_ctx = model.config.max_seq_len
     if not 2 <= ctx <= max_ctx:
-        raise ValueError(f"ctx={ctx} must be in [2, {max_ctx}] (the model's max_seq_len)")
+        raise UsageError(f"ctx={ctx} must be in [2, {max_ctx}] (the model's max_seq_len)")
     if not 1 <= stride <= ctx:
-        raise ValueError(f"stride={stride} must be in [1, ctx={ctx}]")
+        raise UsageError(f"stride={stride} must be in [1, ctx={ctx}]")
     if n_tokens < 2:
-        raise ValueError(f"need at least 2 tokens to score, got {n_tokens}")
+        raise UsageError(f"need at least 2 tokens to score, got {n_tokens}")
 
 
 def window_logprobs(model: Transformer, tokens: torch.Tensor, window: Window) -> torch.Tensor:
@@ -77,7 +78,7 @@ def as_token_tensor(token_ids, max_tokens: int | None) -> torch.Tensor:
     tokens = torch.as_tensor(token_ids, dtype=torch.long).flatten()
     if max_tokens is not None:
         if max_tokens < 2:
-            raise ValueError(f"max_tokens={max_tokens} must be >= 2")
+            raise UsageError(f"max_tokens={max_tokens} must be >= 2")
         tokens = tokens[:max_tokens]
     return tokens
 
@@ -100,7 +101,7 @@ def perplexity(
     n = tokens.numel()
     check_window_args(model, n, ctx, stride)
     if int(tokens.max()) >= model.config.vocab_size or int(tokens.min()) < 0:
-        raise ValueError(f"token ids must be in [0, {model.config.vocab_size})")
+        raise UsageError(f"token ids must be in [0, {model.config.vocab_size})")
     total_nll = 0.0
     scored = 0
     start = time.perf_counter()

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import sys
+import time
 
-from llmopt import jsonout
+from llmopt import cli_args, jsonout
+from llmopt.export.output import ExportError
 
 FORMATS = ("gguf", "onnx", "hf")
 
@@ -20,10 +23,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "dequantised (use `llmopt quantize --format` for packed-integer layouts).",
     )
     p.add_argument("--model", required=True, help="model name, .gguf file or directory")
-    p.add_argument("--format", required=True, choices=FORMATS)
+    p.add_argument(
+        "--format",
+        required=True,
+        choices=FORMATS,
+        help="gguf: llama.cpp; onnx: onnxruntime/TensorRT with KV-cache inputs; hf: transformers",
+    )
     p.add_argument("--out", required=True, help="output file (gguf) or directory (onnx, hf)")
     p.add_argument("--gguf-type", default="f16", choices=GGUF_TYPES, help="GGUF weight type")
-    p.add_argument("--dtype", default="fp32", choices=("fp32", "fp16"), help="ONNX/HF dtype")
+    cli_args.add_dtype(p, help="dtype of the ONNX/HF weights", choices=("float32", "float16"))
+    cli_args.add_overwrite(p)
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.set_defaults(func=run, check=check_args)
 
@@ -31,7 +40,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def check_args(args: argparse.Namespace) -> None:
     """What `export` can refuse before loading the model (the output path: `llmopt.cli`)."""
     if args.format != "gguf" and args.gguf_type != "f16":
-        raise ValueError(f"--gguf-type applies to --format gguf only, not {args.format}")
+        raise ExportError(f"--gguf-type applies to --format gguf only, not {args.format}")
+    if args.format == "gguf":
+        cli_args.output_file(args, "out", b"GGUF", "a GGUF file")
+    else:
+        cli_args.output_dir(args, f"export:{args.format}")
+
+
+def progress(quiet: bool):
+    """Step messages on stderr (long exports show what they are doing); none with --json."""
+
+    def say(message: str) -> None:
+        if not quiet:
+            print(f"llmopt export: {message}", file=sys.stderr, flush=True)
+
+    return say
 
 
 def run(args: argparse.Namespace) -> int:
@@ -40,9 +63,14 @@ def run(args: argparse.Namespace) -> int:
     from llmopt.models.loading import load_model, load_tokenizer
 
     check_args(args)
+    say = progress(args.json)
+    say(f"loading {args.model}")
     model = load_model(args.model, dtype=torch.float32)
     tokenizer = load_tokenizer(args.model)
     common = {"tokenizer": tokenizer, "source": args.model}
+    what = {"gguf": f"GGUF {args.gguf_type}", "onnx": f"ONNX {args.dtype} (tracing the model)"}
+    say(f"writing {what.get(args.format, 'HF ' + args.dtype)} to {args.out}")
+    start = time.perf_counter()
     if args.format == "gguf":
         from llmopt.export.gguf import export_gguf
 
@@ -50,11 +78,12 @@ def run(args: argparse.Namespace) -> int:
     elif args.format == "onnx":
         from llmopt.export.onnx import export_onnx
 
-        out = export_onnx(model, args.out, dtype=args.dtype, **common)
+        out = export_onnx(model, args.out, dtype=args.dtype, overwrite=args.overwrite, **common)
     else:
         from llmopt.export.hf import export_hf
 
-        out = export_hf(model, args.out, dtype=args.dtype, **common)
+        out = export_hf(model, args.out, dtype=args.dtype, overwrite=args.overwrite, **common)
+    say(f"done in {time.perf_counter() - start:.1f} s")
     files = [out] if out.is_file() else sorted(f for f in out.iterdir() if f.is_file())
     summary = {
         "model": args.model,

@@ -55,6 +55,9 @@ def _layer_tensors(bits: int, sym: bool):
     return tensors
 
 
+KIND = "quantize:compressed-tensors"  # llmopt.output_dir: written by `llmopt quantize --format`
+
+
 def export_compressed_tensors(
     model: nn.Module,
     out: str | Path,
@@ -62,11 +65,13 @@ def export_compressed_tensors(
     *,
     dtype: str = "fp16",
     source: str | Path | None = None,
+    overwrite: bool = False,
 ) -> Path:
-    """Write a compressed-tensors pack-quantized directory of a quantized model."""
+    """Write a compressed-tensors pack-quantized directory of a quantized model.
+    `overwrite`: an `out` holding other files gets only this export's files replaced."""
     from llmopt.models.spec import spec_for
 
-    out = check_output(out, source)
+    out = check_output(out, source, KIND, overwrite)
     layers = quantized_layers(model)
     bits, group = uniform_setting(layers)
     for name, layer in layers.items():
@@ -106,6 +111,6 @@ def export_compressed_tensors(
         "kv_cache_scheme": None,
         "global_compression_ratio": None,
     }
-    with staged_directory(out) as stage:
+    with staged_directory(out, KIND, overwrite) as stage:
         write_quantized_directory(model, stage, _layer_tensors(bits, sym), config, tokenizer, dtype)
     return out

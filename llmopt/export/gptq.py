@@ -79,6 +79,9 @@ def dequantize_gptq(tensors: dict[str, torch.Tensor], bits: int) -> torch.Tensor
     return ((codes - zeros[g_idx]).float() * scales[g_idx]).t()
 
 
+KIND = "quantize:gptq"  # llmopt.output_dir: written by `llmopt quantize --format`
+
+
 def export_gptq(
     model: nn.Module,
     out: str | Path,
@@ -86,12 +89,14 @@ def export_gptq(
     *,
     dtype: str = "fp16",
     source: str | Path | None = None,
+    overwrite: bool = False,
 ) -> Path:
-    """Write a GPTQ v1 directory (model.safetensors, config.json, quantize_config.json)."""
+    """Write a GPTQ v1 directory (model.safetensors, config.json, quantize_config.json).
+    `overwrite`: an `out` holding other files gets only this export's files replaced."""
     from llmopt.artifacts import atomic_write_text
     from llmopt.models.spec import spec_for
 
-    out = check_output(out, source)
+    out = check_output(out, source, KIND, overwrite)
     layers = quantized_layers(model)
     bits, group = uniform_setting(layers)
     if bits not in GPTQ_BITS:
@@ -112,7 +117,7 @@ def export_gptq(
         spec_for(model).head: spec_for(model).head in layers,
         "pack_dtype": "int32",
     }
-    with staged_directory(out) as stage:
+    with staged_directory(out, KIND, overwrite) as stage:
         write_quantized_directory(model, stage, gptq_tensors, config, tokenizer, dtype)
         atomic_write_text(stage / "quantize_config.json", json.dumps(config, indent=2))
     return out

@@ -48,6 +48,9 @@ def write_hf_files(model: nn.Module, directory: Path, dtype: str, tokenizer: Any
         tokenizer.save(directory)
 
 
+KIND = "export:hf"  # llmopt.output_dir: what an earlier output of this export records
+
+
 def export_hf(
     model: nn.Module,
     out: str | Path,
@@ -55,10 +58,12 @@ def export_hf(
     *,
     dtype: str = "fp32",
     source: str | Path | None = None,
+    overwrite: bool = False,
 ) -> Path:
-    """Write a transformers-loadable directory at `out` (quantized linears dequantised)."""
-    out = check_output(out, source)
+    """Write a transformers-loadable directory at `out` (quantized linears dequantised).
+    `overwrite`: an `out` holding other files gets only this export's files replaced."""
+    out = check_output(out, source, KIND, overwrite)
     float_dtype(dtype)  # validate before any work
-    with staged_directory(out) as stage:
+    with staged_directory(out, KIND, overwrite) as stage:
         write_hf_files(model, stage, dtype, tokenizer)
     return out

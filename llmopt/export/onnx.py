@@ -1,18 +1,17 @@
 """ONNX export with KV-cache inputs and outputs (onnxruntime, TensorRT's ONNX parser).
 
-The graph takes `input_ids` [batch, seq] and, per layer, `past_key_values.{i}.key/value`
-[batch, kv_heads, past, head_dim] (past may be 0 for the prefill), and returns `logits`
-[batch, seq, vocab] and `present.{i}.key/value` with past + seq positions: optimum's names,
-without padding masks (every row of a batch has the same length). Positions start at `past`.
-
-The traced forward is written here, from the modules the ModelSpec names, instead of tracing
-`Transformer.forward`: that one branches in Python on cache lengths (fast paths), which a
-graph with a symbolic past length cannot hold. Quantized linears are dequantised first.
+The graph is the model's own forward (the one forward of every path) with the past/present
+attention backend (`llmopt.models.attention.past`), so every registered architecture exports
+with its features (windows, q/k norms, soft-capping, sandwich norms). optimum's contract:
+inputs `input_ids` [batch, seq], `attention_mask` [batch, past + seq] (0 marks padding),
+`position_ids` [batch, seq] and per layer `past_key_values.{i}.key/value`
+[batch, kv_heads, past, head_dim] (past may be 0 for the prefill); outputs `logits`
+[batch, seq, vocab] and `present.{i}.key/value` with past + seq positions. Quantized linears
+are dequantised first. Weights past 2 GB go to an external data file (protobuf's limit).
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -21,77 +20,29 @@ from torch import nn
 
 from llmopt.export.output import check_output, staged_directory
 from llmopt.export.tensors import checked, dense_state_dict, float_dtype
+from llmopt.models.attention.past import PastKeyValues
+
+# protobuf refuses messages of 2 GiB; stay clear of it with the graph's own bytes
+EXTERNAL_DATA_BYTES = 1_800_000_000
 
 
 class KVDecoder(nn.Module):
-    """(input_ids, past k/v per layer) -> (logits, present k/v per layer) for one dense model."""
+    """(input_ids, attention_mask, position_ids, past k/v per layer) -> (logits, presents)."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
-        from llmopt.models.features import require_llama_block
-        from llmopt.models.spec import spec_for
+        self.model = model
 
-        require_llama_block(model.config, "ONNX export", windows=True)
-
-        spec = spec_for(model)
-        self.model, self.spec, self.config = model, spec, model.config
-        qkv = next(g for g in spec.fused if len(g.parts) == 3)
-        self.qkv_names = qkv.parts
-        attn = spec.attention + "."
-        self.out_name = next(n for n in spec.row_parallel if n.startswith(attn))
-        # the feed-forward module: the parent of the row-parallel linear outside attention
-        ffn_out = next(n for n in spec.row_parallel if not n.startswith(attn))
-        self.ffn_name = ffn_out.rsplit(".", 1)[0]
-
-    def _attention(self, block: nn.Module, x, cos, sin, past_k, past_v):
-        from llmopt.models.llama import apply_rope
-
-        cfg, spec = self.config, self.spec
-        b, t, _ = x.shape
-        q, k, v = (spec.block_module(block, n)(x) for n in self.qkv_names)
-        q = q.view(b, t, cfg.num_heads, cfg.head_dim).transpose(1, 2)
-        k = k.view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-        v = v.view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
-        groups = cfg.num_heads // cfg.num_kv_heads
-        keys, values = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) / math.sqrt(cfg.head_dim)
-        s = k.shape[2]
-        query_pos = torch.arange(t, device=x.device) + (s - t)
-        key_pos = torch.arange(s, device=x.device)
-        visible = key_pos[None, :] <= query_pos[:, None]
-        if cfg.sliding_window is not None and spec.sliding_window:
-            visible = visible & (key_pos[None, :] > query_pos[:, None] - cfg.sliding_window)
-        scores = scores.masked_fill(~visible, float("-inf"))
-        attn = torch.matmul(torch.softmax(scores, dim=-1).to(x.dtype), values)
-        out = spec.block_module(block, self.out_name)(attn.transpose(1, 2).reshape(b, t, -1))
-        return out, k, v
-
-    def forward(self, input_ids: torch.Tensor, *past: torch.Tensor):
-        spec, model = self.spec, self.model
-        t = input_ids.shape[1]
-        past_len = past[0].shape[2]
-        positions = torch.arange(t, device=input_ids.device) + past_len
-        x = spec.top_module(model, "embedding")(input_ids)
-        cos = model.rotary.cos[positions].to(x.dtype)
-        sin = model.rotary.sin[positions].to(x.dtype)
-        norm_in, norm_post = spec.block_norms
-        presents = []
-        for i, (_, block) in enumerate(spec.named_blocks(model)):
-            h = spec.block_module(block, norm_in)(x)
-            out, k, v = self._attention(block, h, cos, sin, past[2 * i], past[2 * i + 1])
-            x = x + out
-            x = x + spec.block_module(block, self.ffn_name)(spec.block_module(block, norm_post)(x))
-            presents += [k, v]
-        x = spec.top_module(model, "final_norm")(x)
-        return (spec.top_module(model, "head")(x), *presents)
+    def forward(self, input_ids, attention_mask, position_ids, *past: torch.Tensor):
+        attn = PastKeyValues(list(past), attention_mask, position_ids)
+        logits = self.model(input_ids, attn)
+        return (logits, *attn.presents)
 
 
 def io_names(num_layers: int) -> tuple[list[str], list[str]]:
     past = [f"past_key_values.{i}.{kind}" for i in range(num_layers) for kind in ("key", "value")]
     present = [f"present.{i}.{kind}" for i in range(num_layers) for kind in ("key", "value")]
-    return ["input_ids", *past], ["logits", *present]
+    return ["input_ids", "attention_mask", "position_ids", *past], ["logits", *present]
 
 
 def dense_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
@@ -103,6 +54,9 @@ def dense_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return dense.to(dtype).eval()
 
 
+KIND = "export:onnx"  # llmopt.output_dir
+
+
 def export_onnx(
     model: nn.Module,
     out: str | Path,
@@ -111,22 +65,37 @@ def export_onnx(
     dtype: str = "fp32",
     source: str | Path | None = None,
     opset: int = 18,
+    external_data: bool | None = None,
+    overwrite: bool = False,
 ) -> Path:
-    """Write `model.onnx` (+ config.json, tokenizer files) into the directory `out`."""
+    """Write `model.onnx` (+ config.json, tokenizer files) into the directory `out`.
+
+    `external_data`: weights in `model.onnx.data` beside the graph (None: when they exceed
+    what one protobuf file may hold). `overwrite`: an `out` holding other files gets only
+    this export's files replaced."""
     import json
 
     from llmopt.artifacts import atomic_write_text
 
     torch_dtype = float_dtype(dtype)
-    out = check_output(out, source)
+    out = check_output(out, source, KIND, overwrite)
     cfg = model.config
-    decoder = KVDecoder(dense_copy(model, torch_dtype)).eval()
+    dense = dense_copy(model, torch_dtype)
+    decoder = KVDecoder(dense).eval()
     inputs, outputs = io_names(cfg.num_layers)
-    ids = torch.zeros(1, 3, dtype=torch.long)
+    kv_heads, k_dim, v_dim = dense.kv_layout()
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    mask = torch.ones(2, 5, dtype=torch.long)
+    positions = torch.arange(2, 5)[None].repeat(2, 1)
     past = [
-        torch.zeros(1, cfg.num_kv_heads, 2, cfg.head_dim, dtype=torch_dtype)
-        for _ in range(2 * cfg.num_layers)
+        torch.zeros(2, kv_heads, 2, dim, dtype=torch_dtype)
+        for _ in range(cfg.num_layers)
+        for dim in (k_dim, v_dim)
     ]
+    if external_data is None:
+        external_data = sum(p.numel() * p.element_size() for p in dense.parameters()) > (
+            EXTERNAL_DATA_BYTES
+        )
     from torch.export import Dim
 
     batch, seq, past_len = (
@@ -134,11 +103,17 @@ def export_onnx(
         Dim("seq", max=cfg.max_seq_len),
         Dim("past", max=cfg.max_seq_len),
     )
-    shapes = ({0: batch, 1: seq}, tuple({0: batch, 2: past_len} for _ in past))  # *past
-    with staged_directory(out) as stage, torch.no_grad():
+    total = Dim("total", max=2 * cfg.max_seq_len)  # past + seq (the tracer keeps it apart)
+    shapes = (
+        {0: batch, 1: seq},
+        {0: batch, 1: total},
+        {0: batch, 1: seq},
+        tuple({0: batch, 2: past_len} for _ in past),  # *past
+    )
+    with staged_directory(out, KIND, overwrite) as stage, torch.no_grad():
         torch.onnx.export(
             decoder,
-            (ids, *past),
+            (ids, mask, positions, *past),
             str(stage / "model.onnx"),
             input_names=inputs,
             output_names=outputs,
@@ -146,7 +121,7 @@ def export_onnx(
             opset_version=opset,
             dynamo=True,
             verbose=False,
-            external_data=False,
+            external_data=external_data,
         )
         hf = cfg.to_hf_config()
         hf["torch_dtype"] = str(torch_dtype).removeprefix("torch.")

@@ -10,12 +10,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-_FLOAT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_SHORT = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # the API's older names
 
 
 def float_dtype(name: str) -> torch.dtype:
+    """A dtype named as torch names it (the CLI's one vocabulary); the Python API also takes
+    the short names fp32/fp16/bf16 it used to."""
     from llmopt.export.output import choice
 
+    name = _SHORT.get(name, name)
     return _FLOAT_DTYPES[choice(name, tuple(_FLOAT_DTYPES), "dtype")]
 
 

@@ -67,7 +67,7 @@ def check_model_args(args: argparse.Namespace) -> None:
 
 def check_args(args: argparse.Namespace) -> None:
     """Everything `generate` can refuse before loading a model."""
-    from llmopt.infer.sampling import SamplingConfig
+    from llmopt.infer.sampling import SamplingParams
 
     check_model_args(args)
     cli_args.text(args, "prompt", empty=True)
@@ -76,7 +76,7 @@ def check_args(args: argparse.Namespace) -> None:
     cli_args.number(args, "temperature", 0.0)
     cli_args.number(args, "top_p", 0.0, 1.0, above=True)
     cli_args.integer(args, "top_k", 0)
-    SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.system is not None and not args.chat:
         raise cli_args.ArgumentError("--system only applies with --chat")
     if args.eager and args.int8_head:
@@ -142,11 +142,11 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from llmopt.infer.generate import generate
-    from llmopt.infer.sampling import SamplingConfig
+    from llmopt.infer.sampling import SamplingParams
     from llmopt.models.loading import load_model, load_tokenizer
 
     check_args(args)  # also run by `llmopt.cli.main`; here for callers of run() itself
-    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()

@@ -26,9 +26,31 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from llmopt.infer.sampling import SamplingConfig, logits_to_probs, sample
+from llmopt.errors import UsageError
+from llmopt.infer.sampling import SamplingParams, logits_to_probs, sample
 from llmopt.models.llama import KVCache, Transformer
 from llmopt.models.spec import spec_for
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How many guesses a proposer is asked for: γ; adaptive γ grows by one after a fully
+    accepted round and shrinks by one after a rejection, within [gamma_min, gamma_max]."""
+
+    gamma: int = 4
+    adaptive: bool = False
+    gamma_min: int = 1
+    gamma_max: int = 12
+
+    def __post_init__(self) -> None:
+        values = (self.gamma_min, self.gamma, self.gamma_max)
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in values):
+            raise UsageError(f"gamma values must be integers, got {values}")
+        if not 1 <= self.gamma_min <= self.gamma <= self.gamma_max:
+            raise UsageError(
+                f"need 1 <= gamma_min={self.gamma_min} <= gamma={self.gamma} <= "
+                f"gamma_max={self.gamma_max}"
+            )
 
 
 @dataclass
@@ -55,7 +77,7 @@ class Draft(Protocol):
         self,
         context: list[int],
         gamma: int,
-        sampling: SamplingConfig,
+        sampling: SamplingParams,
         generator: torch.Generator | None,
     ) -> Proposal:
         """Up to gamma guesses for the tokens following `context`."""
@@ -73,7 +95,7 @@ class EarlyExitModel(Transformer):
         blocks = list(spec.blocks_of(target))
         total = len(blocks)
         if not 1 <= num_layers < total:
-            raise ValueError(
+            raise UsageError(
                 f"early-exit layer count {num_layers} must be in [1, {total - 1}] "
                 f"for a target with {total} layers"
             )
@@ -128,7 +150,7 @@ class ModelDraft:
         self,
         context: list[int],
         gamma: int,
-        sampling: SamplingConfig,
+        sampling: SamplingParams,
         generator: torch.Generator | None,
     ) -> Proposal:
         if self._cache is None:
@@ -167,7 +189,7 @@ class NGramDraft:
 
     def __init__(self, max_n: int = 3, min_n: int = 1) -> None:
         if not 1 <= min_n <= max_n:
-            raise ValueError(f"n-gram sizes need 1 <= min_n={min_n} <= max_n={max_n}")
+            raise UsageError(f"n-gram sizes need 1 <= min_n={min_n} <= max_n={max_n}")
         self.max_n, self.min_n = max_n, min_n
         self.name = f"ngram:{max_n}"
         self.vocab_size = None
@@ -198,7 +220,7 @@ class NGramDraft:
         self,
         context: list[int],
         gamma: int,
-        sampling: SamplingConfig,
+        sampling: SamplingParams,
         generator: torch.Generator | None,
     ) -> Proposal:
         if gamma <= 0:
@@ -225,7 +247,7 @@ def check_vocabularies(
     """
     target_vocab = target.config.vocab_size
     if draft.vocab_size is not None and draft.vocab_size != target_vocab:
-        raise ValueError(
+        raise UsageError(
             f"draft {draft.name!r} has a vocabulary of {draft.vocab_size} tokens but the target "
             f"has {target_vocab}: speculative decoding needs a draft with the target's tokenizer"
         )
@@ -233,7 +255,7 @@ def check_vocabularies(
         probe = "The quick brown fox, 1234 — ünïcödé!\n  def f(x): return x"
         a, b = target_tokenizer.encode(probe), draft_tokenizer.encode(probe)
         if a != b or target_tokenizer.vocab_size != draft_tokenizer.vocab_size:
-            raise ValueError(
+            raise UsageError(
                 f"draft {draft.name!r} uses a different tokenizer than the target (same text "
                 f"encodes to different ids): speculative decoding needs the target's tokenizer"
             )
@@ -252,14 +274,14 @@ def make_draft(
     """Build a draft from a CLI spec (see DRAFT_SPECS) for `target`, checking its vocabulary."""
     spec = spec.strip()
     if not spec:
-        raise ValueError(f"empty draft spec; valid: {DRAFT_SPECS}")
+        raise UsageError(f"empty draft spec; valid: {DRAFT_SPECS}")
     kind, _, arg = spec.partition(":")
     kind = kind.lower()
     if kind == "early-exit":
         try:
             k = int(arg)
         except ValueError:
-            raise ValueError(
+            raise UsageError(
                 f"draft spec {spec!r}: early-exit needs a layer count, e.g. early-exit:8"
             ) from None
         draft: Draft = ModelDraft(EarlyExitModel(target, k), name=f"early-exit:{k}")
@@ -267,7 +289,7 @@ def make_draft(
         try:
             n = int(arg) if arg else 3
         except ValueError:
-            raise ValueError(
+            raise UsageError(
                 f"draft spec {spec!r}: ngram takes an n-gram size, e.g. ngram:3"
             ) from None
         draft = NGramDraft(max_n=n)
@@ -281,7 +303,7 @@ def make_draft(
             model = load_model(spec, dtype=param.dtype, device=param.device).eval()
         except (KeyError, FileNotFoundError, ValueError) as exc:
             reason = exc.args[0] if exc.args else exc
-            raise ValueError(f"draft {spec!r}: {reason}; valid draft specs: {DRAFT_SPECS}") from exc
+            raise UsageError(f"draft {spec!r}: {reason}; valid draft specs: {DRAFT_SPECS}") from exc
         from llmopt.compress.distill.draft import read_draft_vocab, with_reduced_head
 
         ids = read_draft_vocab(spec) if Path(spec).is_dir() else None
@@ -299,7 +321,7 @@ def quantized_copy(target: Transformer, bits: int, group_size: int = 128) -> nn.
     try:
         from llmopt.compress.quant import quantize_model
     except ImportError as exc:
-        raise ValueError(
+        raise UsageError(
             f"int{bits} self-draft needs llmopt.compress.quant.quantize_model ({exc})"
         ) from exc
     cfg = target.config

@@ -1,149 +1,173 @@
-"""Autoregressive generation with a preallocated KV cache.
+"""Autoregressive generation of one prompt: the serving engine at batch 1.
 
-One prefill pass over the prompt, then one single-token pass per new token; the cache is sized
-for prompt + max_new_tokens up front, so decoding never reallocates or copies it, and only the
-last position's logits are computed.
-
-Two decode paths share this loop: the fast one (`llmopt.infer.fast`: one C++ call per token,
-fused layout, batch-1 kernels) whenever its kernels build and the model is supported, else the
-eager model. `fast=False` forces eager; `fast=True` fails with the reason instead of falling back.
+There is one decode loop (`llmopt.infer.batch.Engine`); `generate` sizes a paged cache for
+prompt + max_new_tokens, feeds the whole prompt in one step, then one token (plus a proposer's
+guesses when `draft` is given) per step. The runner is the fused CPU step whenever its kernels
+build and the model's weights are kernel kinds, else the eager model over the same cache;
+`fast=False` forces eager, `fast=True` fails with the reason instead of falling back.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
-from llmopt.infer.sampling import SamplingConfig, logits_to_probs, sample
-from llmopt.models.llama import KVCache, Transformer
+from llmopt.errors import UsageError
+from llmopt.infer.drafts import Draft, SpeculativeConfig
+from llmopt.infer.sampling import SamplingParams
+
+BLOCK_SIZE = 16
 
 
-def check_context(model: Transformer, prompt_len: int, max_new_tokens: int) -> None:
+def check_context(model: nn.Module, prompt_len: int, max_new_tokens: int) -> None:
     """Fail early, naming the numbers, when prompt + generation cannot fit the context."""
     ctx = model.config.max_seq_len
     if prompt_len == 0:
-        raise ValueError("the prompt is empty; generation needs at least one token")
+        raise UsageError("the prompt is empty; generation needs at least one token")
     if prompt_len >= ctx:
-        raise ValueError(
+        raise UsageError(
             f"prompt of {prompt_len} tokens is longer than the model context max_seq_len={ctx} "
             "(it must leave room for at least one new token)"
         )
     if prompt_len + max_new_tokens > ctx:
-        raise ValueError(
+        raise UsageError(
             f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} exceeds the model "
             f"context max_seq_len={ctx}; use max_new_tokens <= {ctx - prompt_len}"
         )
 
 
-def next_token(
-    logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None
-) -> torch.Tensor:
-    """[B, vocab] logits -> [B] token ids (argmax for greedy, no probability tensor built)."""
-    if sampling.greedy:
-        return logits.argmax(-1)
-    return sample(logits_to_probs(logits, sampling), generator)
+def runner_for(fast: bool | None) -> str:
+    """The engine runner a `fast` setting asks for (None: the fused step when available)."""
+    return {None: "auto", True: "fused", False: "eager"}[fast]
 
 
-class _EagerStepper:
-    """The plain model with a static KVCache, as prefill/step calls."""
-
-    def __init__(self, model: Transformer, max_len: int) -> None:
-        self.model = model
-        self.cache = KVCache.for_model(model, batch_size=1, max_len=max_len)
-        self.device = next(model.parameters()).device
-
-    def prefill(self, prompt_ids: list[int]) -> torch.Tensor:
-        tokens = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
-        return self.model(tokens, self.cache, last_only=True)[0, -1]
-
-    def step(self, token: int) -> torch.Tensor:
-        tokens = torch.tensor([[token]], dtype=torch.long, device=self.device)
-        return self.model(tokens, self.cache, last_only=True)[0, -1]
-
-
-def decode_path(model: Transformer, fast: bool | None) -> tuple[str, str | None]:
-    """("fast" | "eager", why the fast path is not used or None)."""
+def decode_path(
+    model: nn.Module, fast: bool | None, int8_head: bool = False
+) -> tuple[str, str | None]:
+    """("fused" | "eager", why the fused step is not used or None)."""
     if fast is False:
         return "eager", "eager requested"
-    from llmopt.infer.fast import fast_decode_unavailable
+    from llmopt.infer.fast import fused_unavailable
 
-    reason = fast_decode_unavailable(model)
+    reason = fused_unavailable(model, int8_head)
     if reason is None:
-        return "fast", None
+        return "fused", None
     if fast:
-        raise ValueError(f"fast decode requested but unavailable: {reason}")
+        raise UsageError(f"fast decode requested but unavailable: {reason}")
     return "eager", reason
+
+
+def batch_one_engine(
+    model: nn.Module,
+    max_len: int,
+    *,
+    fast: bool | None = None,
+    int8_head: bool = False,
+    threads: int | None = None,
+    speculative: SpeculativeConfig | None = None,
+    prompt_len: int = 0,
+    eos_token_id: int | Sequence[int] | None = None,
+):
+    """An engine whose cache holds exactly one sequence of `max_len` tokens."""
+    from llmopt.infer.batch import Engine, EngineConfig
+
+    speculative = speculative or SpeculativeConfig()
+    config = EngineConfig(
+        num_blocks=-(-max_len // BLOCK_SIZE),
+        block_size=BLOCK_SIZE,
+        max_num_seqs=1,
+        max_batched_tokens=max(512, prompt_len + speculative.gamma_max + 1),
+        prefix_caching=False,
+        runner=runner_for(fast),
+        threads=threads,
+        int8_head=int8_head,
+        speculative=speculative,
+    )
+    return Engine(model, config, eos_token_id=eos_token_id)
 
 
 @torch.inference_mode()
 def generate(
-    model: Transformer,
+    model: nn.Module,
     prompt_ids: list[int],
     *,
     max_new_tokens: int,
-    sampling: SamplingConfig = SamplingConfig(),  # noqa: B008 (frozen dataclass)
+    sampling: SamplingParams | None = None,
     seed: int | None = None,
-    eos_token_id: int | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
     on_token: Callable[[int], None] | None = None,
     fast: bool | None = None,
     int8_head: bool = False,
+    threads: int | None = None,
+    draft: Draft | None = None,
+    speculative: SpeculativeConfig | None = None,
     stats: dict[str, Any] | None = None,
 ) -> list[int]:
     """New token ids after `prompt_ids` (the prompt is not repeated).
 
-    Stops after `max_new_tokens` or right after emitting `eos_token_id` (which is included).
+    Stops after `max_new_tokens` or right after emitting an id of `eos_token_id` (included).
     `on_token(id)` is called as each token is chosen, for streaming. A `seed` makes sampling
-    reproducible; greedy decoding ignores it. `fast`: None = fast path when available, True =
-    require it, False = eager. `int8_head` (fast path only) reads the output head as per-row
-    INT8 codes: 4x fewer bytes than fp32, not exact. A `stats` dict receives the path taken and
-    prefill/decode seconds (decode excludes the prefill that yields the first token).
+    reproducible; greedy decoding ignores it. `fast`: None = fused step when available, True =
+    require it, False = eager. `int8_head` (fused step only) reads the output head as per-row
+    INT8 codes: 4x fewer bytes than fp32, not exact. `draft`: speculate with this proposer
+    (`speculative` sets its guesses per step). A `stats` dict receives the path taken and
+    prefill/decode seconds (decode excludes the prefill that yields the first token), and the
+    speculative counters under "speculative" when a draft ran.
     """
     if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
+        raise UsageError(f"max_new_tokens={max_new_tokens} must be >= 0")
     prompt_ids = [int(t) for t in prompt_ids]
     check_context(model, len(prompt_ids), max_new_tokens)
     vocab = model.config.vocab_size
     bad = [t for t in prompt_ids if not 0 <= t < vocab]
     if bad:
-        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        raise UsageError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
     if max_new_tokens == 0:
         return []
-    param = next(model.parameters())
-    device = param.device
-    generator = None
-    if seed is not None and not sampling.greedy:
-        generator = torch.Generator(device=device).manual_seed(seed)
-    path, reason = decode_path(model, fast)
-    max_len = len(prompt_ids) + max_new_tokens
-    if path == "fast":
-        from llmopt.infer.fast import FastDecoder
-
-        stepper: Any = FastDecoder(model, max_len, int8_head=int8_head)
-    else:
-        stepper = _EagerStepper(model, max_len)
+    engine = batch_one_engine(
+        model,
+        len(prompt_ids) + max_new_tokens,
+        fast=fast,
+        int8_head=int8_head,
+        threads=threads,
+        speculative=speculative,
+        prompt_len=len(prompt_ids),
+        eos_token_id=eos_token_id,
+    )
+    params = dataclasses.replace(
+        sampling or SamplingParams(),
+        max_tokens=max_new_tokens,
+        seed=seed,
+        ignore_eos=False,
+        stop=(),
+        ngram=0,
+        num_speculative=(speculative or SpeculativeConfig()).gamma,
+    )
+    request = engine.add_request("generate", prompt_ids, params, draft=draft)
     t0 = time.perf_counter()
-    logits = stepper.prefill(prompt_ids)
-    t1 = time.perf_counter()
-    out: list[int] = []
-    while True:
-        token_id = int(next_token(logits.view(1, -1), sampling, generator))
-        out.append(token_id)
-        if on_token is not None:
-            on_token(token_id)
-        if token_id == eos_token_id or len(out) == max_new_tokens:
-            break
-        logits = stepper.step(token_id)
+    t1, first = None, 0
+    while not request.finished:
+        for out in engine.step():
+            if t1 is None and out.new_tokens:
+                t1, first = time.perf_counter(), len(out.new_tokens)
+            if on_token is not None:
+                for token in out.new_tokens:
+                    on_token(token)
     if stats is not None:
         stats.update(
-            path=path,
-            fallback_reason=reason,
-            int8_head=int8_head and path == "fast",
+            path=engine.runner.name,
+            fallback_reason=engine.fused_reason,
+            int8_head=int8_head and engine.runner.name == "fused",
             prefill_tokens=len(prompt_ids),
-            prefill_s=t1 - t0,
-            decode_tokens=len(out) - 1,
-            decode_s=time.perf_counter() - t1,
+            prefill_s=(t1 or t0) - t0,
+            decode_tokens=len(request.output) - first,
+            decode_s=time.perf_counter() - (t1 or t0),
         )
-    return out
+        if request.spec is not None:
+            stats["speculative"] = request.spec
+    return request.output

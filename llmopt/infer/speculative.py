@@ -14,12 +14,9 @@ Drafts live in `llmopt.infer.drafts`.
 
 from __future__ import annotations
 
+from llmopt.infer.drafts import SpeculativeConfig
 from llmopt.infer.speculative_cli import add_speculative_arguments, run_speculative_from_args
-from llmopt.infer.speculative_loop import (
-    SpeculativeConfig,
-    SpeculativeResult,
-    speculative_generate,
-)
+from llmopt.infer.speculative_loop import SpeculativeResult, speculative_generate
 from llmopt.infer.speculative_measure import (
     Comparison,
     PlainRun,

@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from llmopt.infer.drafts import DRAFT_SPECS, make_draft
-from llmopt.infer.sampling import SamplingConfig
-from llmopt.infer.speculative_loop import SpeculativeConfig, speculative_generate
+from llmopt.errors import UsageError
+from llmopt.infer.drafts import DRAFT_SPECS, SpeculativeConfig, make_draft
+from llmopt.infer.sampling import SamplingParams
+from llmopt.infer.speculative_loop import speculative_generate
 from llmopt.infer.speculative_measure import calibrate, compare_with_plain
 from llmopt.models.llama import Transformer
 
@@ -42,7 +43,7 @@ def run_speculative_from_args(
     model: Transformer,
     tokenizer,
     prompt_ids: list[int],
-    sampling: SamplingConfig,
+    sampling: SamplingParams,
 ) -> tuple[list[int], dict[str, Any]]:
     """Run `llmopt generate --draft ...`: (new token ids, statistics dict, empty without --stats).
 
@@ -50,9 +51,9 @@ def run_speculative_from_args(
     when present, args.seed and args.ignore_eos.
     """
     if not args.draft:
-        raise ValueError(f"--draft is required for speculative decoding; valid: {DRAFT_SPECS}")
+        raise UsageError(f"--draft is required for speculative decoding; valid: {DRAFT_SPECS}")
     if args.gamma < 1:
-        raise ValueError(f"--gamma {args.gamma} must be >= 1")
+        raise UsageError(f"--gamma {args.gamma} must be >= 1")
     config = SpeculativeConfig(
         gamma=args.gamma, adaptive=args.adaptive_gamma, gamma_max=max(12, args.gamma)
     )

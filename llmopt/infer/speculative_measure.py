@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from llmopt.infer.drafts import Draft, ModelDraft
+from llmopt.infer.drafts import Draft, ModelDraft, SpeculativeConfig
 from llmopt.infer.generate import generate
-from llmopt.infer.sampling import SamplingConfig
-from llmopt.infer.speculative_loop import SpeculativeConfig, SpeculativeResult, speculative_generate
+from llmopt.infer.sampling import SamplingParams
+from llmopt.infer.speculative_loop import SpeculativeResult, speculative_generate
 from llmopt.infer.speculative_predict import PassCosts
 from llmopt.infer.speculative_stats import SpeculativeStats
 from llmopt.models.llama import KVCache, Transformer
@@ -105,7 +105,7 @@ def calibrate(
     stats = result.stats
     max_gamma = max(8, stats.gamma, *stats.gammas_used)
     room = max(0, target.config.max_seq_len - max_gamma - 1)  # for the longest pass
-    context_len = min(result.target_cache.length, room)
+    context_len = min(result.context_len, room)
     if draft is not None:
         stats.costs = calibrate_costs(target, draft, context_len, max_gamma, repeats)
         return stats.costs
@@ -155,7 +155,7 @@ def measure_plain(
     prompt_ids: list[int],
     *,
     max_new_tokens: int,
-    sampling: SamplingConfig | None = None,
+    sampling: SamplingParams | None = None,
     seed: int | None = None,
     eos_token_id: int | None = None,
 ) -> PlainRun:
@@ -166,7 +166,7 @@ def measure_plain(
         target,
         prompt_ids,
         max_new_tokens=max_new_tokens,
-        sampling=sampling or SamplingConfig(),
+        sampling=sampling or SamplingParams(),
         seed=seed,
         eos_token_id=eos_token_id,
         on_token=lambda _: stamps.append(_now()),
@@ -206,7 +206,9 @@ class Comparison:
     def speculative_decode(self) -> Timing:
         st = self.stats
         return Timing(
-            st.generated, st.total_time_s - st.prefill_time_s, st.total_cpu_s - st.prefill_cpu_s
+            st.generated - st.first_tokens,
+            st.total_time_s - st.prefill_time_s,
+            st.total_cpu_s - st.prefill_cpu_s,
         )
 
     @property
@@ -243,7 +245,7 @@ def compare_with_plain(
     prompt_ids: list[int],
     *,
     max_new_tokens: int,
-    sampling: SamplingConfig | None = None,
+    sampling: SamplingParams | None = None,
     config: SpeculativeConfig | None = None,
     seed: int | None = None,
     eos_token_id: int | None = None,
@@ -253,7 +255,7 @@ def compare_with_plain(
 
     `plain`: a `measure_plain` of this prompt to reuse (one plain run for several drafts).
     """
-    sampling = sampling or SamplingConfig()
+    sampling = sampling or SamplingParams()
     run = {
         "max_new_tokens": max_new_tokens,
         "sampling": sampling,

@@ -21,6 +21,7 @@ _SUMMED = (
     "accepted",
     "rejections",
     "generated",
+    "first_tokens",
     "draft_forwards",
     "draft_time_s",
     "verify_time_s",
@@ -47,6 +48,7 @@ class SpeculativeStats:
     accepted: int = 0
     rejections: int = 0  # rounds that stopped at a rejected guess
     generated: int = 0
+    first_tokens: int = 0  # tokens out of the step that also prefilled the prompt
     draft_forwards: int = 0
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from llmopt.errors import LlmoptError
 
-class ConfigError(ValueError):
+
+class ConfigError(LlmoptError, ValueError):
     """A model configuration that cannot describe a working model."""

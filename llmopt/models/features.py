@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from llmopt.errors import LlmoptError
 from llmopt.models.spec import get_spec
 
 
-class UnsupportedArchitectureError(ValueError):
+class UnsupportedArchitectureError(LlmoptError, ValueError):
     """A consumer that implements only the Llama block was given a model with more."""
 
 

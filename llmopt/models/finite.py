@@ -11,8 +11,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from llmopt.errors import LlmoptError
 
-class NonFiniteWeightsError(ValueError):
+
+class NonFiniteWeightsError(LlmoptError, ValueError):
     """A model whose weights contain NaN or inf."""
 
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from llmopt.models.attention.backend import AttentionBackend
 from llmopt.models.config import ModelConfig
-from llmopt.models.kv_cache import KVCache
 from llmopt.models.layers import MLP, Attention, RMSNorm
 
 
@@ -30,8 +30,8 @@ class SandwichBlock(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(h, eps)
 
     def forward(
-        self, x: torch.Tensor, cos, sin, cache: KVCache | None = None, start: int = 0
+        self, x: torch.Tensor, cos, sin, attn: AttentionBackend | None = None
     ) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, cache, start)
-        x = x + self.post_attention_layernorm(attn)
+        out = self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        x = x + self.post_attention_layernorm(out)
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from llmopt.errors import LlmoptError
 from llmopt.models.config import ConfigError, ModelConfig
 from llmopt.models.spec import ModelSpec, UnknownArchitectureError, spec_for_gguf
 
@@ -43,7 +44,7 @@ _BLOCK_NAMES = {
 }
 
 
-class GGUFError(ValueError):
+class GGUFError(LlmoptError, ValueError):
     """A GGUF file that cannot be read or does not describe a supported model."""
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from llmopt.artifacts import atomic_write, atomic_write_text
+from llmopt.errors import LlmoptError
 from llmopt.models.config import ConfigError, ModelConfig
 from llmopt.models.hf_schema import (
     GENERATION_CONFIG,
@@ -28,7 +29,7 @@ _PREFIX = "model."
 _ROTARY_BUFFERS = ("inv_freq", "original_inv_freq")
 
 
-class SafetensorsError(ValueError):
+class SafetensorsError(LlmoptError, ValueError):
     """A safetensors file that is truncated, corrupted or holds unexpected tensors."""
 
 
@@ -53,7 +54,7 @@ def weight_files(directory: Path) -> list[Path]:
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         if any(directory.glob("*.bin")) or any(directory.glob("*.pt")):
-            raise ValueError(
+            raise SafetensorsError(
                 f"{directory} holds only pickled weights (*.bin/*.pt), which llmopt never "
                 "unpickles; convert them to safetensors"
             )
@@ -156,7 +157,7 @@ def from_hf_layout(
             prefix, module, leaf = split
             sizes = [rows[part] for part in fused[module]]
             if tensor.shape[0] != sum(sizes):
-                raise ValueError(
+                raise SafetensorsError(
                     f"fused tensor {name!r} has {tensor.shape[0]} rows; the config implies "
                     f"{' + '.join(map(str, sizes))} for {', '.join(fused[module])}"
                 )

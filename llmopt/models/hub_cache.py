@@ -11,11 +11,13 @@ import os
 import re
 from pathlib import Path
 
+from llmopt.errors import LlmoptError
+
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 
-class HubCacheError(FileNotFoundError):
+class HubCacheError(LlmoptError, FileNotFoundError):
     """A Hub id that is not (or not unambiguously) in the local cache."""
 
 

@@ -9,17 +9,18 @@ scale, per-layer windows and GeGLU) so every block kind shares one attention and
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmopt.models.attention.core import AttentionCore
 from llmopt.models.config import ModelConfig
-from llmopt.models.kv_cache import KVCache
 from llmopt.models.spec import get_spec
 
-# `enable_gqa` (torch >= 2.5) avoids materialising repeated KV heads.
-_SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+if TYPE_CHECKING:
+    from llmopt.models.attention.backend import AttentionBackend
 
 
 class SoftcappedLinear(nn.Linear):
@@ -86,6 +87,10 @@ class RotaryEmbedding(nn.Module):
             dtype
         )
 
+    def at(self, positions: torch.Tensor, dtype: torch.dtype):
+        """Tables at explicit positions [B|1, T] -> [B|1, 1, T, D] (broadcast over heads)."""
+        return self.cos[positions][:, None].to(dtype), self.sin[positions][:, None].to(dtype)
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
@@ -94,73 +99,6 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + _rotate_half(x) * sin
-
-
-class AttentionCore(nn.Module):
-    """softmax(QK^T/sqrt(d) + causal mask) V for grouped-query attention.
-
-    q: [B, H, T, D]; k, v: [B, Hkv, S, D] where the T queries sit at the last T of the S
-    positions. Kept separate so selective activation recomputation can wrap exactly it.
-    With a sliding `window`, query i sees keys (i - window, i] (HF Mistral's convention).
-    `scale` replaces 1/sqrt(head_dim); `softcap` maps scores to cap * tanh(score / cap) before
-    the mask (Gemma 2), which SDPA cannot do, so those take the explicit path.
-    """
-
-    def __init__(
-        self, window: int | None = None, scale: float | None = None, softcap: float | None = None
-    ) -> None:
-        super().__init__()
-        self.window = window
-        self.scale = scale
-        self.softcap = softcap
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        batch, heads, t, d = q.shape
-        kv_heads, s = k.shape[1], k.shape[2]
-        groups = heads // kv_heads
-        windowed = self.window is not None and s > self.window
-        if self.softcap is not None:
-            return self._capped(q, k, v, windowed)
-        if t == s and not windowed:  # plain causal attention (flash/efficient kernels)
-            if groups == 1:
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-            if _SDPA_HAS_GQA:
-                return F.scaled_dot_product_attention(
-                    q, k, v, is_causal=True, enable_gqa=True, scale=self.scale
-                )
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-        # Cached decode/verify: fold each KV head's query group into the query rows so the
-        # cached keys are read once, never copied per query head.
-        qf = q.reshape(batch, kv_heads, groups * t, d)
-        mask = None
-        if t > 1 or windowed:
-            mask = self._visible(t, s, windowed, q.device).repeat(groups, 1)
-        out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=self.scale)
-        return out.reshape(batch, heads, t, d)
-
-    def _visible(self, t: int, s: int, windowed: bool, device: torch.device) -> torch.Tensor:
-        """[t, s] bool: which of the s keys each of the last t queries may attend to."""
-        query_pos = torch.arange(s - t, s, device=device)[:, None]
-        key_pos = torch.arange(s, device=device)[None, :]
-        visible = key_pos <= query_pos
-        if windowed:
-            visible = visible & (key_pos > query_pos - self.window)
-        return visible
-
-    def _capped(self, q, k, v, windowed: bool) -> torch.Tensor:
-        """Soft-capped scores (HF Gemma 2's eager order: scale, cap, mask, fp32 softmax)."""
-        batch, heads, t, d = q.shape
-        kv_heads, s = k.shape[1], k.shape[2]
-        qf = q.reshape(batch, kv_heads, heads // kv_heads * t, d)
-        scale = self.scale if self.scale is not None else d**-0.5
-        scores = torch.matmul(qf, k.transpose(-1, -2)) * scale
-        scores = torch.tanh(scores / self.softcap) * self.softcap
-        visible = self._visible(t, s, windowed, q.device).repeat(heads // kv_heads, 1)
-        scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.matmul(probs, v).reshape(batch, heads, t, d)
 
 
 def layer_window(config: ModelConfig, layer_idx: int) -> int | None:
@@ -198,8 +136,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        cache: KVCache | None = None,
-        start: int = 0,
+        attn: AttentionBackend | None = None,
     ) -> torch.Tensor:
         batch, t, _ = x.shape
         q = self.q_proj(x).view(batch, t, -1, self.head_dim)
@@ -209,9 +146,10 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(batch, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:
-            k, v = cache.store(self.layer_idx, k, v, start)
-        out = self.core(q, k, v)
+        if attn is None:
+            out = self.core(q, k, v)
+        else:
+            out = attn.attend(self.core, self.layer_idx, q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(batch, t, -1))
 
 

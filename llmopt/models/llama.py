@@ -4,8 +4,14 @@ Phi-3) and Gemma 2.
 RMSNorm, RoPE (HF "rotate half" layout), grouped-query attention through
 `scaled_dot_product_attention`, SwiGLU (or GELU) MLP, tied or untied embeddings, optional
 q/k/v biases (Qwen2), optional sliding-window attention (Mistral). The layers live in
-`llmopt.models.layers`, the cache in `llmopt.models.kv_cache`, Gemma 2's block in
-`llmopt.models.gemma2`; this module assembles blocks and the model. Parameter names follow
+`llmopt.models.layers`, Gemma 2's block in `llmopt.models.gemma2`; this module assembles
+blocks and the model.
+
+This is the one forward of every path: training, evaluation, calibration, export and serving
+run it, and differ only in the attention backend they pass (`llmopt.models.attention`): none
+(causal self-attention), a static cache, the serving engine's paged cache, ONNX's past/present
+tensors. The backend says where the fed tokens sit and stores keys/values; the model computes
+everything else, so each architecture's features hold on every path. Parameter names follow
 HF's (minus the `model.` prefix) so checkpoints map one-to-one; the `ModelSpec`s of
 `llmopt.models.spec` name them for everything outside this package.
 
@@ -27,10 +33,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from llmopt.models.attention.backend import AttentionBackend
+from llmopt.models.attention.static import KVCache, kv_layout
 from llmopt.models.config import ConfigError, ModelConfig
 from llmopt.models.experts import feed_forward
 from llmopt.models.gemma2 import SandwichBlock
-from llmopt.models.kv_cache import KVCache
 from llmopt.models.layers import (
     MLP,
     Attention,
@@ -66,8 +73,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = feed_forward(config, layer_idx)  # MLP, or MoE where the config has experts
 
-    def forward(self, x, cos, sin, cache: KVCache | None = None, start: int = 0):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, start)
+    def forward(self, x, cos, sin, attn: AttentionBackend | None = None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -110,15 +117,24 @@ class Transformer(nn.Module):
         layers = self.layers
         return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
 
+    def kv_layout(self) -> tuple[int, int, int]:
+        """(kv heads, key head dim, value head dim) that a cache for this model holds."""
+        return kv_layout(self)
+
     def hidden_states(
-        self, tokens: torch.Tensor, cache: KVCache | None = None, seq_len: int | None = None
+        self,
+        tokens: torch.Tensor,
+        attn: AttentionBackend | None = None,
+        seq_len: int | None = None,
+        normed: bool = True,
     ) -> torch.Tensor:
         """Hidden states [B, T, hidden] after the blocks (and the final norm, if held).
 
         `tokens` are ids [B, T], or hidden states [B, T, hidden] when the embedding was
-        deleted (a later pipeline stage). `seq_len`: the full sequence length when the input
-        is a sequence shard (sequence parallelism), for the RoPE tables. Advances `cache` by
-        T positions.
+        deleted (a later pipeline stage). `attn`: the attention backend (None: causal
+        self-attention over the T tokens). `seq_len`: the full sequence length when the input
+        is a sequence shard (sequence parallelism), for the RoPE tables. `normed=False` leaves
+        the final norm to the caller (a server normalises only the rows it samples from).
         """
         if self.embed_tokens is not None and tokens.dim() != 2:
             raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
@@ -127,12 +143,13 @@ class Transformer(nn.Module):
                 "a model without its embedding takes hidden states [batch, seq, hidden], got "
                 f"shape {tuple(tokens.shape)}"
             )
-        start = cache.length if cache is not None else 0
-        t = tokens.shape[1]
+        batch, t = tokens.shape[:2]
         full = seq_len if seq_len is not None else t
-        if start + full > self.config.max_seq_len:
+        positions = 0 if attn is None else attn.positions(batch, full)
+        # explicit positions come from a backend that checked them against the context
+        if isinstance(positions, int) and positions + full > self.config.max_seq_len:
             raise ValueError(
-                f"sequence of {start + full} tokens exceeds the model context "
+                f"sequence of {positions + full} tokens exceeds the model context "
                 f"max_seq_len={self.config.max_seq_len}"
             )
         if self.embed_tokens is not None:
@@ -141,22 +158,25 @@ class Transformer(nn.Module):
                 x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         else:
             x = tokens
-        cos, sin = self.rotary(start, full, x.dtype)
+        if isinstance(positions, int):
+            cos, sin = self.rotary(positions, full, x.dtype)
+        else:
+            cos, sin = self.rotary.at(positions, x.dtype)
         for layer in self.held_blocks():
-            x = layer(x, cos, sin, cache, start)
-        if cache is not None:
-            cache.length = start + t
-        return self.norm(x) if self.norm is not None else x
+            x = layer(x, cos, sin, attn)
+        if attn is not None:
+            attn.finish(t)
+        return self.norm(x) if self.norm is not None and normed else x
 
     def forward(
         self,
         tokens: torch.Tensor,
-        cache: KVCache | None = None,
+        attn: AttentionBackend | None = None,
         last_only: bool = False,
         seq_len: int | None = None,
     ) -> torch.Tensor:
         """Logits [B, T, vocab] (or [B, 1, vocab] with last_only); hidden states without a head."""
-        h = self.hidden_states(tokens, cache, seq_len)
+        h = self.hidden_states(tokens, attn, seq_len)
         if self.lm_head is None:
             return h
         if last_only:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from llmopt.errors import UsageError
 from llmopt.models.config import ModelConfig
 from llmopt.models.directory_formats import (
     directory_format,
@@ -20,6 +21,8 @@ from llmopt.models.directory_formats import (
     registered_markers,
 )
 from llmopt.models.finite import check_finite_weights
+from llmopt.models.gguf import GGUFError
+from llmopt.models.hf import SafetensorsError
 from llmopt.models.hub_cache import cached_snapshot, looks_like_hub_id
 from llmopt.models.llama import RotaryEmbedding, Transformer
 from llmopt.models.registry import is_model_name, resolve
@@ -58,7 +61,7 @@ def resolve_spec(spec: str | Path) -> tuple[str, Path]:
         magic = handle.read(4)
     if path.suffix == ".gguf" or magic == b"GGUF":
         return "gguf", path
-    raise ValueError(
+    raise UsageError(
         f"cannot load {path}: not a GGUF file (magic bytes {magic!r}); pass a .gguf file, a HF "
         "directory or a packaged model name"
     )
@@ -72,6 +75,28 @@ def load_model(
     model = _load_model(spec, dtype=dtype, device=device)
     check_finite_weights(model, str(spec))
     return model
+
+
+def load_config(spec: str | Path) -> ModelConfig | None:
+    """The model config of `spec` without loading its weights (a GGUF's metadata, an HF
+    directory's config.json, a compressed directory's marker); None for a format that keeps
+    it elsewhere. What resource checks (KV cache size, layouts) read before any work."""
+    kind, path = resolve_spec(spec)
+    if kind == "gguf":
+        from llmopt.models.gguf import open_gguf
+
+        return open_gguf(path).config()
+    if kind == "hf":
+        from llmopt.models.hf import read_config
+
+        return read_config(path)
+    for marker in ("llmopt_quant.json", "llmopt_prune.json"):
+        if (path / marker).is_file():
+            from llmopt.config_files import read_json
+
+            data = read_json(path / marker, "marker").get("model_config")
+            return ModelConfig.from_dict(data) if isinstance(data, dict) else None
+    return None
 
 
 def _load_model(spec: str | Path, *, dtype: torch.dtype, device: torch.device | str) -> Transformer:
@@ -125,12 +150,17 @@ def model_from_tensors(
         if config.tie_embeddings and name == "lm_head.weight":
             continue
         if name not in expected:
-            raise ValueError(
+            raise SafetensorsError(
                 f"{source}: unexpected tensor {name!r} for a {config.num_layers}-layer "
                 f"{config.architecture} model"
             )
+        if not tensor.is_floating_point():
+            raise SafetensorsError(
+                f"{source}: tensor {name!r} has dtype {str(tensor.dtype).removeprefix('torch.')}"
+                "; model weights must be floating point (float32, bfloat16 or float16)"
+            )
         if tensor.shape != expected[name]:
-            raise ValueError(
+            raise SafetensorsError(
                 f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, the config implies "
                 f"{tuple(expected[name])}"
             )
@@ -140,7 +170,7 @@ def model_from_tensors(
         shown = ", ".join(missing[:4]) + (
             f" and {len(missing) - 4} more" if len(missing) > 4 else ""
         )
-        raise ValueError(f"{source} lacks tensors the config needs: {shown}")
+        raise SafetensorsError(f"{source} lacks tensors the config needs: {shown}")
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -157,7 +187,7 @@ def load_tokenizer(spec: str | Path) -> Tokenizer:
         gguf_file = open_gguf(path)
         keys = [k for k in gguf_file.reader.fields if k.startswith("tokenizer.")]
         if "tokenizer.ggml.tokens" not in keys:
-            raise ValueError(f"{path} carries no tokenizer (no tokenizer.ggml.tokens metadata)")
+            raise GGUFError(f"{path} carries no tokenizer (no tokenizer.ggml.tokens metadata)")
         return Tokenizer.from_gguf_metadata({k: gguf_file.field(k) for k in keys})
     return Tokenizer.from_directory(path)
 

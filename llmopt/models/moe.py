@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from llmopt.errors import LlmoptError
+
 # Keys whose presence (with more than one expert) makes a HF config a MoE model.
 EXPERT_COUNT_KEYS = ("num_local_experts", "n_routed_experts", "num_experts", "moe_num_experts")
 # Keys only MoE configs carry; with no expert count they mean a layout llmopt cannot read.
@@ -33,7 +35,7 @@ MOE_ONLY_KEYS = (
 )
 
 
-class MoEConfigError(ValueError):
+class MoEConfigError(LlmoptError, ValueError):
     """A mixture-of-experts shape that is inconsistent or that llmopt cannot read."""
 
 

@@ -6,6 +6,7 @@ Llama-3.1-405B as freely as SmolLM2-135M.
 
 from __future__ import annotations
 
+from llmopt.errors import LlmoptError
 from llmopt.models.config import ModelConfig
 from llmopt.models.moe import MLAConfig, MoEConfig
 
@@ -233,12 +234,19 @@ ALIASES = {
 }
 
 
+class UnknownPresetError(LlmoptError, KeyError):
+    """A preset name that is not in the catalogue (a KeyError for the lookups that catch one)."""
+
+    def __str__(self) -> str:  # KeyError's own str() quotes the message
+        return str(self.args[0]) if self.args else ""
+
+
 def get_preset(name: str) -> ModelConfig:
     """Look up a preset by (case-insensitive) name or alias."""
     key = name.lower()
     key = ALIASES.get(key, key)
     if key not in PRESETS:
-        raise KeyError(
+        raise UnknownPresetError(
             f"unknown model preset {name!r}; known presets: {', '.join(sorted(PRESETS))}"
         )
     return PRESETS[key]

@@ -11,6 +11,8 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmopt.errors import LlmoptError
+
 
 @dataclass(frozen=True)
 class PackagedModel:
@@ -40,7 +42,7 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
 ALIASES = {"smollm2": "smollm2-135m", "smollm2-135m-instruct": "smollm2-135m"}
 
 
-class UnknownModelError(ValueError):
+class UnknownModelError(LlmoptError, ValueError):
     """A model name that is neither packaged nor a path."""
 
 

@@ -22,11 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from llmopt.errors import LlmoptError
+
 if TYPE_CHECKING:  # the spec is data: the planner reads it without importing torch
     from torch import nn
 
 
-class UnknownArchitectureError(ValueError):
+class UnknownArchitectureError(LlmoptError, ValueError):
     """No spec is registered under that architecture name."""
 
 

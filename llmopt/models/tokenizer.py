@@ -22,7 +22,8 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
 from llmopt.artifacts import atomic_write_text
-from llmopt.config_files import read_text
+from llmopt.config_files import ConfigFileError, read_text
+from llmopt.errors import LlmoptError, UsageError
 from llmopt.models.hf_schema import HF_CONFIG, TOKENIZER_CONFIG, read_hf_json
 
 # GGUF token types (llama.cpp's llama_token_type)
@@ -60,7 +61,7 @@ def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
         "default": _GPT2_SPLIT,
     }.get(pre)
     if split is None:
-        raise ValueError(
+        raise UsageError(
             f"GGUF pre-tokenizer {pre!r} is not supported; supported: smollm, starcoder, refact, "
             "llama-bpe, llama3, smaug-bpe, qwen2, deepseek-r1-qwen, gpt2, default"
         )
@@ -72,7 +73,7 @@ def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     )
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(LlmoptError, ValueError):
     """A chat template (the model's, not ours) that does not compile or render."""
 
 
@@ -103,7 +104,7 @@ class Tokenizer:
         ids = self.backend.encode(text, add_special_tokens=False).ids
         if add_bos:
             if self.bos_token_id is None:
-                raise ValueError("add_bos=True but this tokenizer has no BOS token")
+                raise UsageError("add_bos=True but this tokenizer has no BOS token")
             ids = [self.bos_token_id, *ids]
         return ids
 
@@ -121,10 +122,10 @@ class Tokenizer:
     ) -> str:
         """The prompt text for `messages` ([{"role": ..., "content": ...}]), HF-style."""
         if not self.chat_template:
-            raise ValueError("this tokenizer has no chat template; drop --chat for plain text")
+            raise UsageError("this tokenizer has no chat template; drop --chat for plain text")
         for message in messages:
             if not isinstance(message, dict) or not {"role", "content"} <= set(message):
-                raise ValueError(f"chat message {message!r} needs 'role' and 'content' keys")
+                raise UsageError(f"chat message {message!r} needs 'role' and 'content' keys")
         from jinja2.exceptions import TemplateError
 
         try:
@@ -168,7 +169,7 @@ class Tokenizer:
         try:
             backend = Backend.from_file(str(path))
         except Exception as exc:  # tokenizers raises a bare Exception on bad JSON
-            raise ValueError(f"{path} is not a valid tokenizer.json: {exc}") from exc
+            raise UsageError(f"{path} is not a valid tokenizer.json: {exc}") from exc
         config: dict[str, Any] = {}
         config_path = directory / "tokenizer_config.json"
         if config_path.is_file():
@@ -182,7 +183,12 @@ class Tokenizer:
             if isinstance(token, dict):
                 token = token.get("content")
             if token:
-                return backend.token_to_id(token)
+                found = backend.token_to_id(token)
+                if found is None:  # a typo would silently mean "never stop"
+                    raise ConfigFileError(
+                        f"{config_path}: {name} = {token!r} is not a token of {path}"
+                    )
+                return found
             value = model_config.get(f"{name}_id")
             return value[0] if isinstance(value, list) else value
 
@@ -202,14 +208,14 @@ class Tokenizer:
         """Rebuild a byte-level BPE or SentencePiece tokenizer from `tokenizer.ggml.*` values."""
         kind = fields.get("tokenizer.ggml.model")
         if kind not in ("gpt2", "llama"):
-            raise ValueError(
+            raise UsageError(
                 f"GGUF tokenizer model {kind!r} is not supported; supported: 'gpt2' (byte-level "
                 "BPE: SmolLM, Llama 3, Qwen2), 'llama' (SentencePiece: Llama 2, Mistral)"
             )
         tokens: list[str] = fields["tokenizer.ggml.tokens"]
         types = fields.get("tokenizer.ggml.token_type") or []
         if types and len(types) != len(tokens):
-            raise ValueError(f"GGUF has {len(types)} token types for {len(tokens)} tokens")
+            raise UsageError(f"GGUF has {len(types)} token types for {len(tokens)} tokens")
         if kind == "llama":
             backend = _sentencepiece_backend(fields, tokens, types)
         else:
@@ -249,13 +255,13 @@ def _sentencepiece_backend(fields: dict[str, Any], tokens: list[str], types: lis
     scores = fields.get("tokenizer.ggml.scores")
     if scores is None or len(scores) != len(tokens):
         count = "none" if scores is None else len(scores)
-        raise ValueError(
+        raise UsageError(
             f"a SentencePiece GGUF needs one tokenizer.ggml.scores entry per token; got {count} "
             f"for {len(tokens)} tokens"
         )
     bad = [s for s in scores if not math.isfinite(s)]
     if bad:
-        raise ValueError(f"tokenizer.ggml.scores holds non-finite values, e.g. {bad[0]}")
+        raise UsageError(f"tokenizer.ggml.scores holds non-finite values, e.g. {bad[0]}")
     vocab = {token: i for i, token in enumerate(tokens)}
     mergeable = {t for i, t in enumerate(tokens) if not types or types[i] in (_NORMAL, _UNKNOWN)}
     unk_id = fields.get("tokenizer.ggml.unknown_token_id", 0 if tokens else None)

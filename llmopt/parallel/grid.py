@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from llmopt.models.config import ModelConfig
 from llmopt.parallel.comm import CommCounter, Group
+from llmopt.parallel.plan import ParallelPlan
 
 DIMS = ("tp", "cp", "dp", "pp")  # innermost first
 EXPERT_DIMS = ("etp", "ep", "edp")  # innermost first, within a pipeline stage
@@ -99,6 +100,19 @@ class ParallelDims:
                 f"expert_tp*ep = {self.expert_tp}*{self.ep} does not divide the "
                 f"tp*cp*dp = {stage} ranks of a pipeline stage"
             )
+
+    @classmethod
+    def of_plan(cls, plan: ParallelPlan) -> ParallelDims:
+        """The grid a ParallelPlan runs on (world = tp * pp * dp * cp)."""
+        return cls(
+            plan.world_size,
+            tp=plan.tp,
+            pp=plan.pp,
+            dp=plan.dp,
+            cp=plan.cp,
+            ep=plan.ep,
+            expert_tp=plan.resolved_expert_tp,
+        )
 
     @property
     def edp(self) -> int:

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from llmopt.errors import LlmoptError
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -47,7 +49,7 @@ REDUCE_DTYPES: tuple[str, ...] = ("fp32", "bf16")
 DEGREES: tuple[str, ...] = ("tp", "pp", "dp", "cp", "ep")
 
 
-class PlanError(ValueError):
+class PlanError(LlmoptError, ValueError):
     """A parallel plan that cannot describe a run; the message names the field and the fix."""
 
 

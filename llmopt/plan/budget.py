@@ -12,11 +12,13 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from llmopt.errors import LlmoptError
+
 SUFFIXES = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12, "P": 10**15}
 _TOKENS = re.compile(r"^\s*([+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]?)\s*$")
 
 
-class BudgetError(ValueError):
+class BudgetError(LlmoptError, ValueError):
     """A token budget or price that cannot be used (one line, names the value)."""
 
 

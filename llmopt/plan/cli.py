@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from llmopt.errors import UsageError
 from llmopt.parallel.plan import FP8_RECIPES, RECOMPUTES, REDUCE_DTYPES, SCHEDULES
 from llmopt.plan.cli_inputs import DEFAULT_NODES, add_budget_flags
 from llmopt.plan.flops import FLOPS_CONVENTIONS
@@ -148,7 +149,7 @@ def check_args(args: argparse.Namespace) -> None:
     elif command is None:
         for flag in ("top_k", "pick"):
             if getattr(args, flag) <= 0:
-                raise ValueError(
+                raise UsageError(
                     f"--{flag.replace('_', '-')}={getattr(args, flag)} must be positive"
                 )
         given = [
@@ -164,7 +165,7 @@ def check_args(args: argparse.Namespace) -> None:
             except ValueError as exc:  # name the flag unless the parser's message does
                 if flag in str(exc):
                     raise
-                raise ValueError(f"{flag} {spec!r}: {exc}") from None
+                raise UsageError(f"{flag} {spec!r}: {exc}") from None
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from llmopt.errors import UsageError
 from llmopt.models.config import ModelConfig
 from llmopt.parallel.plan import ParallelPlan
 from llmopt.plan.grid import STATE_OF_REDUCE_DTYPE
@@ -44,10 +45,10 @@ def build_model(args: argparse.Namespace) -> ModelConfig:
 
     spec = args.model
     if not spec.strip():
-        raise ValueError("--model is empty: give a preset name, a config.json or an HF directory")
+        raise UsageError("--model is empty: give a preset name, a config.json or an HF directory")
     path = Path(spec)
     if path.is_dir() and not (path / "config.json").is_file():
-        raise ValueError(f"--model {spec}: the directory holds no config.json")
+        raise UsageError(f"--model {spec}: the directory holds no config.json")
     if spec.endswith(".json") or path.is_dir():
         from llmopt.models.moe_hf import planner_config_from_hf
 
@@ -58,7 +59,7 @@ def build_model(args: argparse.Namespace) -> ModelConfig:
     for name in SHAPE_FIELDS:
         value = changes.get(name)
         if value is not None and value <= 0:
-            raise ValueError(f"--{name.replace('_', '-')}={value} must be a positive integer")
+            raise UsageError(f"--{name.replace('_', '-')}={value} must be a positive integer")
     if changes:
         if "hidden_size" in changes or "num_heads" in changes:
             changes.setdefault("head_dim", None)
@@ -68,7 +69,7 @@ def build_model(args: argparse.Namespace) -> ModelConfig:
 
 def build_cluster(args: argparse.Namespace) -> Cluster:
     if args.nodes is not None and args.nodes <= 0:
-        raise ValueError(f"--nodes={args.nodes} must be a positive integer")
+        raise UsageError(f"--nodes={args.nodes} must be a positive integer")
     if args.cluster.endswith(".toml"):  # its `nodes` stands unless --nodes is given
         cluster = load_cluster_toml(args.cluster, nodes=args.nodes)
     else:
@@ -86,7 +87,7 @@ def build_cluster(args: argparse.Namespace) -> Cluster:
     for dest in flags:  # named by its flag: the profile's own message says peak_bf16_tflops
         value = getattr(args, dest)
         if value is not None and not (math.isfinite(value) and value > 0):
-            raise ValueError(f"--{dest.replace('_', '-')}={value} must be a positive number")
+            raise UsageError(f"--{dest.replace('_', '-')}={value} must be a positive number")
     return customize(cluster, **{field: getattr(args, dest) for dest, field in flags.items()})
 
 
@@ -94,7 +95,7 @@ def build_workload(args: argparse.Namespace) -> Workload:
     batch = args.global_batch
     if args.global_batch_tokens is not None:
         if args.global_batch_tokens <= 0 or args.global_batch_tokens % args.seq_len:
-            raise ValueError(
+            raise UsageError(
                 f"--global-batch-tokens={args.global_batch_tokens} must be a positive multiple "
                 f"of --seq-len={args.seq_len}"
             )
@@ -124,12 +125,12 @@ def build_plan(args: argparse.Namespace, work: Workload, cluster: Cluster) -> Pa
     for flag in ("tp", "pp", "cp", "micro_batch", "virtual_stages", "dp", "num_microbatches", "ep"):
         value = getattr(args, flag)
         if value is not None and value <= 0:
-            raise ValueError(f"--{flag.replace('_', '-')}={value} must be a positive integer")
+            raise UsageError(f"--{flag.replace('_', '-')}={value} must be a positive integer")
     inner = args.tp * args.pp * args.cp
     dp = args.dp
     if dp is None:
         if cluster.num_gpus % inner:
-            raise ValueError(
+            raise UsageError(
                 f"tp*pp*cp={inner} does not divide the {cluster.num_gpus} GPUs; pass --dp"
             )
         dp = cluster.num_gpus // inner
@@ -137,7 +138,7 @@ def build_plan(args: argparse.Namespace, work: Workload, cluster: Cluster) -> Pa
     if m is None:
         per = dp * args.micro_batch
         if work.global_batch % per:
-            raise ValueError(
+            raise UsageError(
                 f"global batch {work.global_batch} is not divisible by dp*micro_batch={per}"
             )
         m = work.global_batch // per

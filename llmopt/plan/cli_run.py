@@ -6,6 +6,7 @@ import argparse
 import time
 from typing import TYPE_CHECKING
 
+from llmopt.errors import UsageError
 from llmopt.plan.cli_inputs import budget_inputs, build_plan, header, inputs, model_overrides
 from llmopt.plan.cli_render import label, links_table, plans_table, plot_breakdown, print_json
 
@@ -34,7 +35,7 @@ def _emit(
     from llmopt.plan.search import first_rank, plan_of_rank
 
     if args.pick <= 0:
-        raise ValueError(f"--pick={args.pick} must be a positive rank")
+        raise UsageError(f"--pick={args.pick} must be a positive rank")
     fmt = format_for(args.emit, args.emit_format)
     overrides = model_overrides(args)
 
@@ -135,7 +136,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from llmopt.plan.search import search
 
     if args.top_k <= 0:
-        raise ValueError(f"--top-k={args.top_k} must be positive")
+        raise UsageError(f"--top-k={args.top_k} must be positive")
     model, work, cluster = inputs(args)
     budget_flags = budget_inputs(args)
     constraints = parse_constraints(args.why_not) if args.why_not else None
@@ -239,7 +240,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     par = build_plan(args, work, cluster)
     etp = getattr(args, "etp", None)
     if etp is not None and etp <= 0:
-        raise ValueError(f"--etp={etp} must be a positive integer")
+        raise UsageError(f"--etp={etp} must be a positive integer")
     plan = estimate(model, work, cluster, par, etp)
     work = workload_for(work, par)
     plan.explanation = explain(model, work, cluster, plan)

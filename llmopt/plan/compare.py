@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from llmopt.errors import UsageError
 from llmopt.models.config import ModelConfig
 from llmopt.plan.explain import link_report
 from llmopt.plan.hardware import Cluster
@@ -34,14 +35,14 @@ def best_for_spec(model: ModelConfig, work: Workload, cluster: Cluster, spec: st
     """The top-ranked plan with the spec's settings, else the leanest structurally valid one."""
     grid = build_grid(model, work, cluster, parse_constraints(spec))
     if len(grid["tp"]) == 0:
-        raise ValueError(f"mapping {spec!r} is impossible on {cluster.num_gpus} GPUs")
+        raise UsageError(f"mapping {spec!r} is impossible on {cluster.num_gpus} GPUs")
     ev = evaluate(model, work, cluster, grid)
     order = ranked(ev)
     if len(order):
         return plan_at(ev, int(order[0]))
     ok = np.flatnonzero(ev.structural)
     if not len(ok):
-        raise ValueError(f"mapping {spec!r} violates: " + "; ".join(plan_at(ev, 0).rejected))
+        raise UsageError(f"mapping {spec!r} violates: " + "; ".join(plan_at(ev, 0).rejected))
     return plan_at(ev, int(ok[np.argmin(ev.memory["total"][ok])]))
 
 

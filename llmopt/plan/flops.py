@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from llmopt.errors import LlmoptError, UsageError
 from llmopt.models.config import ModelConfig
 from llmopt.models.moe import (
     attention_core_dim,
@@ -32,7 +33,7 @@ from llmopt.models.moe import (
 FLOPS_CONVENTIONS = ("causal", "megatron", "palm")
 
 
-class FlopsConventionError(ValueError):
+class FlopsConventionError(LlmoptError, ValueError):
     """A FLOP-counting convention that does not exist."""
 
 
@@ -111,7 +112,7 @@ def model_flops_per_step(
 def mfu(flops_per_step: float, step_time_s: float, num_devices: int, peak_flops: float) -> float:
     """Model FLOPs utilisation: achieved model FLOP/s over the devices' dense peak."""
     if step_time_s <= 0 or num_devices <= 0 or peak_flops <= 0:
-        raise ValueError(
+        raise UsageError(
             f"mfu needs positive step time, devices and peak (got {step_time_s}, "
             f"{num_devices}, {peak_flops})"
         )

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from llmopt.errors import LlmoptError
 from llmopt.models.config import ModelConfig
 from llmopt.parallel.plan import ParallelPlan
 from llmopt.plan.grid import REDUCE_DTYPE_OF_STATE, Grid, to_grid
@@ -32,7 +33,7 @@ LABELS = {
 _SCHED = {"gpipe": 0, "1f1b": 1, "interleaved": 2}
 
 
-class FrameworkError(ValueError):
+class FrameworkError(LlmoptError, ValueError):
     """An unknown framework name."""
 
 

@@ -14,13 +14,14 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from llmopt.errors import LlmoptError
 from llmopt.models.config import ModelConfig
 
 # Checkpoint bytes per parameter: bf16 weights (2) + fp32 master weights, Adam m and v (12).
 CHECKPOINT_BYTES_PER_PARAM = 14
 
 
-class GoodputError(ValueError):
+class GoodputError(LlmoptError, ValueError):
     """A failure-model input that cannot be used (one line, names the value)."""
 
 

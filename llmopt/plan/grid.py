@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from llmopt.errors import UsageError
 from llmopt.parallel.plan import RECOMPUTES, SCHEDULES, ParallelPlan
 
 # internal array key -> ParallelPlan field (etp, expert tensor parallelism, and gacc, the
@@ -48,7 +49,7 @@ def to_grid(plan: ParallelPlan, etp: int | None = None, grad_reduce: str = "micr
     """A one-plan grid (expert TP defaults to Megatron's: tp when ep > 1; `grad_reduce` is the
     ZeRO-2/3 gradient policy, one of GRAD_REDUCES)."""
     if grad_reduce not in GRAD_REDUCES:
-        raise ValueError(f"grad_reduce={grad_reduce!r}; choose from {', '.join(GRAD_REDUCES)}")
+        raise UsageError(f"grad_reduce={grad_reduce!r}; choose from {', '.join(GRAD_REDUCES)}")
     if etp is None:
         etp = plan.tp if plan.ep > 1 else 1
     return {

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from llmopt.config_files import INT, STR, TABLE, check_fields, dataclass_schema, read_toml
+from llmopt.errors import UsageError
 from llmopt.plan.catalog import CLUSTER_ALIASES, CLUSTER_PRESETS
 from llmopt.plan.profiles import GIB, Cluster, GPUProfile, LinkProfile
 
@@ -39,7 +40,7 @@ def get_cluster(name: str, nodes: int = 1, gpus_per_node: int | None = None) -> 
     """A preset cluster of `nodes` nodes (scale-up domains: 8 GPUs, 72 for an NVL72 rack)."""
     key = CLUSTER_ALIASES.get(name.lower(), name.lower())
     if key not in CLUSTER_PRESETS:
-        raise ValueError(
+        raise UsageError(
             f"unknown cluster {name!r}; known: {', '.join(CLUSTER_PRESETS)} "
             f"(aliases {', '.join(CLUSTER_ALIASES)}) or a TOML file"
         )
@@ -60,16 +61,16 @@ def customize(cluster: Cluster, **overrides: Any) -> Cluster:
         part, _, field = key.partition(".")
         if field:
             if part not in targets:
-                raise ValueError(f"unknown cluster section {part!r}; valid: {', '.join(targets)}")
+                raise UsageError(f"unknown cluster section {part!r}; valid: {', '.join(targets)}")
             store, cls = targets[part]
             names = {f.name for f in dataclasses.fields(cls)}
             if field not in names:
-                raise ValueError(f"unknown {part} field {field!r}; valid: {sorted(names)}")
+                raise UsageError(f"unknown {part} field {field!r}; valid: {sorted(names)}")
             store[field] = value
         elif key in ("nodes", "gpus_per_node", "name"):
             top[key] = value
         else:
-            raise ValueError(f"unknown cluster field {key!r}")
+            raise UsageError(f"unknown cluster field {key!r}")
     changed = {k: v for k, v in gpu.items() if getattr(cluster.gpu, k) != v and k != "name"}
     if changed and "name" not in gpu:  # a modified GPU is no longer the preset it started from
         what = ", ".join(
@@ -97,7 +98,7 @@ def load_cluster_toml(path: str | Path, nodes: int | None = None) -> Cluster:
     try:
         base = get_cluster(data.pop("base", "dgx-h100"))
     except ValueError as exc:
-        raise ValueError(f"{p}: base: {exc}") from None
+        raise UsageError(f"{p}: base: {exc}") from None
     overrides: dict[str, Any] = {}
     for section in ("gpu", "intra_node", "inter_node"):
         for k, v in dict(data.pop(section, {})).items():
@@ -108,4 +109,4 @@ def load_cluster_toml(path: str | Path, nodes: int | None = None) -> Cluster:
     try:
         return customize(base, **overrides)
     except ValueError as exc:  # a value of the right type the profile refuses: name the file
-        raise ValueError(f"{p}: {exc}") from None
+        raise UsageError(f"{p}: {exc}") from None

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from llmopt.errors import UsageError
 from llmopt.models.config import ModelConfig
 from llmopt.models.moe import attention_params, mlp_params
 from llmopt.plan.experts import expert_dp, expert_params_per_rank, moe_activation_bytes
@@ -130,17 +131,17 @@ def activation_bytes_per_layer(
     (`eager_activation_bytes_per_layer`); it has flash attention and no dropout.
     """
     if kernels not in KERNELS:
-        raise ValueError(f"kernels={kernels!r}; choose from {', '.join(KERNELS)}")
+        raise UsageError(f"kernels={kernels!r}; choose from {', '.join(KERNELS)}")
     if act_bytes not in (2, 4):
-        raise ValueError(f"act_bytes={act_bytes!r}; choose 2 (bf16) or 4 (fp32)")
+        raise UsageError(f"act_bytes={act_bytes!r}; choose 2 (bf16) or 4 (fp32)")
     if kernels == "eager":
         if not flash_attention or dropout:
-            raise ValueError("kernels='eager' models the engine: flash_attention=True, no dropout")
+            raise UsageError("kernels='eager' models the engine: flash_attention=True, no dropout")
         return eager_activation_bytes_per_layer(
             model, seq_len, micro_batch, tp, sp, cp, recompute, act_bytes
         )
     if act_bytes != ACT_BYTES:
-        raise ValueError(
+        raise UsageError(
             f"kernels='fused' models bf16 activations; act_bytes={act_bytes} needs 'eager'"
         )
     h, a, f = model.hidden_size, model.num_heads, model.intermediate_size

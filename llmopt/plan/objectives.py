@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from llmopt.errors import LlmoptError
 from llmopt.plan.grid import GRID_FIELDS, Grid
 from llmopt.plan.hardware import GIB
 
@@ -43,7 +44,7 @@ NAMED: dict[str, tuple[str, Callable[[Grid, int], np.ndarray]]] = {
 }  # fmt: skip
 
 
-class RequireError(ValueError):
+class RequireError(LlmoptError, ValueError):
     """A `--require` expression or `--objective` the planner cannot read."""
 
 

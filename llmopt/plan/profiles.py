@@ -12,6 +12,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from llmopt.errors import UsageError
+
 GIB = 1024**3
 
 
@@ -64,7 +66,7 @@ class GPUProfile:
     def __post_init__(self) -> None:
         _positive(self, "peak_bf16_tflops", "hbm_gib", "hbm_bandwidth_gbs")
         if self.peak_fp8_tflops is not None and self.peak_fp8_tflops <= 0:
-            raise ValueError(f"peak_fp8_tflops={self.peak_fp8_tflops} must be positive or None")
+            raise UsageError(f"peak_fp8_tflops={self.peak_fp8_tflops} must be positive or None")
         _fraction(
             self,
             "gemm_efficiency",
@@ -75,13 +77,13 @@ class GPUProfile:
         )
         _positive(self, "tdp_w")
         if self.power_limit_w is not None and not 0 < self.power_limit_w <= self.tdp_w:
-            raise ValueError(
+            raise UsageError(
                 f"power_limit_w={self.power_limit_w} must be in (0, tdp_w={self.tdp_w}]"
             )
         if not 0 <= self.allocator_margin < 0.5:
-            raise ValueError(f"allocator_margin={self.allocator_margin} must be in [0, 0.5)")
+            raise UsageError(f"allocator_margin={self.allocator_margin} must be in [0, 0.5)")
         if not 0 <= self.runtime_reserved_gib < self.hbm_gib:
-            raise ValueError(
+            raise UsageError(
                 f"runtime_reserved_gib={self.runtime_reserved_gib} must be in [0, hbm_gib)"
             )
 
@@ -89,7 +91,7 @@ class GPUProfile:
         """Dense peak in FLOP/s for the GEMM precision."""
         if precision == "fp8":
             if self.peak_fp8_tflops is None:
-                raise ValueError(f"{self.name} has no FP8 tensor cores; use precision=bf16")
+                raise UsageError(f"{self.name} has no FP8 tensor cores; use precision=bf16")
             return self.peak_fp8_tflops * 1e12
         return self.peak_bf16_tflops * 1e12
 
@@ -122,7 +124,7 @@ class Cluster:
         for field in ("nodes", "gpus_per_node"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{field}={value!r} must be a positive integer")
+                raise UsageError(f"{field}={value!r} must be a positive integer")
 
     @property
     def num_gpus(self) -> int:
@@ -136,11 +138,11 @@ def _positive(obj: Any, *fields: str) -> None:
     for f in fields:
         v = getattr(obj, f)
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
-            raise ValueError(f"{f}={v!r} must be a positive number")
+            raise UsageError(f"{f}={v!r} must be a positive number")
 
 
 def _fraction(obj: Any, *fields: str) -> None:
     for f in fields:
         v = getattr(obj, f)
         if not isinstance(v, (int, float)) or not 0 < v <= 1:
-            raise ValueError(f"{f}={v!r} must be a fraction in (0, 1]")
+            raise UsageError(f"{f}={v!r} must be a fraction in (0, 1]")

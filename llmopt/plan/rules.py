@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from llmopt.errors import LlmoptError
 from llmopt.models.config import ModelConfig
 from llmopt.parallel.plan import RECOMPUTES, SCHEDULES
 from llmopt.plan.grid import GRAD_REDUCES, GRID_FIELDS, GRID_KEYS, Grid
@@ -28,7 +29,7 @@ KEY_OF_FIELD = {name: key for key, name in GRID_FIELDS.items()}
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 
 
-class ConstraintError(ValueError):
+class ConstraintError(LlmoptError, ValueError):
     """A `key=value` mapping spec that names an unknown field or an invalid value."""
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from llmopt.errors import UsageError
 from llmopt.models.config import ModelConfig
 from llmopt.parallel.plan import RECOMPUTES, ParallelPlan
 from llmopt.plan.experts import expert_reasons
@@ -230,12 +231,12 @@ def search(
     raise ValueError naming the shortfall when nothing is valid."""
     grid = build_grid(model, work, cluster, constraints)
     if len(grid["tp"]) == 0:
-        raise ValueError(no_candidates_message(model, work, cluster, constraints))
+        raise UsageError(no_candidates_message(model, work, cluster, constraints))
     opts = dict(framework=framework, objective=objective, requires=tuple(requires))
     ev = evaluate(model, work, cluster, grid, with_comm=False, **opts)
     order = ranked(ev)
     if len(order) == 0:
-        raise ValueError(nothing_fits_message(model, work, cluster, ev, constraints))
+        raise UsageError(nothing_fits_message(model, work, cluster, ev, constraints))
     top = order[:top_k]
     sub = {k: v[top] for k, v in grid.items()}
     top_ev = evaluate(model, work, cluster, sub, with_comm=True, **opts)
@@ -251,7 +252,7 @@ def workload_for(work: Workload, plan: ParallelPlan) -> Workload:
     """The workload with the plan's precision (bf16/fp8; fp32 is refused) and gradient-reduce
     dtype (fp32: the "megatron" state convention, bf16: "zero")."""
     if plan.precision not in ("bf16", "fp8"):
-        raise ValueError(f"precision={plan.precision!r}: the planner prices bf16 or fp8 training "
+        raise UsageError(f"precision={plan.precision!r}: the planner prices bf16 or fp8 training "
                          "(2-byte activations); choose bf16 or fp8")  # fmt: skip
     return dataclasses.replace(
         work, precision=plan.precision, state_bytes=STATE_OF_REDUCE_DTYPE[plan.reduce_dtype]
@@ -269,7 +270,7 @@ def estimate(
     """Evaluate one fully specified plan (even an invalid one: `rejected` says why). Precision
     and reduce dtype come from the plan (`workload_for`); `etp` is the expert TP (None: tp)."""
     if plan.world_size != cluster.num_gpus:
-        raise ValueError(
+        raise UsageError(
             f"tp*pp*dp*cp={plan.world_size} but the cluster has {cluster.num_gpus} GPUs "
             f"({cluster.nodes} nodes x {cluster.gpus_per_node})"
         )
@@ -286,7 +287,7 @@ def plan_of_rank(
     """The plan ranked `rank` (1 = best) among all valid plans of a search, fully evaluated."""
     order = ranked(result.evaluation)
     if not 1 <= rank <= len(order):
-        raise ValueError(f"rank {rank} is not valid: {len(order)} plans are valid")
+        raise UsageError(f"rank {rank} is not valid: {len(order)} plans are valid")
     if rank <= len(result.plans):
         return result.plans[rank - 1]
     i = int(order[rank - 1])

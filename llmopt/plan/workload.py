@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from llmopt.errors import UsageError
 from llmopt.models.config import ModelConfig  # noqa: F401  (re-exported for type hints)
 from llmopt.parallel.plan import RECOMPUTES, SCHEDULES  # noqa: F401  (re-exported)
 from llmopt.plan.flops import (  # noqa: F401  (re-exported)
@@ -62,31 +63,31 @@ class Workload:
         for name in ("seq_len", "global_batch"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"{name}={v!r} must be a positive integer")
+                raise UsageError(f"{name}={v!r} must be a positive integer")
         if self.precision not in ("bf16", "fp8"):
-            raise ValueError(f"precision={self.precision!r} is not supported; use bf16 or fp8")
+            raise UsageError(f"precision={self.precision!r} is not supported; use bf16 or fp8")
         if self.flops_convention not in FLOPS_CONVENTIONS:
-            raise ValueError(
+            raise UsageError(
                 f"flops_convention={self.flops_convention!r}; choose from "
                 + ", ".join(FLOPS_CONVENTIONS)
             )
         imb = self.expert_imbalance
         if isinstance(imb, bool) or not isinstance(imb, int | float) or not math.isfinite(imb):
-            raise ValueError(f"expert_imbalance={imb!r} must be a finite number >= 1")
+            raise UsageError(f"expert_imbalance={imb!r} must be a finite number >= 1")
         if imb < 1:
-            raise ValueError(f"expert_imbalance={imb!r} must be >= 1 (busiest over mean load)")
+            raise UsageError(f"expert_imbalance={imb!r} must be >= 1 (busiest over mean load)")
         if self.optimizer != "adam":
-            raise ValueError(f"optimizer={self.optimizer!r} is not supported; use adam")
+            raise UsageError(f"optimizer={self.optimizer!r} is not supported; use adam")
         if (
             isinstance(self.lora_rank, bool)
             or not isinstance(self.lora_rank, int)
             or (self.lora_rank < 0)
         ):
-            raise ValueError(f"lora_rank={self.lora_rank!r} must be a non-negative integer")
+            raise UsageError(f"lora_rank={self.lora_rank!r} must be a non-negative integer")
         if self.qlora and not self.lora_rank:
-            raise ValueError("qlora=True needs lora_rank > 0 (adapters on the INT4 base)")
+            raise UsageError("qlora=True needs lora_rank > 0 (adapters on the INT4 base)")
         if self.state_bytes not in STATE_BYTES:
-            raise ValueError(
+            raise UsageError(
                 f"state_bytes={self.state_bytes!r}; choose from {', '.join(STATE_BYTES)}"
             )
 

@@ -12,6 +12,8 @@ from typing import Literal
 
 import torch
 
+from llmopt.errors import LlmoptError
+
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 FP8_DTYPES = (E4M3, E5M2)
@@ -25,7 +27,7 @@ TensorRole = Literal["input", "weight", "grad_output"]
 ROLES: tuple[TensorRole, ...] = ("input", "weight", "grad_output")
 
 
-class Fp8Error(ValueError):
+class Fp8Error(LlmoptError, ValueError):
     """An FP8 configuration or situation that cannot work as asked."""
 
 

@@ -10,6 +10,7 @@ import argparse
 from pathlib import Path
 
 from llmopt import cli_args
+from llmopt.errors import UsageError
 from llmopt.infer.cli import add_model_arguments, check_model_args, torch_dtype
 
 DEFAULT_PROMPT = "The history of the printing press begins with"
@@ -27,6 +28,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens to generate (32)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--out", required=True, help="output directory")
+    cli_args.add_overwrite(parser)
+    parser.add_argument(
+        "--json", action="store_true", help="print the summary (ops.json) instead of the table"
+    )
     parser.add_argument("--top", type=int, default=15, help="op-table rows to print (15)")
     parser.add_argument(
         "--fast",
@@ -42,8 +47,10 @@ def check_args(args: argparse.Namespace) -> None:
     check_model_args(args)
     cli_args.text(args, "prompt")
     cli_args.text(args, "device")
+    cli_args.device(args, "device")
     cli_args.integer(args, "new_tokens", 2)
     cli_args.integer(args, "top", 1)
+    cli_args.output_dir(args, "profile")
 
 
 def _thin(points: list, limit: int = 2000) -> list:
@@ -61,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
 
     from llmopt.artifacts import atomic_write_json
     from llmopt.models.loading import load_model, load_tokenizer
+    from llmopt.output_dir import record_in_place
     from llmopt.profile.peaks import measure_peaks
     from llmopt.profile.plots import plot_memory, plot_roofline
     from llmopt.profile.session import profile_generate
@@ -68,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     check_args(args)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device}: CUDA is not available here; use --device cpu")
+        raise UsageError(f"--device {args.device}: CUDA is not available here; use --device cpu")
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -86,6 +94,12 @@ def run(args: argparse.Namespace) -> int:
     plot_memory(summary, out / "memory.png")
     summary["files"] = ["trace.json", "ops.json", "roofline.png", "memory.png"]
     atomic_write_json(out / "ops.json", summary)
+    record_in_place(out, "profile", summary["files"])
+    if args.json:
+        from llmopt.jsonout import dumps
+
+        print(dumps({"out": str(out), **summary}, indent=1))
+        return 0
     _print(summary, args.top)
     print(f"wrote {', '.join(str(out / f) for f in summary['files'])}")
     return 0

@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from llmopt.errors import UsageError
+
 
 @dataclass(frozen=True)
 class MachinePeaks:
@@ -73,7 +75,7 @@ def measure_peaks(
     n = matmul_n or (8192 if cuda else 1024)
     mib = copy_mib or (1024 if cuda else 64)
     if n < 16 or mib < 1 or repeats < 1:
-        raise ValueError(f"matmul_n={n} must be >= 16, copy_mib={mib} >= 1, repeats={repeats} >= 1")
+        raise UsageError(f"matmul_n={n} must be >= 16, copy_mib={mib} >= 1, repeats={repeats} >= 1")
     mm_s = _matmul_seconds(n, device, dtype, repeats)
     elems = mib * 2**20 // torch.empty(0, dtype=dtype).element_size()
     copy_s = _copy_seconds(elems, device, dtype, repeats)

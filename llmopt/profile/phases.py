@@ -14,6 +14,8 @@ from contextlib import contextmanager
 
 import torch
 
+from llmopt.errors import UsageError
+
 PREFILL = "llmopt.prefill"
 DECODE_STEP = "llmopt.decode_step"
 PHASES = (PREFILL, DECODE_STEP)
@@ -30,12 +32,12 @@ class PhaseMarker:
     def __init__(self, nvtx: bool | None = None) -> None:
         self.nvtx = nvtx_available() if nvtx is None else nvtx
         if self.nvtx and not nvtx_available():
-            raise ValueError("nvtx=True needs CUDA (torch.cuda.is_available() is False)")
+            raise UsageError("nvtx=True needs CUDA (torch.cuda.is_available() is False)")
         self._open: list[torch.profiler.record_function] = []
 
     def begin(self, name: str) -> None:
         if name not in PHASES:
-            raise ValueError(f"unknown phase {name!r}; phases are {', '.join(PHASES)}")
+            raise UsageError(f"unknown phase {name!r}; phases are {', '.join(PHASES)}")
         record = torch.profiler.record_function(name)
         record.__enter__()
         self._open.append(record)

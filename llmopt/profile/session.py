@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from llmopt.errors import UsageError
 from llmopt.infer.generate import generate
 from llmopt.profile.optable import memory_timeline, phase_stats
 from llmopt.profile.peaks import MachinePeaks
@@ -90,7 +91,7 @@ def profile_generate(
     fast=False profiles the eager model op by op (what the op table and roofline are for);
     fast=True the fused C++ decode step `generate` uses by default (one op per step)."""
     if new_tokens < 2:
-        raise ValueError(f"new_tokens={new_tokens} must be >= 2 (at least one decode step)")
+        raise UsageError(f"new_tokens={new_tokens} must be >= 2 (at least one decode step)")
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
     _timed_run(model, prompt_ids, 2, fast=fast)  # warm-up

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmopt.errors import LlmoptError
 from llmopt.report.markdown import Block, images_in, parse
 
 IMAGE_SUFFIXES = (".png", ".svg")
@@ -22,7 +23,7 @@ MAX_JSON_BYTES = 16 * 2**20
 SKIP_DIRS = {".git", "__pycache__", ".venv", "node_modules", ".pytest_cache", ".ruff_cache"}
 
 
-class ReportSourceError(ValueError):
+class ReportSourceError(LlmoptError, ValueError):
     """A report directory that does not exist or holds no results."""
 
 

@@ -13,6 +13,7 @@ import re
 from datetime import datetime, timezone
 from pathlib import Path
 
+from llmopt.errors import UsageError
 from llmopt.report.collect import Results, Writeup
 from llmopt.report.markdown import Block
 from llmopt.report.tradeoff import CATEGORIES, TradeoffRow, tradeoff_rows
@@ -39,7 +40,7 @@ _LINKED_IMAGE = re.compile(r"!\[[^\]]*\]\([^)]*\)")
 def data_uri(path: Path) -> str:
     mime = _MIME.get(path.suffix.lower())
     if mime is None:
-        raise ValueError(f"{path}: only {', '.join(_MIME)} images can be inlined")
+        raise UsageError(f"{path}: only {', '.join(_MIME)} images can be inlined")
     return f"data:{mime};base64,{base64.b64encode(path.read_bytes()).decode('ascii')}"
 
 

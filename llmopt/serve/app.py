@@ -3,6 +3,9 @@
 Each HTTP request becomes one engine request; its tokens come back from the engine thread
 through an asyncio queue. A client that goes away (mid-stream or while waiting for a
 non-streamed answer) has its request aborted, which frees its KV blocks at the next step.
+A body larger than `max_body_bytes` is refused (413) before it is read whole; while the server
+drains (SIGTERM) or after its engine failed, new requests get 503 with Retry-After; a full
+queue gets 429. Every refusal is counted by status in /metrics.
 """
 
 from __future__ import annotations
@@ -30,9 +33,25 @@ from llmopt.serve.protocol import (
     stream_safe,
     usage,
 )
-from llmopt.serve.worker import EngineWorker, QueueFullError
+from llmopt.serve.worker import EngineWorker, QueueFullError, UnavailableError
 
 _POLL_S = 0.25  # how often a waiting handler checks whether its client is still there
+MAX_BODY_BYTES = 8 << 20  # a request body beyond this is refused (413) unread
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, or APIError 413 as soon as it is known to exceed `limit` bytes (from its
+    Content-Length, else while it streams in): a client cannot make the server buffer GBs."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body of {declared} bytes exceeds the {limit}-byte limit")
+    chunks, size = [], 0
+    async for piece in request.stream():
+        size += len(piece)
+        if size > limit:
+            raise APIError(413, f"request body exceeds the {limit}-byte limit")
+        chunks.append(piece)
+    return b"".join(chunks)
 
 
 def _sse(payload: dict | str) -> str:
@@ -47,6 +66,7 @@ def create_app(
     *,
     default_ngram: int = 0,
     drain_timeout_s: float = 60.0,
+    max_body_bytes: int = MAX_BODY_BYTES,
 ) -> Starlette:
     """The app; the lifespan starts `worker` and, at shutdown, lets it finish its requests."""
     context = worker.engine.max_len
@@ -54,11 +74,13 @@ def create_app(
 
     def error(exc: APIError) -> JSONResponse:
         worker.metrics.rejected[str(exc.status)] += 1
-        headers = {"Retry-After": "1"} if exc.status == 429 else None
+        headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     async def health(_: Request) -> Response:
-        return JSONResponse({"status": "ok", "running": worker.engine.num_running})
+        status = worker.status
+        body = {"status": status, "running": worker.engine.num_running}
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     async def models(_: Request) -> Response:
         card = {"id": served_name, "object": "model", "created": created, "owned_by": "llmopt"}
@@ -71,7 +93,7 @@ def create_app(
     async def generate(request: Request, chat: bool) -> Response:
         try:
             try:
-                body = json.loads(await request.body())
+                body = json.loads(await _read_body(request, max_body_bytes))
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise APIError(400, f"malformed JSON body: {exc}") from exc
             parsed = parse_request(
@@ -95,6 +117,8 @@ def create_app(
                 raise APIError(400, str(exc)) from exc
             except QueueFullError as exc:
                 raise APIError(429, f"server busy: {exc}; retry later") from exc
+            except UnavailableError as exc:
+                raise APIError(503, f"server unavailable: {exc}") from exc
         except APIError as exc:
             return error(exc)
         if parsed.stream:
@@ -125,8 +149,17 @@ def create_app(
     )
 
 
+def _failure(exc: BaseException) -> APIError:
+    """What a request that failed inside the server answers: 400 for a request the engine
+    refused at admission, else 500 (a bug, logged with its traceback by the worker)."""
+    if isinstance(exc, InvalidRequestError):
+        return APIError(400, str(exc))
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
 def _server_error(exc: BaseException) -> JSONResponse:
-    return JSONResponse(APIError(500, f"engine failure: {exc!r}").body(), status_code=500)
+    failure = _failure(exc)
+    return JSONResponse(failure.body(), status_code=failure.status)
 
 
 async def _collect(
@@ -158,7 +191,7 @@ async def _stream(
         while True:
             item = await queue.get()
             if isinstance(item, BaseException):
-                yield _sse(APIError(500, f"engine failure: {item!r}").body())
+                yield _sse(_failure(item).body())
                 done = True
                 return
             text = item.text if item.finished else stream_safe(item.text, stops)

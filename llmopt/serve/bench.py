@@ -20,11 +20,13 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
+from llmopt.errors import LlmoptError
+
 MAX_CONCURRENCY = 256
 MAX_REQUESTS = 100_000
 
 
-class BenchError(ValueError):
+class BenchError(LlmoptError, ValueError):
     """Bad benchmark input (non-loopback URL, out-of-range limits)."""
 
 
@@ -77,6 +79,9 @@ def summarize(stats: list[RequestStats], errors: int, wall: float, concurrency: 
         "ttft_mean_s": statistics.fmean(ttft) if ttft else None,
         "ttft_p50_s": _pct(ttft, 0.5),
         "ttft_p90_s": _pct(ttft, 0.9),
+        "ttft_p99_s": _pct(ttft, 0.99),
+        "latency_p50_s": _pct([s.latency for s in stats], 0.5),
+        "latency_p99_s": _pct([s.latency for s in stats], 0.99),
         "itl_p50_s": _pct(itl, 0.5),
         "itl_p90_s": _pct(itl, 0.9),
         "tpot_mean_s": statistics.fmean(tpot) if tpot else None,
@@ -95,6 +100,8 @@ async def _one(client, url: str, body: dict) -> RequestStats:
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[6:])
+            if "error" in event:  # the server failed the request mid-stream
+                raise RuntimeError(f"stream error: {event['error'].get('message')}")
             if event.get("usage"):
                 usage_tokens = event["usage"].get("completion_tokens")
             choices = event.get("choices") or []
@@ -157,10 +164,36 @@ async def run_level(
 
 
 def served_model(url: str) -> str:
+    """The first model the server lists; a server that is not there is a one-line error."""
     import httpx
 
-    data = httpx.get(url + "/v1/models", timeout=30).json()
-    return data["data"][0]["id"]
+    try:
+        response = httpx.get(url + "/v1/models", timeout=30)
+        data = response.json()
+        return data["data"][0]["id"]
+    except httpx.HTTPError as exc:
+        raise BenchError(
+            f"--url {url}: no server answers there ({exc}); start `llmopt serve` "
+            "first or check the port"
+        ) from None
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise BenchError(
+            f"--url {url}: /v1/models did not list a model (HTTP "
+            f"{response.status_code}); pass --model"
+        ) from None
+
+
+def check_reachable(url: str) -> None:
+    """Fail in one line, before the first level, when nothing listens at `url`."""
+    import httpx
+
+    try:
+        httpx.get(url + "/health", timeout=10)
+    except httpx.HTTPError as exc:
+        raise BenchError(
+            f"--url {url}: no server answers there ({exc}); start `llmopt serve` "
+            "first or check the port"
+        ) from None
 
 
 def run_bench(
@@ -183,6 +216,7 @@ def run_bench(
         raise BenchError(f"--time-limit {time_limit} must be in (0, 86400] seconds")
     if max_tokens < 1:
         raise BenchError(f"--max-tokens {max_tokens} must be >= 1")
+    check_reachable(url)
     model = model or served_model(url)
     rows = [
         asyncio.run(run_level(url, model, c, requests, time_limit, prompts, max_tokens))

@@ -32,14 +32,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "output tokens/s and requests/s. Only loopback hosts are accepted.",
     )
     p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
-    p.add_argument("--concurrency", type=_levels, default=[1, 2, 4, 8, 16, 32])
+    p.add_argument(
+        "--concurrency",
+        type=_levels,
+        default=[1, 2, 4, 8, 16, 32],
+        help="concurrency levels to run in turn, comma-separated",
+    )
     p.add_argument("--requests", type=int, default=64, help="requests per concurrency level")
     p.add_argument("--time-limit", type=float, default=120.0, help="seconds per level (bound)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
     p.add_argument("--model", default=None, help="model name to send (default: /v1/models)")
     p.add_argument("--prompt", action="append", default=None, help="prompt (repeatable)")
-    p.add_argument("--out", type=Path, default=Path("runs/bench_serve.json"))
+    p.add_argument(
+        "--out", type=Path, default=Path("runs/bench_serve.json"), help="JSON report path"
+    )
     p.add_argument("--plot", type=Path, default=None, help="PNG path (default: --out as .png)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run)
 
 
@@ -56,6 +64,14 @@ def run(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         model=args.model,
     )
+    plot_path = args.plot or args.out.with_suffix(".png")
+    if args.json:
+        from llmopt.jsonout import dumps
+
+        atomic_write_json(args.out, report)
+        plot(report, plot_path)
+        print(dumps(report, indent=1))
+        return 0
     print(f"{report['model']} at {report['url']} ({args.max_tokens} tokens per request)")
     header = "conc  reqs  err  out tok/s  req/s  TTFT p50 ms  TTFT p90 ms  ITL p50 ms  TPOT ms"
     print(header)
@@ -71,7 +87,6 @@ def run(args: argparse.Namespace) -> int:
             f"{ms(r['tpot_mean_s']):>7}"
         )
     atomic_write_json(args.out, report)
-    plot_path = args.plot or args.out.with_suffix(".png")
     plot(report, plot_path)
     print(f"wrote {args.out} and {plot_path}")
     return 0

@@ -50,6 +50,7 @@ from safetensors.torch import load_file, save_file
 from llmopt.artifacts import atomic_write, atomic_write_text
 from llmopt.compress.markers import sha256_file
 from llmopt.config_files import read_manifest, read_pointer
+from llmopt.errors import LlmoptError
 from llmopt.parallel.engine import Engine
 from llmopt.parallel.grid import RankGrid
 from llmopt.parallel.optim import AdamW
@@ -60,7 +61,7 @@ LATEST = "latest"
 _STEP_NAME = re.compile(r"step_(\d+)")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(LlmoptError, ValueError):
     """A checkpoint whose files do not match its manifest (corrupted, replaced, truncated)."""
 
 
@@ -195,7 +196,9 @@ def checkpoint_parts(save_format: str) -> tuple[bool, bool, bool]:
         "all": (True, True, True),
     }
     if save_format not in parts:
-        raise ValueError(f"save_format={save_format!r} is not valid; choose one of {list(parts)}")
+        raise CheckpointError(
+            f"save_format={save_format!r} is not valid; choose one of {list(parts)}"
+        )
     return parts[save_format]
 
 
@@ -250,7 +253,7 @@ def _save_full(directory: Path, engine: Engine, optimizer: AdamW, grid: RankGrid
 def _load_full(path: Path, engine: Engine, optimizer: AdamW, grid: RankGrid, why: str) -> None:
     full = path / "full"
     if grid.dims.pp != 1 or not (full / "model.safetensors").is_file():
-        raise ValueError(
+        raise CheckpointError(
             f"checkpoint {path} has a different layout ({why}) and no layout-independent "
             f"state for this one (full/ is written for pp=1); start from its consolidated "
             f"weights with --init-from {path / 'hf'} (the optimizer state restarts)"
@@ -291,7 +294,7 @@ def load_checkpoint(
     path = Path(path)
     manifest = read_manifest(path)
     if not checkpoint_parts(manifest.get("save_format", "all"))[0]:
-        raise ValueError(
+        raise CheckpointError(
             f"checkpoint {path} was saved with save_format={manifest['save_format']} and holds "
             f"no resumable state; start from its weights with --init-from {path / 'hf'}"
         )
@@ -304,7 +307,7 @@ def load_checkpoint(
             f"{k}: checkpoint {a} vs run {b}" for k, (a, b) in diff.items() if k != "units"
         )
         if saved.get("pp") != here["pp"]:
-            raise ValueError(
+            raise CheckpointError(
                 f"checkpoint {path} was written with pp={saved.get('pp')}; this run has "
                 f"pp={here['pp']}: start from its consolidated weights with --init-from "
                 f"{path / 'hf'} (the optimizer state restarts)"

@@ -10,14 +10,15 @@ one. `python -m llmopt.train` is what each torchrun worker runs.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from llmopt.artifacts import atomic_write_text
 from llmopt.jsonout import dumps
-from llmopt.train.config import TrainConfig, add_config_arguments, config_from_args
+from llmopt.train.config import TrainConfig, TrainConfigError
+from llmopt.train.flags import add_config_arguments, config_from_args
 from llmopt.train.launch import launch_env, run_job, torchrun_command
 from llmopt.train.rundir import check_run_dir
+from llmopt.train.shapes import check_layout
 
 
 def _worker_parser() -> argparse.ArgumentParser:
@@ -74,9 +75,10 @@ def main_worker(argv: list[str] | None = None) -> int:
     args = _worker_parser().parse_args(argv)
     try:
         return run_worker(args)
-    except (ValueError, FileNotFoundError, KeyError) as exc:
-        print(f"llmopt train: error: {exc}", file=sys.stderr)
-        return 2
+    except Exception as exc:  # the boundary of `llmopt`: input errors in one line, bugs traced
+        from llmopt.cli import fail
+
+        return fail("train", exc)
 
 
 def register(subparsers) -> None:
@@ -97,17 +99,30 @@ def register(subparsers) -> None:
     parser.set_defaults(func=handle)
 
 
+def check_nnodes(value: str) -> None:
+    """torchrun's --nnodes: N, or MIN:MAX for an elastic job (positive, MIN <= MAX)."""
+    parts = str(value).split(":")
+    ok = 1 <= len(parts) <= 2 and all(p.isdigit() and int(p) >= 1 for p in parts)
+    if not ok or (len(parts) == 2 and int(parts[0]) > int(parts[1])):
+        raise TrainConfigError(
+            f"--nnodes {value!r} must be a node count N or an elastic range MIN:MAX of "
+            "positive integers (e.g. 2 or 1:4)"
+        )
+
+
 def handle(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)  # validates before anything is launched
+    check_nnodes(args.nnodes)
     if args.nproc_per_node < 1:
-        raise ValueError(f"--nproc-per-node={args.nproc_per_node} must be >= 1")
+        raise TrainConfigError(f"--nproc-per-node={args.nproc_per_node} must be >= 1")
     single = args.nproc_per_node == 1 and str(args.nnodes) == "1"
+    where = args.config or "the flags"
+    if str(args.nnodes).isdigit():  # a fixed world: the layout, batch and model must fit it
+        check_layout(cfg, args.nproc_per_node * int(args.nnodes), where)
     if single:
         return run_worker(args)
-    if str(args.nnodes).isdigit():  # a fixed world: the layout and batch must fit it, now
-        cfg.parallel_plan(args.nproc_per_node * int(args.nnodes))
     out = Path(cfg.out_dir)
-    check_run_dir(out, cfg.resume, cfg.overwrite)  # before torchrun starts
+    check_run_dir(out, cfg.resume, cfg.overwrite, cfg.steps)  # before torchrun starts
     out.mkdir(parents=True, exist_ok=True)
     config_file = out / "run_config.json"
     atomic_write_text(config_file, dumps(cfg.to_dict(), indent=1))

@@ -15,16 +15,16 @@ global_batch / (dp * micro_batch).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
-import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from llmopt.config_files import ConfigFileError, check_fields, dataclass_schema, read_config
+from llmopt.errors import LlmoptError
 from llmopt.parallel.plan import FP8_RECIPES, PRECISIONS, RECOMPUTES, SCHEDULES, ParallelPlan
+from llmopt.train.field_help import FIELD_HELP  # noqa: F401 (llmopt distill reads it here)
 
 # Old spellings -> ParallelPlan's names (refused with a message naming the new one).
 RENAMED = {"zero": "zero_stage", "microbatches": "num_microbatches"}
@@ -33,7 +33,7 @@ SKIPPED_TABLES = ("planner",)  # informational in a run config; the trainer igno
 RESIZING = ("seq_len", "global_batch", "micro_batch")  # overrides that re-derive num_microbatches
 
 
-class TrainConfigError(ValueError):
+class TrainConfigError(LlmoptError, ValueError):
     """A training configuration that cannot run."""
 
 
@@ -85,6 +85,7 @@ class TrainConfig:
     dp: int = -1  # -1: the rest of the world
     cp: int = 1
     ep: int = 1
+    expert_tp: int | None = None  # the experts' TP degree: 1 or tp (unset: tp)
     sequence_parallel: bool = False
     zero_stage: int = 0
     recompute: str = "none"
@@ -273,6 +274,7 @@ class TrainConfig:
             dp=dp,
             cp=self.cp,
             ep=self.ep,
+            expert_tp=self.expert_tp,
             sequence_parallel=self.sequence_parallel,
             zero_stage=self.zero_stage,
             micro_batch=self.micro_batch,
@@ -325,56 +327,3 @@ class TrainConfig:
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
-
-
-# ---- command-line flags generated from the dataclass ----
-def _flag_type(hint: Any):
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    base = args[0] if args else hint
-    return base
-
-
-class _Renamed(argparse.Action):
-    """An old flag: refuse it, naming the new one."""
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        parser.error(f"{option_string} is now {self.metavar}")
-
-
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--config FILE` plus one flag per TrainConfig field (default: not given)."""
-    parser.add_argument("--config", help="TOML (or JSON) training config; flags override it")
-    hints = typing.get_type_hints(TrainConfig)
-    for f in dataclasses.fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        base = _flag_type(hints[f.name])
-        default = f.default if f.default is not dataclasses.MISSING else None
-        help_text = f"(default: {default})"
-        if base is bool:
-            parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
-            )
-        else:
-            parser.add_argument(flag, type=base, default=None, help=help_text)
-    for old, new in RENAMED.items():
-        parser.add_argument(
-            "--" + old,
-            action=_Renamed,
-            metavar="--" + new.replace("_", "-"),
-            dest="renamed_" + old,
-            help=argparse.SUPPRESS,
-        )
-
-
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """Defaults < --config file < flags; a size flag re-derives num_microbatches (module doc)."""
-    base = TrainConfig.from_file(args.config) if getattr(args, "config", None) else TrainConfig()
-    changes = {
-        f.name: getattr(args, f.name)
-        for f in dataclasses.fields(TrainConfig)
-        if getattr(args, f.name, None) is not None
-    }
-    resized = any(name in changes for name in RESIZING)
-    if resized and "num_microbatches" not in changes:
-        changes["num_microbatches"] = None
-    return base.replace(**changes)

@@ -18,6 +18,7 @@ import torch
 
 from llmopt.artifacts import atomic_write
 from llmopt.compress.markers import sha256_file
+from llmopt.errors import UsageError
 
 CACHE_DIR = Path(os.environ.get("LLMOPT_CACHE", Path.home() / ".cache" / "llmopt"))
 
@@ -66,7 +67,7 @@ class TokenData:
         tokens = torch.as_tensor(np.asarray(tokens), dtype=torch.long)
         n = (tokens.numel() - 1) // seq_len
         if n < 1:
-            raise ValueError(
+            raise UsageError(
                 f"the corpus has {tokens.numel()} tokens: too few for one sequence of "
                 f"seq_len={seq_len}"
             )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from llmopt.errors import UsageError
 from llmopt.parallel.engine import Engine
 from llmopt.parallel.pipeline.executor import IGNORE_INDEX
 
@@ -17,9 +18,9 @@ from llmopt.parallel.pipeline.executor import IGNORE_INDEX
 def eval_loss(engine: Engine, inputs: torch.Tensor, labels: torch.Tensor, micro: int) -> float:
     """Held-out loss of this rank's rows `inputs`/`labels` [n, T], summed over DP; collective."""
     if engine.grid.pp.size != 1:
-        raise ValueError("eval loss needs pp=1 (the stage computing the loss holds everything)")
+        raise UsageError("eval loss needs pp=1 (the stage computing the loss holds everything)")
     if engine.dp.zero == 3:
-        raise ValueError("eval loss with zero_stage=3 is not supported; use zero_stage<=2")
+        raise UsageError("eval loss with zero_stage=3 is not supported; use zero_stage<=2")
     stage = engine.stages[0]
     was_training = stage.training
     stage.eval()

@@ -29,8 +29,10 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from llmopt.errors import LlmoptError, UsageError
 
-class SpawnError(RuntimeError):
+
+class SpawnError(LlmoptError, RuntimeError):
     """A spawned rank failed; the message names the rank and carries its traceback."""
 
 
@@ -45,7 +47,7 @@ def torchrun_command(
     """`python -m torch.distributed.run [flags] <target...>`; target is `-m module args` or a
     script and its arguments. One node without a port given runs `--standalone`."""
     if nproc_per_node < 1:
-        raise ValueError(f"--nproc-per-node={nproc_per_node} must be >= 1")
+        raise UsageError(f"--nproc-per-node={nproc_per_node} must be >= 1")
     cmd = [sys.executable, "-m", "torch.distributed.run"]
     cmd += ["--nproc-per-node", str(nproc_per_node), "--nnodes", str(nnodes)]
     for flag, value in (

@@ -10,7 +10,10 @@ dequantisation, which is differentiable in its input.
 
 Adapters are saved in PEFT's layout (`adapter_config.json`, `adapter_model.safetensors` with
 peft's key names: `base_model.model.<HF module>.lora_A.weight`), so `peft` loads them onto
-transformers' model; `merged_model` folds them into a plain model (`llmopt merge`).
+transformers' model; `merged_model` folds them into a plain model (`llmopt merge`). Beside
+them, `llmopt_adapter.json` holds a fingerprint of the base weights the adapter was trained on
+(the tensors LoRA leaves alone), so a merge onto another base of the same shape is refused
+instead of producing a silently wrong model.
 """
 
 from __future__ import annotations
@@ -26,14 +29,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmopt.artifacts import atomic_write, atomic_write_text
+from llmopt.errors import LlmoptError
 from llmopt.models.spec import ModelSpec, spec_for
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
+BASE_FILE = "llmopt_adapter.json"  # our note beside peft's files: which base the adapter fits
 
 
-class LoraError(ValueError):
+class LoraError(LlmoptError, ValueError):
     """Adapters that cannot be applied, saved or loaded as asked."""
 
 
@@ -295,7 +300,45 @@ def save_adapter(
     }
     atomic_write(directory / ADAPTER_FILE, lambda tmp: save_file(state, str(tmp), {"format": "pt"}))
     atomic_write_text(directory / CONFIG_FILE, json.dumps(config, indent=2))
+    note = {"format": "llmopt-adapter", "version": 1, "base_fingerprint": base_fingerprint(model)}
+    atomic_write_text(directory / BASE_FILE, json.dumps(note, indent=2))
     return directory
+
+
+def base_fingerprint(model: nn.Module) -> str:
+    """SHA-256 of the base tensors LoRA leaves alone (embeddings, norms, untargeted linears),
+    each rounded to bfloat16 so a base frozen in bf16 and the same base loaded in fp32 agree."""
+    import hashlib
+
+    modules = tuple(p + "." for p in lora_modules(model))
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        if ".lora_" in name or name.startswith(modules) or not tensor.is_floating_point():
+            continue
+        values = tensor.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16)
+        digest.update(name.encode() + b"\0" + values.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def check_base(directory: str | Path, model: nn.Module, base: str) -> bool:
+    """Refuse a base whose fingerprint differs from the one the adapter recorded; False when
+    the adapter has no fingerprint (written elsewhere, e.g. by peft): nothing to check."""
+    note_path = Path(directory) / BASE_FILE
+    if not note_path.is_file():
+        return False
+    from llmopt.config_files import read_json
+
+    recorded = read_json(note_path, "adapter note").get("base_fingerprint")
+    if not isinstance(recorded, str):
+        raise LoraError(f"{note_path}: base_fingerprint={recorded!r} must be a hex string")
+    found = base_fingerprint(model)
+    if found != recorded:
+        raise LoraError(
+            f"adapter {directory} was trained on another base than --base {base} (its weights "
+            f"differ: fingerprint {found[:12]} vs the adapter's {recorded[:12]}); merge onto "
+            "the model the adapter was trained on"
+        )
+    return True
 
 
 def read_adapter(directory: str | Path) -> tuple[LoraSettings, dict[str, torch.Tensor]]:

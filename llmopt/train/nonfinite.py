@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmopt.errors import LlmoptError
 from llmopt.parallel.engine import Engine
 
 
-class NonFiniteError(ValueError):
+class NonFiniteError(LlmoptError, ValueError):
     """Training produced a NaN/inf loss, gradient norm or state (a learning rate too high for
     the model, bad data): the run stops with one line, like any configuration that cannot run."""
 

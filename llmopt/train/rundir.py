@@ -40,24 +40,48 @@ def previous_run(out: Path) -> list[str]:
     return sorted(p.name for p in out.iterdir() if p.name not in LAUNCH_FILES)
 
 
-def check_run_dir(out: str | Path, resume: bool, overwrite: bool) -> None:
-    """Refuse an out_dir holding a run when neither `resume` nor `overwrite` is set."""
+def check_run_dir(out: str | Path, resume: bool, overwrite: bool, steps: int | None = None) -> None:
+    """Refuse an out_dir holding a run when neither `resume` nor `overwrite` is set, and a
+    resume that has nothing to do (its latest checkpoint is at `steps` or beyond)."""
     out = Path(out)
     held = previous_run(out)
     if held and not (resume or overwrite):
         shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+        what = "a run" if set(held) & set(RUN_OUTPUTS) else "files that are not a run"
         raise RunDirError(
-            f"out_dir {out} already holds a run ({shown}); pass --resume to continue it, "
-            "--overwrite to delete it and start afresh, or choose another --out-dir"
+            f"out_dir {out} already holds {what} ({shown}); pass --resume to continue a run, "
+            "--overwrite to replace what a run writes there (checkpoints, log, plot; other "
+            "files are kept), or choose another --out-dir"
+        )
+    if resume and steps is not None:
+        check_resume_has_work(out, steps)
+
+
+def check_resume_has_work(out: Path, steps: int) -> None:
+    """A resumed run whose latest checkpoint already reached `steps` would train nothing and
+    report success: refuse it, naming the step."""
+    from llmopt.config_files import read_manifest
+    from llmopt.train.checkpoint import latest_checkpoint
+
+    found = latest_checkpoint(out / "checkpoints")
+    if found is None:
+        return
+    done = read_manifest(found)["step"]
+    if done >= steps:
+        raise RunDirError(
+            f"nothing to do: --resume found {found} at step {done} and the run ends at step "
+            f"{steps}; raise --steps above {done} to train further"
         )
 
 
-def prepare_run_dir(out: str | Path, resume: bool, overwrite: bool, grid: RankGrid) -> None:
+def prepare_run_dir(
+    out: str | Path, resume: bool, overwrite: bool, grid: RankGrid, steps: int | None = None
+) -> None:
     """Collective. Every rank checks (so all refuse together, before rank 0 writes a log that
     would make a later check fail); rank 0 then deletes a previous run's outputs for
     `overwrite` and sweeps leftovers of killed saves."""
     out = Path(out)
-    check_run_dir(out, resume, overwrite)
+    check_run_dir(out, resume, overwrite, steps)
     with grid.counter.paused():
         grid.world.barrier()
     if grid.rank == 0 and out.is_dir():

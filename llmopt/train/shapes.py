@@ -8,9 +8,12 @@ naming the two values: the flags must match the weights (or be left out).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmopt.train.config import TrainConfigError
+
+if TYPE_CHECKING:
+    from llmopt.models.config import ModelConfig
 
 # TrainConfig's shape flags (all ModelConfig fields of the same name).
 SHAPE_FLAGS = (
@@ -61,3 +64,97 @@ def check_same_model(saved: Mapping[str, Any], here: Mapping[str, Any], source: 
             f"cannot resume from {source}: its model has another shape ({shown}); use the "
             "checkpoint's shape flags, or train into a new --out-dir"
         )
+
+
+def check_dense_linears(model: Any, source: str, flag: str, purpose: str) -> None:
+    """Every linear of every block must be a plain `nn.Linear`: a quantized (`QuantLinear`) or
+    packed sparse layer has no float weight to train or to fold an adapter into."""
+    from torch import nn
+
+    from llmopt.models.spec import spec_for
+
+    spec = spec_for(model)
+    for block_name, block in spec.named_blocks(model):
+        for name, module in spec.named_block_modules(block, spec.block_linears):
+            if not isinstance(module, nn.Linear):
+                raise ShapeMismatchError(
+                    f"{flag} {source} holds a {type(module).__name__} at "
+                    f"{block_name}.{name} (a quantized or packed model); {purpose} needs the "
+                    "full-precision weights: use the model it was quantized or pruned from"
+                )
+
+
+def check_layout(cfg: Any, world_size: int, where: str) -> None:
+    """The run's ParallelPlan on `world_size` ranks must split its model: tp divides the heads,
+    KV heads, MLP width and vocabulary (and the sequence under SP), pp at most the layers.
+    Checked by the launcher before any process starts, for the model it can know without
+    loading weights (a preset with shape flags, or an HF directory's config.json)."""
+    from llmopt.parallel.grid import ParallelDims
+
+    plan = cfg.parallel_plan(world_size)
+    model = _model_config(cfg)
+    if model is None:
+        return
+    dims = ParallelDims.of_plan(plan)
+    try:
+        dims.validate_model(model, cfg.seq_len, cfg.sequence_parallel)
+    except ValueError as exc:
+        raise ShapeMismatchError(
+            f"{where}: {exc} of the model {cfg.init_from or cfg.model}; choose a layout that "
+            "splits it"
+        ) from None
+
+
+def _model_config(cfg: Any):
+    """The run's model config when it is known without loading weights, else None."""
+    from pathlib import Path
+
+    if cfg.init_from is None:
+        return model_config(cfg)
+    path = Path(cfg.init_from)
+    if (path / "config.json").is_file() and not (path / "llmopt_quant.json").exists():
+        from llmopt.models.hf import read_config
+
+        return read_config(path)
+    return None
+
+
+def model_config(cfg: Any) -> ModelConfig:
+    """The model a run builds from scratch: its preset with the shape flags (and MoE
+    overrides) applied."""
+    from llmopt.models.presets import get_preset
+
+    base = get_preset(cfg.model)
+    changes = {name: getattr(cfg, name) for name in SHAPE_FLAGS if getattr(cfg, name) is not None}
+    changes["max_seq_len"] = max(base.max_seq_len, cfg.seq_len)
+    return with_moe_overrides(base.replace(**changes), cfg)
+
+
+# TrainConfig field -> MoEConfig field (the `moe_` prefix keeps the flags unambiguous)
+MOE_FIELDS = {
+    "num_experts": "num_experts",
+    "expert_ffn_hidden": "expert_ffn_hidden",
+    "moe_top_k": "top_k",
+    "moe_aux_loss_coef": "aux_loss_coef",
+    "moe_z_loss_coef": "z_loss_coef",
+    "moe_capacity_factor": "capacity_factor",
+    "moe_bias_update_rate": "bias_update_rate",
+}
+
+
+def with_moe_overrides(config: ModelConfig, cfg: Any) -> ModelConfig:
+    """`config` with the run's MoE overrides (none: unchanged); refused for a dense model."""
+    import dataclasses
+
+    from llmopt.models.moe import MoEConfigError
+
+    changes = {f: getattr(cfg, k) for k, f in MOE_FIELDS.items() if getattr(cfg, k) is not None}
+    if not changes:
+        return config
+    if config.moe is None:
+        given = ", ".join(_flag(k) for k in MOE_FIELDS if getattr(cfg, k) is not None)
+        raise TrainConfigError(f"{given}: model {config.name!r} has no experts (dense)")
+    try:
+        return config.replace(moe=dataclasses.replace(config.moe, **changes))
+    except MoEConfigError as exc:
+        raise TrainConfigError(str(exc)) from None

@@ -31,11 +31,8 @@ import torch
 import torch.distributed as dist
 
 from llmopt.jsonout import dumps
-from llmopt.models.config import ModelConfig
 from llmopt.models.experts import set_routing
 from llmopt.models.llama import Transformer, build_model
-from llmopt.models.moe import MoEConfigError
-from llmopt.models.presets import get_preset
 from llmopt.parallel.comm import CommCounter
 from llmopt.parallel.engine import DTYPES, Engine, Objective, parallelize
 from llmopt.parallel.grid import ParallelDims, RankGrid, init_distributed
@@ -50,7 +47,13 @@ from llmopt.train.finetune_data import build_data, own_tokenizer
 from llmopt.train.nonfinite import NonFiniteGuard
 from llmopt.train.reporting import Progress, Reporter, plot_losses
 from llmopt.train.rundir import prepare_run_dir
-from llmopt.train.shapes import SHAPE_FLAGS, check_shape_flags
+from llmopt.train.shapes import (
+    ShapeMismatchError,
+    check_dense_linears,
+    check_shape_flags,
+    model_config,
+    with_moe_overrides,
+)
 
 FAULT_ENV = "LLMOPT_FAULT"  # "kind:rank:step", kind in raise|kill|kill-in-save (tests)
 
@@ -73,41 +76,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     span = max(cfg.steps - cfg.warmup_steps, 1)
     progress = min((step - cfg.warmup_steps) / span, 1.0)
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
-
-
-# TrainConfig field -> MoEConfig field (the `moe_` prefix keeps the flags unambiguous)
-MOE_FIELDS = {
-    "num_experts": "num_experts",
-    "expert_ffn_hidden": "expert_ffn_hidden",
-    "moe_top_k": "top_k",
-    "moe_aux_loss_coef": "aux_loss_coef",
-    "moe_z_loss_coef": "z_loss_coef",
-    "moe_capacity_factor": "capacity_factor",
-    "moe_bias_update_rate": "bias_update_rate",
-}
-
-
-def with_moe_overrides(config: ModelConfig, cfg: TrainConfig) -> ModelConfig:
-    """`config` with the run's MoE overrides (none: unchanged); refused for a dense model."""
-    changes = {f: getattr(cfg, k) for k, f in MOE_FIELDS.items() if getattr(cfg, k) is not None}
-    if not changes:
-        return config
-    if config.moe is None:
-        given = ", ".join(
-            "--" + k.replace("_", "-") for k in MOE_FIELDS if getattr(cfg, k) is not None
-        )
-        raise TrainConfigError(f"{given}: model {config.name!r} has no experts (dense)")
-    try:
-        return config.replace(moe=dataclasses.replace(config.moe, **changes))
-    except MoEConfigError as exc:
-        raise TrainConfigError(str(exc)) from None
-
-
-def model_config(cfg: TrainConfig) -> ModelConfig:
-    base = get_preset(cfg.model)
-    changes = {name: getattr(cfg, name) for name in SHAPE_FLAGS if getattr(cfg, name) is not None}
-    changes["max_seq_len"] = max(base.max_seq_len, cfg.seq_len)
-    return with_moe_overrides(base.replace(**changes), cfg)
 
 
 def build_initial_model(cfg: TrainConfig, device: torch.device) -> Transformer:
@@ -180,7 +148,7 @@ def train(cfg: TrainConfig, objective: Objective | None = None) -> TrainResult:
     device, _backend = init_distributed(cfg.timeout_s)
     world = dist.get_world_size() if dist.is_initialized() else 1
     plan = cfg.parallel_plan(world)
-    dims = ParallelDims(world, tp=plan.tp, pp=plan.pp, dp=plan.dp)
+    dims = ParallelDims.of_plan(plan)
     grid = RankGrid.create(dims, timeout_s=cfg.timeout_s)
     try:
         return _train(cfg, grid, device, objective)
@@ -199,11 +167,16 @@ def _train(
 ) -> TrainResult:
     dims = grid.dims
     plan = cfg.parallel_plan(dims.world_size)
-    prepare_run_dir(cfg.out_dir, cfg.resume, cfg.overwrite, grid)  # one run per out_dir
+    prepare_run_dir(cfg.out_dir, cfg.resume, cfg.overwrite, grid, cfg.steps)  # one run per dir
     torch.manual_seed(cfg.seed)
     model = build_initial_model(cfg, device)
     mcfg = model.config
-    dims.validate_model(mcfg, cfg.seq_len, cfg.sequence_parallel)
+    try:
+        dims.validate_model(mcfg, cfg.seq_len, cfg.sequence_parallel)
+    except ValueError as exc:  # the layout cannot split this model (`shapes.check_layout`)
+        raise ShapeMismatchError(f"{exc} of the model {cfg.init_from or cfg.model}") from None
+    if cfg.init_from:
+        check_dense_linears(model, cfg.init_from, "--init-from", "training")
     data = build_data(cfg, mcfg.vocab_size)
     lora = lora_settings(cfg)
     if lora is not None:

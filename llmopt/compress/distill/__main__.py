@@ -14,9 +14,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         summary = run_rank(args.config)
-    except (ValueError, FileNotFoundError, KeyError) as exc:
-        print(f"llmopt distill: error: {exc}", file=sys.stderr)
-        return 2
+    except Exception as exc:  # the boundary of `llmopt`: input errors in one line, bugs traced
+        from llmopt.cli import fail
+
+        return fail("distill", exc)
     if summary and args.json:
         print(json.dumps(summary))
     return 0

@@ -11,9 +11,10 @@ import argparse
 import json
 from pathlib import Path
 
+from llmopt.compress.distill.objective import DistillConfigError
 from llmopt.compress.distill.run import DistillSettings, distill
 from llmopt.compress.distill.student import STUDENT_SPECS
-from llmopt.train.config import TrainConfig
+from llmopt.train.config import FIELD_HELP, TrainConfig
 
 
 def register(subparsers) -> None:
@@ -28,19 +29,25 @@ def register(subparsers) -> None:
     p.add_argument("--out", required=True, help="output directory (not the teacher's)")
     p.add_argument("--temperature", type=float, default=1.0, help="KD temperature T (> 0)")
     p.add_argument("--alpha", type=float, default=0.5, help="weight of T²·KL; 1-alpha: LM loss")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--global-batch", type=int, default=4)
-    p.add_argument("--micro-batch", type=int, default=2)
-    p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--min-lr", type=float, default=5e-5)
-    p.add_argument("--warmup-steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=200, help=FIELD_HELP["steps"])
+    p.add_argument("--seq-len", type=int, default=256, help=FIELD_HELP["seq_len"])
+    p.add_argument("--global-batch", type=int, default=4, help=FIELD_HELP["global_batch"])
+    p.add_argument("--micro-batch", type=int, default=2, help=FIELD_HELP["micro_batch"])
+    p.add_argument("--lr", type=float, default=5e-4, help=FIELD_HELP["lr"])
+    p.add_argument("--min-lr", type=float, default=5e-5, help=FIELD_HELP["min_lr"])
+    p.add_argument("--warmup-steps", type=int, default=10, help=FIELD_HELP["warmup_steps"])
     p.add_argument("--zero-stage", type=int, default=0, help="ZeRO stage 0-3 (data parallel)")
     p.add_argument("--precision", default="fp32", help="fp32 or bf16 (the student's compute)")
     p.add_argument("--max-chars", type=int, default=None, help="read at most this much text")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help=FIELD_HELP["seed"])
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start afresh in an --out holding a run: replace what a run writes there "
+        "(checkpoints, log, plot, model), keep other files",
+    )
     p.add_argument("--nproc-per-node", type=int, default=1, help="data-parallel processes")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
@@ -72,13 +79,14 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         out_dir=args.out,
         save_every=args.save_every,
         resume=args.resume,
+        overwrite=args.overwrite,
         progress=not args.no_progress,
     )
 
 
 def handle(args: argparse.Namespace) -> int:
     if args.draft_vocab is not None and args.draft_vocab < 1:
-        raise ValueError(f"--draft-vocab {args.draft_vocab} must be a positive token count")
+        raise DistillConfigError(f"--draft-vocab {args.draft_vocab} must be a positive token count")
     settings = DistillSettings(args.teacher, args.student, args.temperature, args.alpha)
     summary = distill(settings, train_config(args), nproc=args.nproc_per_node)
     if "returncode" in summary:

@@ -22,12 +22,13 @@ import torch
 from torch import nn
 
 from llmopt.artifacts import atomic_write_text
+from llmopt.errors import LlmoptError
 from llmopt.models.spec import spec_for
 
 VOCAB_FILE = "llmopt_draft_vocab.json"
 
 
-class DraftVocabError(ValueError):
+class DraftVocabError(LlmoptError, ValueError):
     """A draft vocabulary that cannot be used; the message names the value."""
 
 

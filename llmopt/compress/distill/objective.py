@@ -23,10 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmopt.errors import LlmoptError
+
 IGNORE_INDEX = -100
 
 
-class DistillConfigError(ValueError):
+class DistillConfigError(LlmoptError, ValueError):
     """A distillation setting that cannot work; the message names the value and the range."""
 
 

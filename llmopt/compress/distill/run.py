@@ -65,7 +65,7 @@ def prepare(settings: DistillSettings, train: TrainConfig) -> Path:
     from llmopt.models.loading import load_model, load_tokenizer, save_pretrained
 
     out = check_out(train.out_dir, settings.teacher, settings.student)
-    check_run_dir(out, train.resume, train.overwrite)  # before this launch writes anything
+    check_run_dir(out, train.resume, train.overwrite, train.steps)  # before any write
     try:
         tokenizer = load_tokenizer(settings.teacher)
     except (ValueError, FileNotFoundError) as exc:

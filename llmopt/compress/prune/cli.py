@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from llmopt import cli_args
 from llmopt.jsonout import dumps
 
 
@@ -23,7 +24,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "indices; unstructured stored dense with its mask).",
     )
     p.add_argument("--model", default="smollm2-135m", help="model name, .gguf or HF directory")
-    p.add_argument("--method", default="sparsegpt", choices=METHODS)
+    p.add_argument(
+        "--method",
+        default="sparsegpt",
+        choices=METHODS,
+        help="magnitude: |w|; wanda: |w| x input norm; sparsegpt: Hessian-based with updates",
+    )
     p.add_argument(
         "--sparsity",
         default="0.5",
@@ -52,8 +58,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "the embedding's bytes); pruned linears are fp16 either way",
     )
     p.add_argument("--out", required=True, help="output directory (not the source's)")
+    cli_args.add_overwrite(p)
     p.add_argument("--json", action="store_true", help="print a JSON summary")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, check=check_args)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """The output directory, before anything loads (`llmopt.output_dir`)."""
+    from llmopt.compress.prune.io import KIND
+
+    cli_args.output_dir(args, KIND)
 
 
 def source_path(model: str) -> Path:
@@ -87,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     if config.needs_calibration:
         parse_mix(config.calib)  # a bad --calib fails before the model loads
     source = source_path(args.model)
-    check_out_dir(args.out, source)  # before minutes of calibration
+    check_out_dir(args.out, source, args.overwrite)  # before minutes of calibration
     model = load_model(args.model, dtype=torch.float32)
     tokenizer = load_tokenizer(args.model)
     calib = coverage = None
@@ -102,7 +116,14 @@ def run(args: argparse.Namespace) -> int:
     pruned = prune_model(model, config=config, calib_tokens=calib, progress=not args.json)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     float_dtype = None if args.float_dtype == "keep" else getattr(torch, args.float_dtype)
-    out = save_pruned(pruned, args.out, tokenizer, source=source, float_dtype=float_dtype)
+    out = save_pruned(
+        pruned,
+        args.out,
+        tokenizer,
+        source=source,
+        float_dtype=float_dtype,
+        overwrite=args.overwrite,
+    )
     meta = json.loads((out / "llmopt_prune.json").read_text())
     report = pruned.prune_report
     summary: dict[str, Any] = {

@@ -12,11 +12,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmopt.config_files import FLOAT, STR, check_fields, dataclass_schema
+from llmopt.errors import LlmoptError
 
 METHODS = ("magnitude", "wanda", "sparsegpt")
 
 
-class PruneConfigError(ValueError):
+class PruneConfigError(LlmoptError, ValueError):
     """A sparsity target, method or option that cannot be used."""
 
 

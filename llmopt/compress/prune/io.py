@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmopt.artifacts import OutputPathError, atomic_directory, atomic_write, atomic_write_json
+from llmopt.artifacts import OutputPathError, atomic_write, atomic_write_json
 from llmopt.compress.markers import read_marker, sha256_file, verify_weights
 from llmopt.compress.prune.config import PruneConfig
 from llmopt.compress.prune.packed import (
@@ -30,7 +30,10 @@ from llmopt.compress.prune.packed import (
     pack_nm,
     unpack_bits,
 )
+from llmopt.config_files import INT, STR, check_fields
+from llmopt.errors import LlmoptError
 from llmopt.models.spec import spec_for
+from llmopt.output_dir import check_output_dir, output_directory
 
 MARKER = "llmopt_prune.json"
 WEIGHTS = (
@@ -40,12 +43,18 @@ FORMAT_NAME = "llmopt-prune"
 FORMAT_VERSION = 1
 
 
-class PruneFileError(ValueError):
+class PruneFileError(LlmoptError, ValueError):
     """A pruned directory that is corrupted, incomplete or inconsistent, or a bad destination."""
 
 
-def check_out_dir(out: str | Path, source: str | Path | None = None) -> Path:
-    """Refuse a destination equal to or inside the source, or an unrelated existing path."""
+KIND = "prune"  # llmopt.output_dir
+
+
+def check_out_dir(
+    out: str | Path, source: str | Path | None = None, overwrite: bool = False
+) -> Path:
+    """Refuse a destination equal to or inside the source, or an existing directory that is
+    not an earlier prune output (unless `overwrite`: `llmopt.output_dir`)."""
     out = Path(out).expanduser().resolve()
     if source is not None:
         src = Path(source).expanduser().resolve()
@@ -54,13 +63,10 @@ def check_out_dir(out: str | Path, source: str | Path | None = None) -> Path:
                 f"--out {out} is the source model {src} or inside it, or contains it; choose "
                 "a directory outside the source"
             )
-    if out.exists():
-        if not out.is_dir():
-            raise PruneFileError(f"--out {out} exists and is not a directory")
-        if any(out.iterdir()) and not (out / MARKER).is_file():
-            raise PruneFileError(
-                f"--out {out} exists and is not an llmopt prune output; choose a new directory"
-            )
+    try:
+        check_output_dir(out, KIND, overwrite=overwrite)
+    except OutputPathError as exc:
+        raise PruneFileError(str(exc)) from exc
     return out
 
 
@@ -115,6 +121,7 @@ def save_pruned(
     *,
     source: str | Path | None = None,
     float_dtype: torch.dtype | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Write a model from `prune_model` (or `load_pruned`) so `load_pruned(directory)` restores
     it. `source`: the model's own file or directory, which `directory` may not be or be inside.
@@ -124,10 +131,10 @@ def save_pruned(
 
     if getattr(model, "prune_config", None) is None:
         raise PruneFileError("model has no prune_config: prune it with prune_model first")
-    out = check_out_dir(directory, source)
+    out = check_out_dir(directory, source, overwrite)
     state, modules, stored, dense16 = _pruned_state(model, float_dtype)
     try:
-        with atomic_directory(out, marker=MARKER) as staging:
+        with output_directory(out, KIND, overwrite=overwrite) as staging:
             weights = staging / WEIGHTS
             atomic_write(weights, lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
             if tokenizer is not None:
@@ -149,6 +156,10 @@ def save_pruned(
     except OutputPathError as exc:
         raise PruneFileError(str(exc)) from exc
     return out
+
+
+# what `save_pruned` records per pruned linear (n, m for N:M)
+MODULE_ENTRY = {"out_features": INT, "in_features": INT, "kind": STR, "n": INT, "m": INT}
 
 
 def read_prune_meta(directory: str | Path) -> dict[str, Any]:
@@ -198,10 +209,15 @@ def load_pruned(
     masks: dict[str, torch.Tensor] = {}
     sparse: dict[str, PackedNM] = {}
     for name, entry in meta["modules"].items():
-        try:
-            rows, cols, kind = entry["out_features"], entry["in_features"], entry["kind"]
-        except (KeyError, TypeError) as exc:
-            raise PruneFileError(f"{MARKER}: bad entry for module {name!r}: {exc}") from exc
+        check_fields(
+            f"{directory / MARKER}: modules[{name!r}]",
+            entry,
+            MODULE_ENTRY,
+            required=("out_features", "in_features", "kind"),
+            unknown="keep",
+            error=PruneFileError,
+        )
+        rows, cols, kind = entry["out_features"], entry["in_features"], entry["kind"]
         if kind == "nm":
             pk = PackedNM(
                 _take(state, f"{name}.values"),

@@ -20,6 +20,7 @@ from llmopt.compress.quant.linear import QuantLinear
 from llmopt.compress.quant.progress import layer_progress
 from llmopt.compress.quant.rtn import rtn_quantize
 from llmopt.compress.quant.targets import block_linears, replace_with_packed, selected_names
+from llmopt.errors import UsageError
 from llmopt.models.spec import spec_for
 
 
@@ -58,12 +59,12 @@ def quantize_model(
     selected_names(spec, config)  # unknown module names fail before any work
     if config.needs_calibration:
         if calib_tokens is None:
-            raise ValueError(
+            raise UsageError(
                 f"method {config.method!r} needs calibration tokens: pass calib_tokens=[n, T] "
                 "(llmopt.compress.quant.calibration.calibration_tokens builds them)"
             )
         if calib_tokens.dim() != 2 or calib_tokens.dtype != torch.long:
-            raise ValueError(
+            raise UsageError(
                 f"calib_tokens must be a [n, T] int64 tensor, got {tuple(calib_tokens.shape)} "
                 f"{calib_tokens.dtype}"
             )
@@ -72,7 +73,7 @@ def quantize_model(
     start = time.perf_counter()
     qmodel = copy.deepcopy(model).eval()
     if getattr(qmodel, "quant_config", None) is not None:
-        raise ValueError("model is already quantized; quantize the full-precision model")
+        raise UsageError("model is already quantized; quantize the full-precision model")
     qmodel.float()
     with torch.no_grad():
         if config.method == "rtn":

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmopt.artifacts import atomic_directory, atomic_write, atomic_write_json
+from llmopt.artifacts import OutputPathError, atomic_write, atomic_write_json
+from llmopt.compress.quant.formats import QuantFormatError
 from llmopt.compress.quant.linear import QuantLinear
 from llmopt.models.hf import ours_to_hf
 from llmopt.models.spec import spec_for
@@ -29,7 +30,7 @@ def pack_awq_int32(values: torch.Tensor) -> torch.Tensor:
     """[rows, cols] 4-bit values -> int32 [rows, cols/8] in AWQ's interleaved nibble order."""
     rows, cols = values.shape
     if cols % 8:
-        raise ValueError(f"AutoAWQ packs 8 output channels per int32; got {cols} channels")
+        raise QuantFormatError(f"AutoAWQ packs 8 output channels per int32; got {cols} channels")
     v = values.to(torch.int64).reshape(rows, cols // 8, 8)[:, :, list(AWQ_ORDER)]
     shifts = torch.arange(0, 32, 4, dtype=torch.int64)
     packed = (v << shifts).sum(-1)  # disjoint bit fields: sum == bitwise or
@@ -43,7 +44,7 @@ def check_autoawq_compatible(model: nn.Module, bits: int, group_size: int) -> No
     input width must be a multiple of the group size.
     """
     if bits != 4:
-        raise ValueError(f"AutoAWQ's GEMM layout holds 4-bit weights only; got bits={bits}")
+        raise QuantFormatError(f"AutoAWQ's GEMM layout holds 4-bit weights only; got bits={bits}")
     if group_size == -1:
         return
     spec = spec_for(model)
@@ -56,7 +57,7 @@ def check_autoawq_compatible(model: nn.Module, bits: int, group_size: int) -> No
     )
     bad = [w for w in widths if w % group_size]
     if bad:
-        raise ValueError(
+        raise QuantFormatError(
             f"AutoAWQ needs every input width divisible by the group size {group_size}; this "
             f"model has widths {bad}; choose a group size that divides "
             f"{', '.join(map(str, bad))} (or -1)"
@@ -65,10 +66,12 @@ def check_autoawq_compatible(model: nn.Module, bits: int, group_size: int) -> No
 
 def awq_tensors(layer: QuantLinear) -> dict[str, torch.Tensor]:
     if layer.bits != 4:
-        raise ValueError(f"AutoAWQ GEMM holds 4-bit weights only; this model is {layer.bits}-bit")
+        raise QuantFormatError(
+            f"AutoAWQ GEMM holds 4-bit weights only; this model is {layer.bits}-bit"
+        )
     group = layer.in_features if layer.group_size == -1 else layer.group_size
     if layer.in_features % group:
-        raise ValueError(
+        raise QuantFormatError(
             f"AutoAWQ needs in_features divisible by the group size: a layer has "
             f"in_features={layer.in_features} with group_size={layer.group_size}; quantize with "
             "a group size that divides it (e.g. 64 or 32 for SmolLM2's 576)"
@@ -81,7 +84,12 @@ def awq_tensors(layer: QuantLinear) -> dict[str, torch.Tensor]:
     }
 
 
-def export_autoawq(model: nn.Module, directory: str | Path, tokenizer: Any = None) -> Path:
+KIND = "quantize:autoawq"  # llmopt.output_dir
+
+
+def export_autoawq(
+    model: nn.Module, directory: str | Path, tokenizer: Any = None, *, overwrite: bool = False
+) -> Path:
     """Write `model.safetensors` + `config.json` in AutoAWQ's GEMM layout."""
     from safetensors.torch import save_file
 
@@ -89,7 +97,7 @@ def export_autoawq(model: nn.Module, directory: str | Path, tokenizer: Any = Non
 
     config = getattr(model, "quant_config", None)
     if config is None:
-        raise ValueError("model is not quantized: quantize it first")
+        raise QuantFormatError("model is not quantized: quantize it first")
     require_llama_checkpoint(model.config, "AutoAWQ export")
     directory = Path(directory)
     state: dict[str, torch.Tensor] = {}
@@ -103,7 +111,7 @@ def export_autoawq(model: nn.Module, directory: str | Path, tokenizer: Any = Non
                 state[f"{prefix}.bias"] = module.bias.detach().half()
             quantized.add(name)
     if not quantized:
-        raise ValueError("model has no quantized linear layers to export")
+        raise QuantFormatError("model has no quantized linear layers to export")
     head = spec_for(model).head
     tied = model.config.tie_embeddings and head not in quantized
     for name, tensor in model.state_dict().items():
@@ -121,12 +129,17 @@ def export_autoawq(model: nn.Module, directory: str | Path, tokenizer: Any = Non
         "version": "gemm",
         "modules_to_not_convert": None,
     }
-    with atomic_directory(directory) as staging:  # an old export intact until this one is whole
-        atomic_write(
-            staging / "model.safetensors",
-            lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}),
-        )
-        atomic_write_json(staging / "config.json", hf, indent=2)
-        if tokenizer is not None:
-            tokenizer.save(staging)
-    return directory
+    from llmopt.output_dir import output_directory
+
+    try:  # an old export intact until this one is whole; the user's files never replaced
+        with output_directory(directory, KIND, overwrite=overwrite) as staging:
+            atomic_write(
+                staging / "model.safetensors",
+                lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}),
+            )
+            atomic_write_json(staging / "config.json", hf, indent=2)
+            if tokenizer is not None:
+                tokenizer.save(staging)
+    except OutputPathError as exc:
+        raise QuantFormatError(str(exc)) from exc
+    return Path(directory)

@@ -18,6 +18,7 @@ import torch
 
 from llmopt.data.corpus import load_text
 from llmopt.data.mix import DEFAULT_MIX, allocate, format_mix, parse_mix
+from llmopt.errors import UsageError
 
 CALIB_START_FRACTION = 0.5
 MIN_CALIB_TOKENS = 4096
@@ -58,7 +59,7 @@ def calibration_set(
 ) -> CalibrationSet:
     """Windows from every source of the mix `spec`, with the coverage they give."""
     if n_samples < 1 or seq_len < 2:
-        raise ValueError(f"need n_samples >= 1 and seq_len >= 2; got {n_samples}, {seq_len}")
+        raise UsageError(f"need n_samples >= 1 and seq_len >= 2; got {n_samples}, {seq_len}")
     parts = parse_mix(spec)
     counts = allocate(parts, n_samples)
     rows, sources = [], []
@@ -111,7 +112,7 @@ def _source_windows(tokenizer, source: str, n: int, seq_len: int, seed: int) -> 
             try:
                 return windows(ids, n, seq_len, seed)
             except ValueError as err:
-                raise ValueError(f"calibration source {source}: {err}") from None
+                raise UsageError(f"calibration source {source}: {err}") from None
         chars *= 2
 
 
@@ -119,7 +120,7 @@ def windows(ids: torch.Tensor, n_samples: int, seq_len: int, seed: int = 0) -> t
     """n random (seeded) non-overlapping windows of seq_len from a 1-D id tensor."""
     slots = ids.numel() // seq_len
     if slots < n_samples:
-        raise ValueError(
+        raise UsageError(
             f"calibration text has {ids.numel()} tokens: too few for {n_samples} x {seq_len}"
         )
     gen = torch.Generator().manual_seed(seed)

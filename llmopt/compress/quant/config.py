@@ -9,9 +9,14 @@ from typing import Any
 from llmopt.compress.quant.formats import check_bits_group
 from llmopt.compress.quant.linear import BACKENDS
 from llmopt.config_files import check_fields, dataclass_schema
+from llmopt.errors import LlmoptError
 
 METHODS = ("rtn", "awq", "gptq")
 GPTQ_GROUPS = ("lazy", "static")  # llmopt.compress.quant.gptq
+
+
+class QuantConfigError(LlmoptError, ValueError):
+    """A quantization setting out of range (the message names the field and what is valid)."""
 
 
 @dataclass(frozen=True)
@@ -59,35 +64,41 @@ class QuantConfig:
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
-            raise ValueError(f"method={self.method!r}; valid choices: {', '.join(METHODS)}")
+            raise QuantConfigError(f"method={self.method!r}; valid choices: {', '.join(METHODS)}")
         check_bits_group(self.bits, self.group_size)
         if self.backend not in BACKENDS:
-            raise ValueError(f"backend={self.backend!r}; valid choices: {', '.join(BACKENDS)}")
+            raise QuantConfigError(
+                f"backend={self.backend!r}; valid choices: {', '.join(BACKENDS)}"
+            )
         object.__setattr__(self, "modules", tuple(self.modules))
         bad = [m for m in self.modules if not isinstance(m, str) or not m]
         if bad:
-            raise ValueError(f"modules={list(self.modules)}: entries must be non-empty names")
+            raise QuantConfigError(f"modules={list(self.modules)}: entries must be non-empty names")
         for name in ("calib_samples", "calib_seq_len", "awq_grid", "awq_search_samples"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+                raise QuantConfigError(f"{name}={getattr(self, name)} must be >= 1")
         if self.awq_clip_grid < 1:
-            raise ValueError(f"awq_clip_grid={self.awq_clip_grid} must be >= 1")
+            raise QuantConfigError(f"awq_clip_grid={self.awq_clip_grid} must be >= 1")
         if self.awq_clip_tokens is not None and self.awq_clip_tokens < 1:
-            raise ValueError(f"awq_clip_tokens={self.awq_clip_tokens} must be >= 1 or None (all)")
+            raise QuantConfigError(
+                f"awq_clip_tokens={self.awq_clip_tokens} must be >= 1 or None (all)"
+            )
         if not 0.0 <= self.awq_max_shrink < 1.0:
-            raise ValueError(f"awq_max_shrink={self.awq_max_shrink} must be in [0, 1)")
+            raise QuantConfigError(f"awq_max_shrink={self.awq_max_shrink} must be in [0, 1)")
         if not 0.0 < self.gptq_damp < 1.0:
-            raise ValueError(f"gptq_damp={self.gptq_damp} must be in (0, 1)")
+            raise QuantConfigError(f"gptq_damp={self.gptq_damp} must be in (0, 1)")
         if self.gptq_groups not in GPTQ_GROUPS:
-            raise ValueError(
+            raise QuantConfigError(
                 f"gptq_groups={self.gptq_groups!r}; valid choices: {', '.join(GPTQ_GROUPS)}"
             )
         if self.gptq_range_grid < 0:
-            raise ValueError(f"gptq_range_grid={self.gptq_range_grid} must be >= 0 (0 = min/max)")
+            raise QuantConfigError(
+                f"gptq_range_grid={self.gptq_range_grid} must be >= 0 (0 = min/max)"
+            )
         if not 0.0 <= self.gptq_max_shrink < 1.0:
-            raise ValueError(f"gptq_max_shrink={self.gptq_max_shrink} must be in [0, 1)")
+            raise QuantConfigError(f"gptq_max_shrink={self.gptq_max_shrink} must be in [0, 1)")
         if self.gptq_block_size < 1:
-            raise ValueError(f"gptq_block_size={self.gptq_block_size} must be >= 1")
+            raise QuantConfigError(f"gptq_block_size={self.gptq_block_size} must be >= 1")
 
     @property
     def needs_calibration(self) -> bool:
@@ -103,7 +114,9 @@ class QuantConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - known
         if unknown:
-            raise ValueError(f"unknown quantization keys {sorted(unknown)}; valid: {sorted(known)}")
+            raise QuantConfigError(
+                f"unknown quantization keys {sorted(unknown)}; valid: {sorted(known)}"
+            )
         check_fields("quantization config", data, dataclass_schema(cls))  # as read from a file
         return cls(**data)
 

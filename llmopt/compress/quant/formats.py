@@ -19,11 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
+from llmopt.errors import LlmoptError
+
 VALID_BITS = (2, 3, 4, 8)
 VALID_GROUP_SIZES = (-1, 32, 64, 128)
 
 
-class QuantFormatError(ValueError):
+class QuantFormatError(LlmoptError, ValueError):
     """A quantization setting or packed tensor that the format cannot hold."""
 
 

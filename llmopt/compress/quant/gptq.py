@@ -34,6 +34,7 @@ from llmopt.compress.quant.formats import (
 )
 from llmopt.compress.quant.progress import layer_progress
 from llmopt.compress.quant.targets import block_linears, replace_with_packed
+from llmopt.errors import UsageError
 from llmopt.models.spec import spec_for
 
 
@@ -102,7 +103,7 @@ def gptq_solve(
     maxq = 2**bits - 1
 
     if groups not in GPTQ_GROUPS:
-        raise ValueError(f"groups={groups!r}; valid choices: {', '.join(GPTQ_GROUPS)}")
+        raise UsageError(f"groups={groups!r}; valid choices: {', '.join(GPTQ_GROUPS)}")
     hdiag = torch.diag(h).clone()
     n_groups = num_groups(in_f, group_size)
     scales = torch.zeros(out_f, n_groups)

@@ -30,12 +30,13 @@ from llmopt.compress.quant.formats import (
     pack_codes,
 )
 from llmopt.compress.quant.linear import QuantLinear
+from llmopt.errors import LlmoptError
 from llmopt.models.spec import spec_for
 
 PACKED_KEYS = ("qweight", "qzeros", "scales", "g_idx")
 
 
-class QuantImportError(ValueError):
+class QuantImportError(LlmoptError, ValueError):
     """An AWQ/GPTQ checkpoint llmopt cannot represent (or a malformed one)."""
 
 

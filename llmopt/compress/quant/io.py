@@ -24,13 +24,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmopt.artifacts import OutputPathError, atomic_directory, atomic_write, atomic_write_json
+from llmopt.artifacts import OutputPathError, atomic_write, atomic_write_json
 from llmopt.compress import QUANT_MARKER as MARKER
 from llmopt.compress.markers import read_marker, sha256_file, verify_weights
 from llmopt.compress.quant.config import QuantConfig
 from llmopt.compress.quant.formats import check_bits_group
 from llmopt.compress.quant.linear import QuantLinear
+from llmopt.config_files import BOOL, INT, check_fields
+from llmopt.errors import LlmoptError
 from llmopt.models.spec import spec_for
+from llmopt.output_dir import output_directory
 
 WEIGHTS = "llmopt_quant.safetensors"
 LEGACY_WEIGHTS = "model.safetensors"  # directories written before `weights_file` existed
@@ -38,7 +41,7 @@ FORMAT_NAME = "llmopt-quant"
 FORMAT_VERSION = 1
 
 
-class QuantFileError(ValueError):
+class QuantFileError(LlmoptError, ValueError):
     """A quantized directory that is corrupted, incomplete or inconsistent."""
 
 
@@ -53,13 +56,19 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+KIND = "quantize:llmopt"  # llmopt.output_dir
+
+
 def save_quantized(
     model: nn.Module,
     directory: str | Path,
     tokenizer: Any = None,
     float_dtype: torch.dtype | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Write a quantized model (from `quantize_model`) so `load_model(directory)` restores it.
+    An existing `directory` must be an earlier quantize output unless `overwrite` (then only
+    this output's files are replaced; `llmopt.output_dir`).
 
     `float_dtype` optionally stores the unquantized tensors (embeddings, norms) in a smaller
     dtype; by default they keep their dtype and a round trip gives identical logits.
@@ -68,7 +77,7 @@ def save_quantized(
 
     config: QuantConfig | None = getattr(model, "quant_config", None)
     if config is None:
-        raise ValueError("model has no quant_config: quantize it with quantize_model first")
+        raise QuantFileError("model has no quant_config: quantize it with quantize_model first")
     directory = Path(directory)
     spec = spec_for(model)
     tied = model.config.tie_embeddings and not isinstance(
@@ -93,7 +102,7 @@ def save_quantized(
         if isinstance(m, QuantLinear)
     }
     try:
-        with atomic_directory(directory, marker=MARKER) as staging:
+        with output_directory(directory, KIND, overwrite=overwrite) as staging:
             weights = staging / WEIGHTS
             atomic_write(weights, lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
             if tokenizer is not None:
@@ -121,6 +130,16 @@ def _float_params(model: nn.Module):
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     atomic_write_json(path, data, indent=2)
+
+
+# what `save_quantized` records per quantized linear
+MODULE_ENTRY = {
+    "in_features": INT,
+    "out_features": INT,
+    "bits": INT,
+    "group_size": INT,
+    "bias": BOOL,
+}
 
 
 def read_quant_meta(directory: str | Path) -> dict[str, Any]:
@@ -166,6 +185,14 @@ def load_quantized_model(
     with torch.device("meta"):
         model = Transformer(model_config)
     for name, spec in meta["modules"].items():
+        check_fields(
+            f"{directory / MARKER}: modules[{name!r}]",
+            spec,
+            MODULE_ENTRY,
+            required=tuple(MODULE_ENTRY),
+            unknown="keep",
+            error=QuantFileError,
+        )
         try:
             check_bits_group(spec["bits"], spec["group_size"])
             layer = QuantLinear(

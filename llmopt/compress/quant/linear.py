@@ -27,6 +27,7 @@ from torch import nn
 
 from llmopt.compress.quant.formats import (
     PackedWeight,
+    QuantFormatError,
     check_bits_group,
     dequantize_codes,
     num_groups,
@@ -51,7 +52,7 @@ class QuantLinear(nn.Module):
         super().__init__()
         check_bits_group(bits, group_size)
         if backend not in BACKENDS:
-            raise ValueError(f"backend={backend!r}; valid choices: {', '.join(BACKENDS)}")
+            raise QuantFormatError(f"backend={backend!r}; valid choices: {', '.join(BACKENDS)}")
         self.in_features, self.out_features = in_features, out_features
         self.bits, self.group_size = bits, group_size
         packed_in = in_features if bits == 8 else -(-in_features // 2)
@@ -142,7 +143,7 @@ class QuantLinear(nn.Module):
         codes = unpack_codes(self.qweight, self.bits, self.in_features)
         if backend == "int4pack":
             if self.bits > 4 or self.out_features % 16:
-                raise ValueError(
+                raise QuantFormatError(
                     f"int4pack needs bits <= 4 and out_features % 16 == 0; got bits={self.bits}, "
                     f"out_features={self.out_features}"
                 )
@@ -165,7 +166,7 @@ class QuantLinear(nn.Module):
             self._kernel = (weight, sz, kgs, k_pad)
         elif backend == "int8pack":
             if self.bits != 8 or self.group_size != -1:
-                raise ValueError(
+                raise QuantFormatError(
                     f"int8pack needs bits=8 and group_size=-1; got bits={self.bits}, "
                     f"group_size={self.group_size}"
                 )
@@ -216,7 +217,7 @@ def quant_linear_from_linear(
     linear: nn.Linear, packed: PackedWeight, backend: str = "auto"
 ) -> QuantLinear:
     if (packed.out_features, packed.in_features) != tuple(linear.weight.shape):
-        raise ValueError(
+        raise QuantFormatError(
             f"packed weight {packed.out_features}x{packed.in_features} does not match the "
             f"linear layer {tuple(linear.weight.shape)}"
         )

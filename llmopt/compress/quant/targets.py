@@ -12,6 +12,7 @@ from torch import nn
 from llmopt.compress.quant.config import QuantConfig
 from llmopt.compress.quant.formats import PackedWeight
 from llmopt.compress.quant.linear import QuantLinear
+from llmopt.errors import UsageError
 from llmopt.models.spec import ModelSpec
 
 
@@ -27,7 +28,7 @@ def selected_names(spec: ModelSpec, config: QuantConfig) -> tuple[str, ...]:
     known = set(spec.block_linears) | {n.rsplit(".", 1)[-1] for n in spec.block_linears}
     unknown = sorted(set(config.modules) - known)
     if unknown:
-        raise ValueError(
+        raise UsageError(
             f"modules={unknown} are not linears of a {spec.architecture} block; valid: "
             f"{', '.join(spec.block_linears)}"
         )

@@ -1,11 +1,13 @@
-"""The batched generation engine: scheduler + paged runner + per-request sampling.
+"""The decode loop: scheduler + paged KV cache + runner + per-request sampling and speculation.
 
-`step()` runs one batched forward pass over whatever the scheduler picked and returns the new
-tokens of every request that got some. Per request: greedy or seeded sampling (the same
-`next_token`/`logits_to_probs` as `llmopt.infer.generate`, so a request alone decodes exactly
-as `generate` does), EOS, max_tokens, stop strings, and n-gram speculation (NGramDraft guesses
-verified by `verify_greedy`/`verify_sampled`: exact in greedy mode, distribution-exact when
-sampling).
+Every decode path runs here: `generate` is this engine at batch 1, speculative decoding is a
+proposer per request, and the server drives it with many requests. `step()` runs one batched
+forward pass over whatever the scheduler picked and returns the new tokens of every request
+that got some. Per request: greedy or seeded sampling, EOS (one id or several), max_tokens,
+stop strings, and speculation — a proposer (prompt lookup, or the engine's draft) guesses the
+tokens that follow, the same pass verifies them (`verify_greedy`: exactly the greedy output;
+`verify_sampled`: exactly the target's distribution), and adaptive speculation grows or
+shrinks each request's number of guesses.
 
 Not thread-safe: the server drives it from one thread.
 """
@@ -13,35 +15,51 @@ Not thread-safe: the server drives it from one thread.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from llmopt.errors import UsageError
 from llmopt.infer.batch.blocks import BlockManager
-from llmopt.infer.batch.request import (
-    InvalidRequestError,
-    Request,
-    SamplingParams,
-    Status,
-    StepOutput,
-)
-from llmopt.infer.batch.runner import Chunk, PagedRunner
+from llmopt.infer.batch.request import Request, Status, StepOutput
+from llmopt.infer.batch.runner import EagerRunner, Runner
 from llmopt.infer.batch.scheduler import Scheduler
-from llmopt.infer.drafts import NGramDraft
-from llmopt.infer.generate import next_token
-from llmopt.infer.sampling import logits_to_probs
-from llmopt.infer.speculative import verify_greedy, verify_sampled
+from llmopt.infer.drafts import Draft, NGramDraft, SpeculativeConfig
+from llmopt.infer.sampling import InvalidRequestError, SamplingParams, logits_to_probs, next_token
+from llmopt.infer.speculative_stats import SpeculativeStats
+from llmopt.infer.speculative_verify import verify_greedy, verify_sampled
+from llmopt.models.attention.paged import PagedKVCache, SeqChunk, StepBatch
+
+RUNNERS = ("auto", "fused", "eager", "cuda-graph")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """Cache size, batch limits and the runner. `runner`: "auto" (the fused CPU step when its
+    kernels build, else eager), "fused" or "eager"; `threads`: the fused step's threads."""
+
     num_blocks: int = 512
     block_size: int = 16
     max_num_seqs: int = 32
     max_batched_tokens: int = 512
     prefix_caching: bool = True
+    runner: str = "auto"
+    threads: int | None = None
+    int8_head: bool = False
+    speculative: SpeculativeConfig = SpeculativeConfig()  # noqa: RUF009 (frozen)
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "block_size", "max_num_seqs", "max_batched_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UsageError(f"{name}={value!r} must be an integer >= 1")
+        if self.runner not in RUNNERS:
+            raise UsageError(f"runner={self.runner!r} is not valid; choose one of {RUNNERS}")
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+            raise UsageError(f"threads={self.threads!r} must be an integer >= 1")
 
 
 class Engine:
@@ -50,15 +68,24 @@ class Engine:
         model: nn.Module,
         config: EngineConfig = EngineConfig(),  # noqa: B008 (frozen dataclass)
         *,
-        eos_token_id: int | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
         detokenize: Callable[[list[int]], str] | None = None,
+        draft: Callable[[], Draft] | None = None,
     ) -> None:
+        """`draft`: makes a proposer per request (a draft model's own cache is per request);
+        requests with `speculate=True` and no n-gram setting use it."""
         self.model = model.eval()
         self.config = config
         self.max_len = model.config.max_seq_len
         self.vocab_size = model.config.vocab_size
-        self.eos_token_id = eos_token_id
+        if eos_token_id is None:
+            self.eos_ids: frozenset[int] = frozenset()
+        elif isinstance(eos_token_id, int):
+            self.eos_ids = frozenset((eos_token_id,))
+        else:
+            self.eos_ids = frozenset(int(t) for t in eos_token_id)
         self.detokenize = detokenize
+        self.draft = draft
         self.blocks = BlockManager(config.num_blocks, config.block_size, config.prefix_caching)
         self.scheduler = Scheduler(
             self.blocks,
@@ -66,12 +93,22 @@ class Engine:
             max_batched_tokens=config.max_batched_tokens,
             max_len=self.max_len,
         )
-        self.runner = PagedRunner(model, config.num_blocks, config.block_size)
+        # one block past the pool that no request holds: CUDA graphs pad their batches with it
+        self.cache = PagedKVCache.for_model(model, config.num_blocks + 1, config.block_size)
+        self.runner, self.fused_reason = make_runner(
+            model,
+            self.cache,
+            config.runner,
+            threads=config.threads,
+            int8_head=config.int8_head,
+            scratch_block=config.num_blocks,
+        )
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self.num_steps = 0
         self.num_generated = 0  # tokens emitted
         self.num_fed = 0  # committed tokens computed (prefill + decode, recompute included)
+        self.forward_s = 0.0  # wall seconds inside the runner
 
     # ---- requests ----
     def check(self, prompt: list[int], params: SamplingParams) -> None:
@@ -97,7 +134,15 @@ class Engine:
         if params.stop and self.detokenize is None:
             raise InvalidRequestError("stop strings need an engine with a tokenizer")
 
-    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> Request:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        *,
+        draft: Draft | None = None,
+    ) -> Request:
+        """Queue a request. `draft`: this request's own proposer (overrides the engine's)."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         prompt = [int(t) for t in prompt]
@@ -105,9 +150,21 @@ class Engine:
         request = Request(request_id, prompt, params, arrival=next(self._arrivals))
         if not params.greedy:
             seed = params.seed if params.seed is not None else int(torch.seed() % 2**62)
-            request.generator = torch.Generator(device=self.runner.device).manual_seed(seed)
-        if params.ngram:
-            request.draft = NGramDraft(max_n=params.ngram)
+            request.generator = torch.Generator(device=self.cache.k.device).manual_seed(seed)
+        if draft is None and params.ngram:
+            draft = NGramDraft(max_n=params.ngram)
+        elif draft is None and params.speculate and self.draft is not None:
+            draft = self.draft()
+        if draft is not None:
+            spec = self.config.speculative
+            request.draft = draft
+            request.gamma = min(params.num_speculative, spec.gamma_max)
+            if spec.adaptive or params.ngram:
+                request.gamma = max(request.gamma, spec.gamma_min)
+            request.spec = SpeculativeStats(
+                draft=draft.name, gamma=request.gamma, adaptive=spec.adaptive
+            )
+            draft.start(prompt, len(prompt) + params.max_tokens)
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request
@@ -133,6 +190,7 @@ class Engine:
 
     def _finish(self, request: Request, reason: str) -> None:
         request.finish_reason = reason
+        request.final_blocks = list(request.blocks)
         self.scheduler.release(request)
         request.status = Status.FINISHED
         self.requests.pop(request.request_id, None)
@@ -141,10 +199,12 @@ class Engine:
     def _propose(self, request: Request, room: int) -> list[int]:
         if request.draft is None:
             return []
-        gamma = min(request.params.num_speculative, room)
-        guesses = request.draft.propose(request.tokens, gamma, request.params.config, None)
-        request.spec_proposed += len(guesses.tokens)
-        return guesses.tokens
+        gamma = min(request.gamma, room)
+        t0 = time.perf_counter()
+        proposal = request.draft.propose(request.tokens, gamma, request.params, request.generator)
+        request.spec.draft_time_s += time.perf_counter() - t0
+        request.proposal = proposal
+        return proposal.tokens[:gamma]
 
     def step(self) -> list[StepOutput]:
         """One batched forward pass; the new tokens (and finishes) it produced."""
@@ -157,32 +217,56 @@ class Engine:
             tokens = r.tokens[start : start + item.num_tokens] + item.draft
             done_prompt = start + item.num_tokens == r.num_tokens
             chunks.append(
-                Chunk(tokens, start, r.blocks, item.num_tokens - 1 if done_prompt else None)
+                SeqChunk(tokens, start, r.blocks, item.num_tokens - 1 if done_prompt else None)
             )
-        logits = self.runner.forward(chunks)
+        batch = StepBatch.build(chunks, self.config.block_size, self.cache.k.device)
+        t0 = time.perf_counter()
+        logits = self.runner.forward(batch)
+        elapsed = time.perf_counter() - t0
+        self.forward_s += elapsed
         self.num_steps += 1
         outputs = []
-        for item, rows in zip(work, logits, strict=True):
+        for item, span in zip(work, batch.logits_spans, strict=True):
             r = item.request
             self.num_fed += item.num_tokens
-            if rows is None:  # a prefill chunk that does not reach the end yet
+            if span is None:  # a prefill chunk that does not reach the end yet
                 r.num_computed += item.num_tokens
                 self._register(r)
                 continue
-            new = self._accept(r, item.draft, rows)
+            rows = logits[span[0] : span[0] + span[1]]
+            new = self._accept(r, item.draft, rows, elapsed)
             r.num_computed += item.num_tokens + len(new) - 1
             outputs.append(self._append(r, new))
         return outputs
 
-    def _accept(self, r: Request, draft: list[int], rows: torch.Tensor) -> list[int]:
-        cfg = r.params.config
-        if not draft:
-            return [int(next_token(rows[-1:], cfg, r.generator)[0])]
-        if r.params.greedy:
+    def _accept(
+        self, r: Request, draft: list[int], rows: torch.Tensor, elapsed: float
+    ) -> list[int]:
+        params = r.params
+        if r.spec is None:
+            return [int(next_token(rows[-1:], params, r.generator)[0])]
+        if params.greedy:
             kept, token = verify_greedy(rows.argmax(-1).tolist(), draft)
         else:
-            kept, token = verify_sampled(logits_to_probs(rows, cfg), None, draft, r.generator)
-        r.spec_accepted += kept
+            q = getattr(r, "proposal", None)
+            q = q.probs[: len(draft)] if q is not None and q.probs is not None else None
+            kept, token = verify_sampled(logits_to_probs(rows, params), q, draft, r.generator)
+        stats = r.spec
+        stats.rounds += 1
+        stats.verify_time_s += elapsed
+        if draft:
+            stats.proposing_rounds += 1
+            stats.proposed += len(draft)
+            stats.accepted += kept
+            stats.rejections += kept < len(draft)
+            stats.accept_lengths[kept] += 1
+            stats.gammas_used[len(draft)] += 1
+            spec = self.config.speculative
+            if spec.adaptive and kept == len(draft) == r.gamma:
+                r.gamma = min(r.gamma + 1, spec.gamma_max)
+            elif spec.adaptive and kept < len(draft):
+                r.gamma = max(r.gamma - 1, spec.gamma_min)
+        r.proposal = None
         return draft[:kept] + [token]
 
     def _append(self, r: Request, new: list[int]) -> StepOutput:
@@ -192,7 +276,7 @@ class Engine:
             r.output.append(token)
             added.append(token)
             self.num_generated += 1
-            if token == self.eos_token_id and not r.params.ignore_eos:
+            if token in self.eos_ids and not r.params.ignore_eos:
                 reason = "stop"
             elif r.params.stop and self._hit_stop(r):
                 reason = "stop"
@@ -200,6 +284,9 @@ class Engine:
                 reason = "length"
             if reason:
                 break
+        if r.spec is not None:
+            r.spec.generated = len(r.output)
+            r.spec.draft_forwards = getattr(r.draft, "forward_calls", 0)
         self._register(r)  # before finishing too: a finished prompt still serves later hits
         if reason is None:
             self.scheduler.trim(r)
@@ -246,3 +333,51 @@ class Engine:
         while any(not r.finished for r in reqs):
             self.step()
         return [r.output for r in reqs]
+
+    def cached_kv(self, request: Request, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [positions, kv_heads, dim] the cache holds for a request's computed
+        tokens (for inspection; a finished request's blocks are read until reused)."""
+        table = request.blocks or request.final_blocks
+        n = request.num_computed if request.blocks else request.num_tokens - 1
+        bs = self.config.block_size
+        pos = torch.arange(n)
+        slots = torch.tensor(table, dtype=torch.long)[pos // bs] * bs + pos % bs
+        slots = slots.to(self.cache.k.device)
+        return self.cache.k[layer][slots], self.cache.v[layer][slots]
+
+
+def make_runner(
+    model: nn.Module,
+    cache: PagedKVCache,
+    runner: str = "auto",
+    *,
+    threads: int | None = None,
+    int8_head: bool = False,
+    scratch_block: int | None = None,
+) -> tuple[Runner, str | None]:
+    """(runner, why the fused step is not used or None). "auto": CUDA graphs on a GPU, the
+    fused CPU step when available, else eager. `scratch_block`: a cache block no request
+    holds (CUDA graphs pad their batches with it)."""
+    if runner not in RUNNERS:
+        raise UsageError(f"runner={runner!r} is not valid; choose one of {', '.join(RUNNERS)}")
+    if int8_head and runner in ("eager", "cuda-graph"):
+        raise UsageError(f"int8_head applies to the fused runner, not to runner={runner!r}")
+    on_gpu = cache.k.device.type == "cuda"
+    if runner == "cuda-graph" or (runner == "auto" and on_gpu and not int8_head):
+        from llmopt.infer.batch.cuda_graphs import GraphRunner
+
+        if scratch_block is None:
+            raise UsageError("the CUDA-graph runner needs a scratch block in the cache")
+        return GraphRunner(model, cache, scratch_block=scratch_block), "CUDA graphs"
+    if runner == "eager":
+        return EagerRunner(model, cache), "eager requested"
+    from llmopt.infer.fast import fused_unavailable
+
+    reason = fused_unavailable(model, int8_head)
+    if reason is None:
+        from llmopt.infer.fast import FusedRunner
+
+        return FusedRunner(model, cache, threads=threads, int8_head=int8_head), None
+    if runner == "fused" or int8_head:
+        raise UsageError(f"the fused runner was requested but is unavailable: {reason}")
+    return EagerRunner(model, cache), reason

@@ -1,7 +1,7 @@
 """Continuous batching: which requests run in the next step, with how many tokens.
 
 Every step has a token budget (`max_batched_tokens`). Running requests come first, oldest
-first: a decoding request takes one token (plus its n-gram guesses when speculation is on), a
+first: a decoding request takes one token (plus its proposer's guesses when it speculates), a
 request still in prefill takes a chunk of its prompt up to the remaining budget (chunked
 prefill, so a long prompt never stalls the decodes of others). Then waiting requests are
 admitted, oldest first, while the budget, `max_num_seqs` and free KV blocks allow; an admitted
@@ -97,8 +97,20 @@ class Scheduler:
             del request.blocks[keep:]
 
     # ---- one step ----
+    def _guesses(self, request: Request, n: int, budget: int, propose) -> list[int]:
+        """Proposer guesses to verify after `n` tokens, when they complete the committed ones."""
+        if propose is None or n != request.num_tokens - request.num_computed:
+            return []
+        room = min(
+            budget - n,
+            request.params.max_tokens - len(request.output) - 1,
+            self.max_len - request.num_tokens,
+        )
+        return propose(request, room) if room > 0 else []
+
     def schedule(self, propose=None) -> list[Scheduled]:
-        """The work of the next step. `propose(request, max_guesses)` returns n-gram guesses."""
+        """The work of the next step. `propose(request, max_guesses)` returns guesses that a
+        request's proposer makes when its step reaches the end of its committed tokens."""
         budget = self.max_batched_tokens
         out: list[Scheduled] = []
         preempted = False
@@ -107,17 +119,8 @@ class Scheduler:
                 break
             if request.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            remaining = request.num_tokens - request.num_computed
-            draft: list[int] = []
-            if remaining == 1 and propose is not None and budget > 1:
-                room = min(
-                    budget - 1,
-                    request.params.max_tokens - len(request.output) - 1,
-                    self.max_len - request.num_tokens,
-                )
-                if room > 0:
-                    draft = propose(request, room)
-            n = min(remaining, budget)
+            n = min(request.num_tokens - request.num_computed, budget)
+            draft = self._guesses(request, n, budget, propose)
             total = request.num_computed + n + len(draft)
             while not self._grow(request, total):
                 victim = max(self.running, key=lambda r: r.arrival)
@@ -143,13 +146,14 @@ class Scheduler:
                 request.num_registered = len(hits)
                 request.last_digest = digest
             n = min(request.num_tokens - request.num_computed, budget)
-            if not self._grow(request, request.num_computed + n):
+            draft = self._guesses(request, n, budget, propose)
+            if not self._grow(request, request.num_computed + n + len(draft)):
                 self._free_blocks(request)  # keep nothing while waiting for memory
                 break
             self.waiting.popleft()
             request.num_prefix_hit_tokens += request.num_computed
             request.status = Status.RUNNING
             self.running.append(request)
-            out.append(Scheduled(request, n, []))
-            budget -= n
+            out.append(Scheduled(request, n, draft))
+            budget -= n + len(draft)
         return out

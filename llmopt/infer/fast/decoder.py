@@ -17,11 +17,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmopt.errors import LlmoptError
 from llmopt.infer.fast.build import build_error, load_kernels
 from llmopt.infer.fast.layout import KernelWeight, decoder_weights, weight_bytes_per_token
 
 
-class KernelsUnavailableError(RuntimeError):
+class KernelsUnavailableError(LlmoptError, RuntimeError):
     """The C++ decode kernels could not be built on this machine."""
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmopt.errors import LlmoptError
 from llmopt.models.features import decoder_features
 from llmopt.models.spec import ModelSpec, spec_for
 
@@ -28,7 +29,7 @@ F32, BF16, Q4, Q8 = 0, 1, 2, 3
 KIND_NAMES = {F32: "fp32", BF16: "bf16", Q4: "int4", Q8: "int8"}
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(LlmoptError, ValueError):
     """The model has a shape or layer kind the fast decode step does not implement."""
 
 

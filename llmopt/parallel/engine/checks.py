@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from llmopt.errors import LlmoptError
 from llmopt.models.llama import Transformer
 from llmopt.parallel.grid import RankGrid
 from llmopt.parallel.plan import ParallelPlan
@@ -11,7 +12,7 @@ from llmopt.parallel.plan import ParallelPlan
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float32}
 
 
-class EngineError(ValueError):
+class EngineError(LlmoptError, ValueError):
     """A plan this engine cannot run on this grid; the message names the value and the fix."""
 
 

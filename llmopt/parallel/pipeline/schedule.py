@@ -20,6 +20,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
+from llmopt.errors import LlmoptError
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 ScheduleName = Literal["gpipe", "1f1b", "interleaved"]
 
@@ -27,7 +29,7 @@ COMPUTE_OPS = ("F", "B")
 COMM_OPS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 
 
-class ScheduleError(ValueError):
+class ScheduleError(LlmoptError, ValueError):
     """A schedule configuration that cannot run, or a schedule that breaks a dependency."""
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from llmopt.errors import LlmoptError
 from llmopt.models.config import ModelConfig
 from llmopt.parallel.plan import ParallelPlan
 from llmopt.plan.hardware import Cluster
@@ -12,7 +13,7 @@ from llmopt.plan.search import Plan
 from llmopt.plan.workload import Workload
 
 
-class EmitError(ValueError):
+class EmitError(LlmoptError, ValueError):
     """The plan uses something the target framework cannot express; the message says what."""
 
 

@@ -11,6 +11,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from llmopt.errors import LlmoptError
+
 PRECISIONS = ("bf16", "fp8", "int8", "int4-awq")
 KV_DTYPES = ("bf16", "fp8")
 # bytes per GEMM weight; int4-awq adds one fp16 scale and one zero point per 128 weights
@@ -18,7 +20,7 @@ WEIGHT_BYTES = {"bf16": 2.0, "fp8": 1.0, "int8": 1.0, "int4-awq": 0.5 + 4.0 / 12
 KV_BYTES = {"bf16": 2, "fp8": 1}
 
 
-class ServeInputError(ValueError):
+class ServeInputError(LlmoptError, ValueError):
     """A serving scenario the planner cannot evaluate (names the bad value and what is valid)."""
 
 

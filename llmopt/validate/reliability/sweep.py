@@ -1,77 +1,77 @@
-"""Run a fixed list of bad inputs through the real `llmopt` CLI and classify each outcome.
+"""Run bad-input cases through the real `llmopt` CLI and classify each outcome.
 
-    python benchmarks/reliability_probe.py [--out runs/reliability_probe.json] [--no-models]
-
-Each case (benchmarks/reliability_cases.py) runs in this process through `llmopt.cli.main`
-with stderr captured; Ctrl-C and a closed stdout pipe run as real subprocesses. Outcomes:
+Each case (`cases.CASES`) builds its files in a scratch directory and runs in this process
+through `llmopt.cli.main` with stdout/stderr captured; Ctrl-C and a closed stdout pipe run as
+real subprocesses. Outcomes:
   clean      the expected exit status, no traceback, one error line naming what the case lists
   vague      a one-line error that does not name the flag / file / key
   traceback  an exception escaped, or stderr holds a traceback
-  silent     exit 0 (or another status) where a refusal was expected, or still running
-             after --case-limit seconds (it did the work instead of refusing)
+  silent     another exit status than expected (e.g. 0 where a refusal was expected)
   data lost  a file that existed before the run was changed or removed
-Prints a table by input class and writes the JSON the docs quote (docs/reliability.md).
+  hang       still running after the case's time limit (stopped by SIGALRM)
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import io
-import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reliability_cases import CASES, Case  # noqa: E402
+from llmopt.validate.reliability.cases import CASES, Case
 
-ROOT = Path(__file__).resolve().parents[1]
-OUTCOMES = ("clean", "vague", "traceback", "silent", "data lost")
+OUTCOMES = ("clean", "vague", "traceback", "silent", "data lost", "hang")
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _snapshot(root: Path) -> dict[str, str]:
     return {
         str(p): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(root.rglob("*"))
-        if p.is_file()
+        if p.is_file() and not p.is_symlink()
     }
 
 
-def classify(case: Case, code: int | None, stderr: str, crashed: bool) -> str:
+def classify(case: Case, code: int | str | None, stderr: str, crashed: bool) -> str:
     """One outcome for a finished case (data loss is checked by the caller)."""
+    if code == "hang":
+        return "hang"
     if crashed or "Traceback (most recent call last)" in stderr:
         return "traceback"
     if code != case.expect:
         return "silent"
+    if case.expect == 0:
+        return "clean"
     errors = [line for line in stderr.splitlines() if "error:" in line]
     if len(errors) != 1 or not all(n.lower() in errors[0].lower() for n in case.names):
         return "vague"
     return "clean"
 
 
-class RanOn(Exception):
-    """A case still running after its time limit: it did the work instead of refusing."""
+class _Hang(Exception):
+    """A case still running after its time limit."""
 
 
 def _alarm(signum, frame):
-    raise RanOn
+    raise _Hang
 
 
 def run_case(case: Case, scratch: Path, limit_s: int = 0) -> dict:
-    """Build the case's files under `scratch`, run it in-process, classify the outcome;
-    a case still running after `limit_s` seconds (0: no limit) is stopped and counts as silent."""
+    """Build the case's files under `scratch`, run it in-process, classify the outcome; a case
+    still running after `limit_s` seconds (0: no limit) is stopped and counts as a hang."""
     from llmopt.cli import main
 
     cwd = Path.cwd()
     os.chdir(scratch)
     try:
-        argv = case.build(scratch)
+        noise = io.StringIO()  # what building a model or a run prints is not the case's
+        with contextlib.redirect_stdout(noise), contextlib.redirect_stderr(noise):
+            argv = case.build(scratch)
         before = _snapshot(scratch)
         err, out = io.StringIO(), io.StringIO()
         crashed, code = False, None
@@ -82,8 +82,8 @@ def run_case(case: Case, scratch: Path, limit_s: int = 0) -> dict:
                 code = main(argv)
             except SystemExit as exc:  # argparse's own refusals
                 code = exc.code if isinstance(exc.code, int) else 1
-            except RanOn:
-                code = "ran on"
+            except _Hang:
+                code = "hang"
                 err.write(f"still running after {limit_s} s\n")
             except BaseException as exc:  # noqa: BLE001 - an escaped exception is the finding
                 crashed = True
@@ -94,7 +94,10 @@ def run_case(case: Case, scratch: Path, limit_s: int = 0) -> dict:
         after = _snapshot(scratch)
     finally:
         os.chdir(cwd)
-    lost = [p for p, digest in before.items() if after.get(p) != digest]
+    kept = set(case.changes)
+    lost = [
+        p for p, digest in before.items() if after.get(p) != digest and Path(p).name not in kept
+    ]
     outcome = "data lost" if lost else classify(case, code, err.getvalue(), crashed)
     lines = [line for line in err.getvalue().splitlines() if line.strip()]
     return {
@@ -104,7 +107,17 @@ def run_case(case: Case, scratch: Path, limit_s: int = 0) -> dict:
         "exit": code,
         "outcome": outcome,
         "stderr_last": (lines[-1] if lines else "").replace(str(scratch), "$TMP"),
+        "lost": [p.replace(str(scratch), "$TMP") for p in lost],
     }
+
+
+def run_cases(cases: list[Case], limit_s: int = 60) -> list[dict]:
+    """Each case in a fresh scratch directory."""
+    results = []
+    for case in cases:
+        with tempfile.TemporaryDirectory(prefix="llmopt-sweep-") as tmp:
+            results.append(run_case(case, Path(tmp), limit_s))
+    return results
 
 
 def _llmopt(*args: str) -> list[str]:
@@ -124,10 +137,11 @@ def probe_interrupt(timeout: float = 120.0) -> dict:
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=timeout)
     stderr = err.decode(errors="replace")
-    traceback = "Traceback" in stderr
-    outcome = "traceback" if traceback else ("clean" if proc.returncode == 130 else "silent")
+    outcome = (
+        "traceback" if "Traceback" in stderr else ("clean" if proc.returncode == 130 else "silent")
+    )
     return {"case": "Ctrl-C during generate", "kind": "signals and pipes", "exit": proc.returncode,
-            "outcome": outcome, "stderr_last": stderr.strip().splitlines()[-1:] or ""}  # fmt: skip
+            "outcome": outcome, "stderr_last": (stderr.strip().splitlines() or [""])[-1]}  # fmt: skip
 
 
 def probe_closed_pipe(timeout: float = 120.0) -> dict:
@@ -145,6 +159,7 @@ def probe_closed_pipe(timeout: float = 120.0) -> dict:
 
 
 def table(results: list[dict]) -> list[dict]:
+    """One row per input class (in catalogue order) and a total."""
     rows: dict[str, dict] = {}
     for r in results:
         row = rows.setdefault(
@@ -157,41 +172,10 @@ def table(results: list[dict]) -> list[dict]:
     return [*rows.values(), total]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    parser.add_argument("--out", default="runs/reliability_probe.json", help="JSON results")
-    parser.add_argument("--no-models", action="store_true", help="skip cases that build a model")
-    parser.add_argument("--no-subprocess", action="store_true", help="skip Ctrl-C and pipe runs")
-    parser.add_argument(
-        "--case-limit", type=int, default=60, help="seconds before a case counts as silent"
-    )
-    parser.add_argument("--skip-kind", action="append", default=[], help="skip a class (repeat)")
-    args = parser.parse_args(argv)
-    t0 = time.perf_counter()
-    results = []
-    for case in CASES:
-        if (args.no_models and case.needs_model) or case.kind in args.skip_kind:
-            continue
-        with tempfile.TemporaryDirectory(prefix="llmopt-probe-") as tmp:
-            results.append(run_case(case, Path(tmp), args.case_limit))
-    if not args.no_subprocess:
-        results += [probe_interrupt(), probe_closed_pipe()]
-    rows = table(results)
-    print(f"{'class':32} {'tried':>5} " + " ".join(f"{o:>9}" for o in OUTCOMES))
-    for row in rows:
-        print(f"{row['class']:32} {row['tried']:5d} " + " ".join(f"{row[o]:9d}" for o in OUTCOMES))
-    for r in results:
-        if r["outcome"] != "clean":
-            print(f"  {r['outcome']}: {r['case']}: exit {r['exit']}: {r['stderr_last']}")
-    from llmopt.artifacts import atomic_write_text
-
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"seconds": round(time.perf_counter() - t0, 1), "table": rows, "cases": results}
-    atomic_write_text(out, json.dumps(report, indent=1, allow_nan=False))
-    print(f"wrote {out} ({report['seconds']} s)")
-    return 0 if rows[-1]["clean"] == rows[-1]["tried"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def sample(
+    cases: list[Case] = CASES, every: int = 3, owners: tuple[str, ...] = ("",)
+) -> list[Case]:
+    """CI's quick tier: every `every`-th local case that builds no model, plus each such case
+    issue 30 named (`named`), fixed so a failure reproduces; of the cases `owners` fix."""
+    quick = [c for c in cases if c.local and not c.needs_model and c.owner in owners]
+    return [c for i, c in enumerate(quick) if i % every == 0 or c.named]
