@@ -23,7 +23,7 @@ from llmopt.models import ConfigError, ModelConfig, build_model, get_spec, spec_
 from llmopt.models.experts import MoE
 from llmopt.models.llama import KVCache
 from llmopt.models.loading import load_model, save_pretrained
-from llmopt.models.moe import MoEConfig
+from llmopt.models.moe import MLAConfig, MoEConfig
 from llmopt.models.spec import registered_architectures
 from llmopt.parallel.pipeline.stage import split_model
 from llmopt.precision.fp8 import convert_to_fp8, fp8_modules, fp8_targets
@@ -94,6 +94,27 @@ CONFIGS = {
         architecture="qwen3_moe",
         moe=MoEConfig(4, 2, 32),
     ),  # fmt: skip
+    # DeepSeek-V3: latent attention (q through a rank-32 bottleneck, 16-dim interleaved RoPE),
+    # a dense first block, then 8 experts in 4 groups with a shared expert and biased sigmoid
+    "deepseek_v3": ModelConfig(
+        name="tiny-deepseek-v3",
+        **{**BASE, "num_kv_heads": 4},
+        head_dim=16,
+        architecture="deepseek_v3",
+        mla=MLAConfig(32, 16, 16, 16, q_lora_rank=32),
+        moe=MoEConfig(
+            8,
+            2,
+            32,
+            moe_layers=1,
+            shared_experts=1,
+            score="sigmoid",
+            expert_bias=True,
+            num_groups=4,
+            topk_groups=2,
+            route_scale=2.5,
+        ),  # fmt: skip
+    ),
 }
 ARCHS = sorted(CONFIGS)
 
@@ -197,6 +218,10 @@ def _tp_worker(rank: int, world: int) -> dict[str, float]:
     grid = RankGrid.create(ParallelDims(world, tp=world))
     errors = {}
     for arch in ARCHS:
+        if CONFIGS[arch].mla is not None:  # refused with a reason (its down projections)
+            with pytest.raises(ValueError, match="latent attention \\(MLA\\) is not supported"):
+                apply_tensor_parallel(tiny(arch), grid.tp)
+            continue
         for sp in (False, True):
             model = tiny(arch)
             ids = tokens()
@@ -212,7 +237,8 @@ def _tp_worker(rank: int, world: int) -> dict[str, float]:
 
 def test_tensor_parallel_logits_equal_the_unsharded_model():
     for errors in run_distributed(_tp_worker, 2, timeout_s=180):
-        assert set(errors) == {f"{a} sp={sp}" for a in ARCHS for sp in (False, True)}
+        tp_archs = [a for a in ARCHS if CONFIGS[a].mla is None]
+        assert set(errors) == {f"{a} sp={sp}" for a in tp_archs for sp in (False, True)}
         assert max(errors.values()) < 1e-5, errors
 
 
@@ -269,11 +295,13 @@ def test_quantized_logits_close(arch, method):
         assert isinstance(q, QuantLinear) and q.bias is not None and q.bias.abs().sum() > 0
     if method == "awq":
         prevs = [g["prev"] for layer in qmodel.quant_report["layers"] for g in layer["groups"]]
-        # MHA (qwen2 here) folds v -> o too; GQA skips it. A MoE block folds only into q/k/v
-        # (each expert reads the norm through the router's permutation: no shared scale)
+        # MHA (qwen2 here) folds v -> o too; GQA skips it; latent attention folds into its two
+        # down projections and the two up projections after their norms. A MoE block folds
+        # nothing into its experts (each reads the norm through the router's permutation)
         mha = CONFIGS[arch].num_kv_heads == CONFIGS[arch].num_heads
+        attention = 3 if CONFIGS[arch].mla is not None else (2 if mha else 1)
         expected = sum(
-            (2 if mha else 1) if isinstance(block.mlp, MoE) else (4 if mha else 3)
+            attention + (0 if isinstance(block.mlp, MoE) else 2)
             for _, block in spec.named_blocks(model)
         )
         assert len(prevs) == expected

@@ -160,13 +160,15 @@ def is_moe_layer(m: Any, layer_idx: int) -> bool:
 class MLAConfig:
     """DeepSeek's multi-head latent attention: queries through a rank-`q_lora_rank` bottleneck
     (None: a plain projection), keys and values through a shared rank-`kv_lora_rank` latent,
-    a decoupled RoPE part of `qk_rope_head_dim` per head."""
+    a decoupled RoPE part of `qk_rope_head_dim` per head (`rope_interleave`: its pairs stored
+    interleaved, as DeepSeek's checkpoints do; llmopt's model reads it, the planner does not)."""
 
     kv_lora_rank: int
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
     q_lora_rank: int | None = None
+    rope_interleave: bool = True
 
     def __post_init__(self) -> None:
         _positive(

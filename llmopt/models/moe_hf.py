@@ -22,8 +22,8 @@ from typing import Any
 
 from llmopt.config_files import read_json
 from llmopt.models.config import ModelConfig
-from llmopt.models.hf_arch import hf_int as _int
-from llmopt.models.hf_arch import moe_layout as _layout
+from llmopt.models.hf_experts import hf_int as _int
+from llmopt.models.hf_experts import moe_layout as _layout
 from llmopt.models.moe import moe_keys
 
 

@@ -100,6 +100,8 @@ class ModelSpec:
         "mlp.up_proj",
     )
     row_parallel: tuple[str, ...] = ("self_attn.o_proj", "mlp.down_proj")
+    replicated_linears: tuple[str, ...] = ()  # whole on every TP rank (MLA's down projections)
+    latent_attention: bool = False  # DeepSeek's multi-head latent attention (`config.mla`)
     block_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
     # block norms applied to a branch's output before the residual add (Gemma 2's post-norms):
     # they read the reduced row-parallel output and feed no column-parallel linear
@@ -139,7 +141,7 @@ class ModelSpec:
     @property
     def block_linears(self) -> tuple[str, ...]:
         """Every linear of a block (FP8 and quantization targets), column-parallel first."""
-        return self.column_parallel + self.row_parallel
+        return self.column_parallel + self.row_parallel + self.replicated_linears
 
     # ---- access by name ----
     def blocks_of(self, model: nn.Module) -> nn.ModuleList:
@@ -334,62 +336,46 @@ register_spec(
 )
 
 
-# Mixture-of-experts architectures: the Llama-family attention with a MoE block
-# (`llmopt.models.experts.MoE`) as the feed-forward of the blocks the config makes sparse. The
-# dense names stay listed (DeepSeek's first blocks, Qwen's mlp_only_layers are dense MLPs).
-_ATTENTION_IN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-_EXPERTS_IN = ("mlp.experts.*.gate_proj", "mlp.experts.*.up_proj")
-_SHARED_IN = ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj")
-_MOE_COLUMN = (*_ATTENTION_IN, "mlp.gate_proj", "mlp.up_proj", *_EXPERTS_IN, *_SHARED_IN)
-_MOE_ROW = (
-    "self_attn.o_proj",
-    "mlp.down_proj",
-    "mlp.experts.*.down_proj",
-    "mlp.shared_experts.down_proj",
-)
-_MOE = {
-    "experts": "mlp.experts",
-    "router": "mlp.gate",
-    "column_parallel": _MOE_COLUMN,
-    "row_parallel": _MOE_ROW,
-    "gptq_order": (
-        _ATTENTION_IN,
-        ("self_attn.o_proj",),
-        ("mlp.gate_proj", "mlp.up_proj", *_EXPERTS_IN, *_SHARED_IN),
-        ("mlp.down_proj", "mlp.experts.*.down_proj", "mlp.shared_experts.down_proj"),
-    ),
-}
-register_spec(
-    ModelSpec(
-        "mixtral",
-        hf_architectures=("MixtralForCausalLM",),
-        sliding_window=True,
-        hf_renames=(
-            ("mlp.gate", "block_sparse_moe.gate"),
-            ("mlp.experts.*.gate_proj", "block_sparse_moe.experts.*.w1"),
-            ("mlp.experts.*.up_proj", "block_sparse_moe.experts.*.w3"),
-            ("mlp.experts.*.down_proj", "block_sparse_moe.experts.*.w2"),
-        ),
-        **_MOE,
-    )
-)
-register_spec(
-    ModelSpec(
-        "qwen2_moe",
-        hf_architectures=("Qwen2MoeForCausalLM",),
-        attention_bias=True,
-        gguf_permuted_qk=False,
-        hf_renames=(("mlp.shared_experts", "mlp.shared_expert"),),
-        **_MOE,
-    )
-)
-register_spec(
-    ModelSpec(
-        "qwen3_moe",
-        hf_architectures=("Qwen3MoeForCausalLM",),
-        gguf_permuted_qk=False,
-        qk_norm=True,
-        head_norms=("self_attn.q_norm", "self_attn.k_norm"),
-        **_MOE,
-    )
-)
+# Mixture-of-experts architectures: the Llama-family attention (DeepSeek: latent attention)
+# with a MoE block (`llmopt.models.experts.MoE`) as the feed-forward of the blocks the config
+# makes sparse; the dense names stay listed (DeepSeek's first blocks are dense MLPs).
+_FF_IN = ("mlp.gate_proj", "mlp.up_proj", "mlp.experts.*.gate_proj", "mlp.experts.*.up_proj",
+          "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj")  # fmt: skip
+_FF_OUT = ("mlp.down_proj", "mlp.experts.*.down_proj", "mlp.shared_experts.down_proj")
+
+
+def _moe(attn_in: tuple[str, ...], **fields) -> ModelSpec:
+    """A MoE architecture's spec: `attn_in` its attention's column-parallel linears."""
+    names = {
+        "experts": "mlp.experts",
+        "router": "mlp.gate",
+        "column_parallel": (*attn_in, *_FF_IN),
+        "row_parallel": ("self_attn.o_proj", *_FF_OUT),
+        "gptq_order": (attn_in, ("self_attn.o_proj",), _FF_IN, _FF_OUT),
+    }
+    return register_spec(ModelSpec(**{**names, **fields}))
+
+
+_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+_MIXTRAL = (("gate", "w1"), ("up", "w3"), ("down", "w2"))
+_moe(_QKV, architecture="mixtral", hf_architectures=("MixtralForCausalLM",), sliding_window=True,
+     hf_renames=(("mlp.gate", "block_sparse_moe.gate"),
+                 *((f"mlp.experts.*.{a}_proj", f"block_sparse_moe.experts.*.{b}") for a, b in _MIXTRAL)))  # fmt: skip
+_moe(_QKV, architecture="qwen2_moe", hf_architectures=("Qwen2MoeForCausalLM",),
+     attention_bias=True, gguf_permuted_qk=False,
+     hf_renames=(("mlp.shared_experts", "mlp.shared_expert"),))  # fmt: skip
+_moe(_QKV, architecture="qwen3_moe", hf_architectures=("Qwen3MoeForCausalLM",),
+     gguf_permuted_qk=False, qk_norm=True, head_norms=("self_attn.q_norm", "self_attn.k_norm"))  # fmt: skip
+# DeepSeek-V3: the low-rank down projections are whole on every TP rank (Megatron's MLA)
+_moe(("self_attn.q_proj", "self_attn.q_b_proj", "self_attn.kv_b_proj"),
+     architecture="deepseek_v3", hf_architectures=("DeepseekV3ForCausalLM",),
+     gguf_permuted_qk=False, latent_attention=True,
+     replicated_linears=("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"),
+     awq_groups=(
+         ScalingGroup("input_layernorm", ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa",
+                                          "self_attn.q_proj"), "self_attn"),
+         ScalingGroup("self_attn.q_a_layernorm", ("self_attn.q_b_proj",)),
+         ScalingGroup("self_attn.kv_a_layernorm", ("self_attn.kv_b_proj",)),
+         ScalingGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
+         ScalingGroup("mlp.up_proj", ("mlp.down_proj",), needs=("mlp.gate_proj",)),
+     ))  # fmt: skip

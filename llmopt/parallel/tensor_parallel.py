@@ -225,6 +225,11 @@ def apply_tensor_parallel(
     for name, value in tp_split_sizes(cfg):
         if value % tp and (expert_tp or name != "expert_ffn_hidden"):
             raise ValueError(f"tp={tp} does not divide {name}={value}")
+    if tp > 1 and cfg.mla is not None:
+        raise ValueError(
+            f"tp={tp} with latent attention (MLA) is not supported: its low-rank projections "
+            "would need their partial gradients summed over TP; use tp=1 (ep, pp, dp work)"
+        )
     model.tp_group = group
     model.sequence_parallel = sequence_parallel and tp > 1
     if tp == 1:
