@@ -4,7 +4,7 @@ A tiny Mixtral-style model (8 experts, top 2, load-balancing and z-losses on, a 
 up so the routing is decisive) is trained in layouts combining ep in {2, 4} with tensor,
 pipeline and data parallelism, expert TP = tp (tokens replicated over TP, experts TP-sharded)
 and expert TP = 1 (tokens split over TP, with and without sequence parallelism), and every
-ZeRO stage. The single-process reference runs the same micro-batches one by one (the
+ZeRO stage; and ep folded over dp x cp with ring attention. The single-process reference runs the same micro-batches one by one (the
 auxiliary losses are per forward, so the partition is part of the objective). Checked: the
 loss and every parameter's gradient to 1e-5, and a run resumed from a sharded checkpoint
 bit-exactly equal to the uninterrupted one (losses and final parameters).
@@ -30,12 +30,13 @@ CFG = ModelConfig(
     moe=MoEConfig(8, 2, 32, aux_loss_coef=0.05, z_loss_coef=1e-3),
 )  # fmt: skip
 BATCH, SEQ, TOL = 8, 16, 1e-5
-# (tp, pp, ep, expert_tp, sequence_parallel, zero, micro-batches) on 8 ranks
+# (tp, pp, ep, expert_tp, sequence_parallel, zero, micro-batches, cp) on 8 ranks
 CASES = [
-    (2, 2, 2, 2, False, 1, 2),  # ep=2 with tp (experts TP-sharded), pp and dp
-    (1, 2, 4, 1, False, 0, 2),  # ep=4 over dp=4, pp=2
-    (2, 1, 2, 1, True, 2, 1),  # whole experts, tokens split over TP by sequence parallelism
-    (2, 1, 4, 1, False, 3, 2),  # ep=4 spanning TP ranks, tokens split over TP, ZeRO-3
+    (2, 2, 2, 2, False, 1, 2, 1),  # ep=2 with tp (experts TP-sharded), pp and dp
+    (1, 2, 4, 1, False, 0, 2, 1),  # ep=4 over dp=4, pp=2
+    (2, 1, 2, 1, True, 2, 1, 1),  # whole experts, tokens split over TP by sequence parallelism
+    (2, 1, 4, 1, False, 3, 2, 1),  # ep=4 spanning TP ranks, tokens split over TP, ZeRO-3
+    (1, 1, 4, 1, False, 1, 1, 2),  # ep=4 folded over dp=4 x cp=2 (ring attention)
 ]
 
 
@@ -68,12 +69,12 @@ def reference(dp: int, m: int) -> tuple[float, dict[str, torch.Tensor]]:
 
 
 def _engine(world: int, case: tuple):
-    tp, pp, ep, etp, sp, zero, m = case
-    grid = RankGrid.create(ParallelDims(world, tp=tp, pp=pp, ep=ep, expert_tp=etp))
+    tp, pp, ep, etp, sp, zero, m, cp = case
+    grid = RankGrid.create(ParallelDims(world, tp=tp, pp=pp, cp=cp, ep=ep, expert_tp=etp))
     dp = grid.dp.size
     plan = ParallelPlan(
-        tp=tp, pp=pp, dp=dp, ep=ep, expert_tp=etp, sequence_parallel=sp, zero_stage=zero,
-        micro_batch=BATCH // dp // m, num_microbatches=m, precision="fp32",
+        tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, expert_tp=etp, sequence_parallel=sp,
+        zero_stage=zero, micro_batch=BATCH // dp // m, num_microbatches=m, precision="fp32",
     )  # fmt: skip
     return grid, parallelize(model(), grid, plan)
 
@@ -134,8 +135,8 @@ def _worker(rank: int, world: int, cases: list, refs: list, root: str) -> list[d
 @pytest.mark.slow
 def test_expert_parallel_layouts_match_one_process_and_resume_exactly(tmp_path):
     refs = []
-    for tp, pp, *_, m in CASES:
-        refs.append(reference(8 // (tp * pp), m))
+    for tp, pp, *_, m, cp in CASES:
+        refs.append(reference(8 // (tp * pp * cp), m))
     per_rank = run_distributed(_worker, 8, CASES, refs, str(tmp_path), timeout_s=900)
     for case, err in zip(CASES, per_rank[0]):
         assert err["loss"] < TOL and err["grad"] < TOL, (case, err)

@@ -176,10 +176,21 @@ class ParallelDims:
         for name, value in tp_split_sizes(config):
             if value % self.tp:
                 raise ValueError(f"tp={self.tp} does not divide {name}={value}")
-        if sequence_parallel and seq_len is not None and seq_len % self.tp:
+        if self.cp > 1 and seq_len is not None and seq_len % (2 * self.cp):
             raise ValueError(
-                f"sequence parallel: tp={self.tp} does not divide the sequence length {seq_len}"
+                f"context parallel: 2*cp={2 * self.cp} does not divide the sequence length "
+                f"{seq_len} (the zig-zag split)"
             )
+        local = None if seq_len is None else seq_len // self.cp
+        if sequence_parallel and local is not None and local % self.tp:
+            raise ValueError(
+                f"sequence parallel: tp={self.tp} does not divide the sequence length {local}"
+                + (f" on each of the cp={self.cp} ranks" if self.cp > 1 else "")
+            )
+        if self.ep > 1 and config.moe is None:
+            raise ValueError(f"ep={self.ep} needs a model with experts; {config.name} is dense")
+        if config.moe is not None and config.moe.num_experts % self.ep:
+            raise ValueError(f"ep={self.ep} does not divide num_experts={config.moe.num_experts}")
         if config.num_layers < self.pp:
             raise ValueError(f"pp={self.pp} exceeds num_layers={config.num_layers}")
 

@@ -32,11 +32,13 @@ def moe_blocks(modules: Iterable[nn.Module]) -> list[MoE]:
     return sorted(found.values(), key=lambda m: m.layer_idx)
 
 
-def set_aux_scale(blocks: Sequence[MoE], num_microbatches: int) -> None:
+def set_aux_scale(blocks: Sequence[MoE], num_microbatches: int, cp: int = 1) -> None:
     """Each micro-batch's auxiliary losses enter backward at 1/m: the step minimises their
-    mean over micro-batches (data parallelism then averages over replicas)."""
+    mean over micro-batches (data parallelism then averages over replicas). Under context
+    parallelism each of the cp ranks holds a share of a forward's losses and gradients are
+    averaged over dp x cp, so the shares enter at cp/m."""
     for block in blocks:
-        block.aux_scale = 1.0 / num_microbatches
+        block.aux_scale = cp / num_microbatches
 
 
 @torch.no_grad()

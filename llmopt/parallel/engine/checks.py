@@ -39,8 +39,11 @@ def check_plan(plan: ParallelPlan, grid: RankGrid, model: Transformer) -> None:
             f"expert_tp=1 with tp={plan.tp} and ep=1 would replicate every expert on every TP "
             "rank; use expert_tp=tp (the default) or ep>1"
         )
-    if plan.cp > 1:
-        raise EngineError(f"cp={plan.cp} is not supported by the engine yet")
+    if plan.cp > 1 and model.config.attn_softcap is not None:
+        raise EngineError(
+            f"cp={plan.cp}: ring attention does not support soft-capped attention scores "
+            f"(attn_softcap={model.config.attn_softcap}); use cp=1"
+        )
     if plan.zero_stage == 3 and plan.pp > 2:
         raise EngineError(
             f"zero_stage=3 with pp={plan.pp} > 2 is not supported: middle stages hold no "

@@ -29,6 +29,7 @@ from torch import nn
 
 from llmopt.models.llama import Transformer
 from llmopt.models.spec import spec_for
+from llmopt.parallel.context_parallel import RingAttention, zigzag_shard
 from llmopt.parallel.data_parallel import DataParallel, clip_to
 from llmopt.parallel.engine.checks import DTYPES, EngineError, check_plan, convert_fp8
 from llmopt.parallel.engine.state import EngineState, persistent_buffers
@@ -122,7 +123,9 @@ class Engine(EngineState):
         self.stages = split_model(model, grid.pp.rank, pp, plan.virtual_stages, layers_per_stage)
         self.rank_module = _RankModule(self.stages)
         self.moe_blocks = moe_blocks(self.stages)
-        set_aux_scale(self.moe_blocks, plan.num_microbatches)
+        # context parallelism: every cp rank's tokens carry a share of each forward's losses
+        set_aux_scale(self.moe_blocks, plan.num_microbatches, grid.cp.size)
+        self._rings: dict[int, RingAttention] = {}
         # trained state that is not a parameter (MoE balancing biases), by single-model name
         self.extra_state = persistent_buffers(self.stages)
         tied = bool(cfg.tie_embeddings) and pp > 1
@@ -189,23 +192,43 @@ class Engine(EngineState):
                 f"batch of {tokens.shape[0]} sequences per DP rank; the plan needs micro_batch "
                 f"{self.plan.micro_batch} x num_microbatches {self.plan.num_microbatches} = {rows}"
             )
+        tokens, labels = self.local_sequences(tokens, labels)
         if num_tokens is None:
             num_tokens = self.supervised_tokens(labels)
         self.dp.prepare_forward()
         if self.objective is not None:
             self.executor.loss_fn = self.objective.bind(tokens, labels)
-        result = self.executor.step(tokens, labels, num_tokens / self.grid.dp.size)
+        # every dp x cp rank's loss sum is divided by its share of the tokens: the gradient
+        # average over dp x cp is then the gradient of the global mean
+        result = self.executor.step(tokens, labels, num_tokens / self.grid.dp_cp.size)
         if self._tied:
             peer = self.last_rank if self.grid.pp.rank == 0 else 0
             exchange_tied_grad(self.grid.pp, self.dp.grad_buffer(self._tied[0]), peer)
         self.dp.finish_grad_sync()
         return result
 
+    def local_sequences(
+        self, tokens: torch.Tensor, labels: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This cp rank's zig-zag share of sequences [B, S] (all of them without context
+        parallelism), with the stages' ring attention set for length S."""
+        cp = self.grid.cp
+        if cp.size == 1:
+            return tokens, labels
+        seq = tokens.shape[1]
+        if seq not in self._rings:
+            self._rings[seq] = RingAttention(cp, seq, self.device)
+        for stage in self.stages:
+            stage.attn_backend = self._rings[seq]
+        local = zigzag_shard(tokens, cp.size, cp.rank)
+        return local, None if labels is None else zigzag_shard(labels, cp.size, cp.rank)
+
     def supervised_tokens(self, labels: torch.Tensor) -> int:
-        """Labels != IGNORE_INDEX summed over the DP replicas (uncounted: 8 bytes)."""
+        """Labels != IGNORE_INDEX of this rank's sequences (its cp share) summed over the
+        dp x cp ranks (uncounted: 8 bytes)."""
         count = (labels != IGNORE_INDEX).sum().to(torch.float64).to(self.device)
         with self.grid.counter.paused():
-            self.grid.dp.all_reduce(count)
+            self.grid.dp_cp.all_reduce(count)
         return int(count.item())
 
     def step(
@@ -278,8 +301,8 @@ class Engine(EngineState):
         value = torch.tensor(loss, dtype=torch.float64, device=self.device)
         with self.grid.counter.paused():
             self.grid.pp.broadcast(value, src=self.last_rank)
-            self.grid.dp.all_reduce(value)
-        return value.item() / self.grid.dp.size
+            self.grid.dp_cp.all_reduce(value)
+        return value.item() / self.grid.dp_cp.size
 
 
 def parallelize(
