@@ -28,7 +28,13 @@ from llmopt.infer.batch.request import Request, Status, StepOutput
 from llmopt.infer.batch.runner import EagerRunner, Runner
 from llmopt.infer.batch.scheduler import Scheduler
 from llmopt.infer.drafts import Draft, NGramDraft, SpeculativeConfig
-from llmopt.infer.sampling import InvalidRequestError, SamplingParams, logits_to_probs, next_token
+from llmopt.infer.sampling import (
+    InvalidRequestError,
+    SamplingParams,
+    argmax_rows,
+    logits_to_probs,
+    next_token,
+)
 from llmopt.infer.speculative_stats import SpeculativeStats
 from llmopt.infer.speculative_verify import verify_greedy, verify_sampled
 from llmopt.models.attention.paged import PagedKVCache, SeqChunk, StepBatch
@@ -225,6 +231,8 @@ class Engine:
         elapsed = time.perf_counter() - t0
         self.forward_s += elapsed
         self.num_steps += 1
+        # one argmax over every row: per-request argmaxes cost more than the whole 16-row head
+        greedy = argmax_rows(logits) if any(i.request.params.greedy for i in work) else None
         outputs = []
         for item, span in zip(work, batch.logits_spans, strict=True):
             r = item.request
@@ -234,19 +242,28 @@ class Engine:
                 self._register(r)
                 continue
             rows = logits[span[0] : span[0] + span[1]]
-            new = self._accept(r, item.draft, rows, elapsed)
+            argmax = greedy[span[0] : span[0] + span[1]] if r.params.greedy else None
+            new = self._accept(r, item.draft, rows, argmax, elapsed)
             r.num_computed += item.num_tokens + len(new) - 1
             outputs.append(self._append(r, new))
         return outputs
 
     def _accept(
-        self, r: Request, draft: list[int], rows: torch.Tensor, elapsed: float
+        self,
+        r: Request,
+        draft: list[int],
+        rows: torch.Tensor,
+        argmax: list[int] | None,
+        elapsed: float,
     ) -> list[int]:
+        """The tokens a request keeps: one sampled (or `argmax`), or verified guesses + one."""
         params = r.params
         if r.spec is None:
+            if argmax is not None:
+                return [argmax[-1]]
             return [int(next_token(rows[-1:], params, r.generator)[0])]
         if params.greedy:
-            kept, token = verify_greedy(rows.argmax(-1).tolist(), draft)
+            kept, token = verify_greedy(argmax, draft)
         else:
             q = getattr(r, "proposal", None)
             q = q.probs[: len(draft)] if q is not None and q.probs is not None else None
@@ -335,8 +352,8 @@ class Engine:
         return [r.output for r in reqs]
 
     def cached_kv(self, request: Request, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [positions, kv_heads, dim] the cache holds for a request's computed
-        tokens (for inspection; a finished request's blocks are read until reused)."""
+        """Cached keys, values [positions, kv_heads, dim] of a request (a finished one's blocks
+        hold them until reused)."""
         table = request.blocks or request.final_blocks
         n = request.num_computed if request.blocks else request.num_tokens - 1
         bs = self.config.block_size
