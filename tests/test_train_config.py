@@ -222,8 +222,7 @@ def test_fp8_flag_trains_with_float8_linears(tmp_path, monkeypatch):
     (model,) = converted
     assert len(fp8.fp8_modules(model)) == 7 * 2  # seven block linears per layer
     assert all(torch.isfinite(torch.tensor(r)) for r in result.losses)
-    with pytest.raises(TrainConfigError, match="precision=fp8 with pp>1 is not supported"):
-        _tiny(tmp_path, precision="fp8", pp=2)
+    assert _tiny(tmp_path, precision="fp8", pp=2).pp == 2  # amaxes reduced per stage
     monkeypatch.setitem(sys.modules, "llmopt.precision.fp8", None)
     with pytest.raises(EngineError, match="precision=fp8 needs llmopt.precision.fp8"):
         train(_tiny(tmp_path, precision="fp8", overwrite=True))  # the first run's directory

@@ -37,7 +37,7 @@ from llmopt.parallel.plan import ParallelPlan
 
 DIMS = ("tp", "cp", "dp", "pp")  # innermost first
 EXPERT_DIMS = ("etp", "ep", "edp")  # innermost first, within a pipeline stage
-GROUPS = (*DIMS, "dp_cp", "tp_cp", *EXPERT_DIMS)
+GROUPS = (*DIMS, "dp_cp", "tp_cp", "stage", *EXPERT_DIMS)
 COUNTED_AS = {"dp_cp": "dp"}  # the planner's name for the dense gradient group
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -157,7 +157,8 @@ class ParallelDims:
     def group_ranks(self, dim: str) -> list[tuple[int, ...]]:
         """Every group along `dim` (a grid dimension, "dp_cp", "tp_cp", or an expert one:
         "ep", "edp"): the ranks that differ only in those coordinates."""
-        spans = {"dp_cp": ("dp", "cp"), "tp_cp": ("tp", "cp")}.get(dim, (dim,))
+        spans = {"dp_cp": ("dp", "cp"), "tp_cp": ("tp", "cp"), "stage": ("tp", "cp", "dp")}
+        spans = spans.get(dim, (dim,))
         groups: dict[tuple, list[int]] = {}
         for rank in range(self.world_size):
             c = self.coords(rank)
@@ -272,6 +273,11 @@ class RankGrid:
     def tp_cp(self) -> Group:
         """The ranks sharing one micro-batch's tokens (uncounted routing statistics)."""
         return self.groups["tp_cp"]
+
+    @property
+    def stage(self) -> Group:
+        """The tp x cp x dp ranks holding this rank's pipeline stage (FP8 amax reductions)."""
+        return self.groups["stage"]
 
     @property
     def ep(self) -> Group:

@@ -86,6 +86,9 @@ class TrainConfig:
     cp: int = 1
     ep: int = 1
     expert_tp: int | None = None  # the experts' TP degree: 1 or tp (unset: tp)
+    layers_per_stage: list[int] | None = None  # the pipeline split (pp*v chunks; unset: even)
+    account_for_embedding: bool = False  # Megatron: the embedding counts as a layer
+    account_for_loss: bool = False  # Megatron: the output layer + loss count as a layer
     sequence_parallel: bool = False
     zero_stage: int = 0
     recompute: str = "none"
@@ -154,12 +157,6 @@ class TrainConfig:
         if self.fp8_recipe not in FP8_RECIPES:
             raise TrainConfigError(
                 f"fp8_recipe={self.fp8_recipe!r} is not valid; choose one of {FP8_RECIPES}"
-            )
-        if self.precision == "fp8" and self.pp > 1:
-            raise TrainConfigError(
-                "precision=fp8 with pp>1 is not supported yet: amaxes must be reduced over the "
-                "ranks holding the same stage (tp x dp), a group the grid does not create; "
-                "use pp=1 or precision=bf16"
             )
         if self.reduce_dtype not in ("fp32", "bf16"):
             raise TrainConfigError(f"reduce_dtype={self.reduce_dtype!r}: choose 'fp32' or 'bf16'")
@@ -275,6 +272,9 @@ class TrainConfig:
             cp=self.cp,
             ep=self.ep,
             expert_tp=self.expert_tp,
+            layers_per_stage=self.layers_per_stage,
+            account_for_embedding=self.account_for_embedding,
+            account_for_loss=self.account_for_loss,
             sequence_parallel=self.sequence_parallel,
             zero_stage=self.zero_stage,
             micro_batch=self.micro_batch,

@@ -12,9 +12,21 @@ from llmopt.train.config import RENAMED, RESIZING, TrainConfig
 from llmopt.train.field_help import FIELD_HELP
 
 
+def _int_list(text: str) -> list[int]:
+    """A comma-separated list of integers (`--layers-per-stage 3,5`)."""
+    try:
+        return [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of integers"
+        ) from None
+
+
 def _flag_type(hint: Any):
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     base = args[0] if args else hint
+    if typing.get_origin(base) is list:
+        return _int_list
     return base
 
 

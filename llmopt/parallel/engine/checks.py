@@ -44,17 +44,6 @@ def check_plan(plan: ParallelPlan, grid: RankGrid, model: Transformer) -> None:
             f"cp={plan.cp}: ring attention does not support soft-capped attention scores "
             f"(attn_softcap={model.config.attn_softcap}); use cp=1"
         )
-    if plan.zero_stage == 3 and plan.pp > 2:
-        raise EngineError(
-            f"zero_stage=3 with pp={plan.pp} > 2 is not supported: middle stages hold no "
-            "embedding or head to keep gathered; use zero_stage<=2 or pp<=2"
-        )
-    if plan.precision == "fp8" and plan.pp > 1:
-        raise EngineError(
-            "precision=fp8 with pp>1 is not supported yet: amaxes must be reduced over the "
-            "ranks holding the same stage (tp x dp), a group the grid does not create; "
-            "use pp=1 or precision=bf16"
-        )
 
 
 def convert_fp8(model: Transformer, plan: ParallelPlan, grid: RankGrid) -> None:
@@ -64,5 +53,8 @@ def convert_fp8(model: Transformer, plan: ParallelPlan, grid: RankGrid) -> None:
         raise EngineError(
             f"precision=fp8 needs llmopt.precision.fp8.convert_to_fp8, unavailable: {exc}"
         ) from exc
-    # With pp=1 the world is the tp x dp group: TP shards and DP replicas share one scale.
-    convert_to_fp8(model, plan.fp8_recipe, amax_group=grid.world)
+    # Amaxes are MAX-reduced over the ranks holding the same pipeline stage (tp x cp x dp):
+    # TP shards and DP replicas share one scale; other stages hold other layers. With pp=1
+    # that is the world.
+    group = grid.world if grid.pp.size == 1 else grid.stage
+    convert_to_fp8(model, plan.fp8_recipe, amax_group=group)

@@ -106,12 +106,14 @@ class Engine(EngineState):
         cfg = model.config
         pp = grid.pp.size
         self.grid, self.plan, self.model = grid, plan, model
-        self.layers_per_stage = layers_per_stage
+        if layers_per_stage is None:
+            layers_per_stage = plan.stage_split(cfg.num_layers)
+        self.layers_per_stage = None if layers_per_stage is None else tuple(layers_per_stage)
         self.schedule: PipelineSchedule = build_schedule(
             plan.schedule, pp, plan.num_microbatches, plan.virtual_stages
         )
         # Validate the layer split before touching the model.
-        stage_layout(cfg.num_layers, pp, plan.virtual_stages, layers_per_stage)
+        stage_layout(cfg.num_layers, pp, plan.virtual_stages, self.layers_per_stage)
         if plan.precision == "fp8":
             convert_fp8(model, plan, grid)
         sp = plan.sequence_parallel
@@ -120,7 +122,9 @@ class Engine(EngineState):
         if cfg.moe is not None:
             apply_expert_parallel(model, grid, sp and grid.tp.size > 1)
         apply_activation_checkpointing(model, plan.recompute)
-        self.stages = split_model(model, grid.pp.rank, pp, plan.virtual_stages, layers_per_stage)
+        self.stages = split_model(
+            model, grid.pp.rank, pp, plan.virtual_stages, self.layers_per_stage
+        )
         self.rank_module = _RankModule(self.stages)
         self.moe_blocks = moe_blocks(self.stages)
         # context parallelism: every cp rank's tokens carry a share of each forward's losses
