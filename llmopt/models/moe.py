@@ -71,7 +71,9 @@ class MoEConfig:
     sigmoid gate on the shared expert. `aux_loss_coef` / `z_loss_coef`: the Switch/GShard
     load-balancing loss and the router z-loss. `capacity_factor`: None routes dropless; a factor
     c caps every expert at ceil(c * tokens * top_k / num_experts) tokens per micro-batch and
-    rank, dropping the lowest-scored assignments beyond it.
+    rank, dropping the lowest-scored assignments beyond it. `force_balance` (benchmarks only,
+    Megatron's --moe-router-force-load-balancing): token t's k-th choice is expert
+    (t * top_k + k) mod num_experts, so every expert gets the same tokens whatever the scores.
     """
 
     num_experts: int
@@ -92,6 +94,7 @@ class MoEConfig:
     z_loss_coef: float = 0.0
     capacity_factor: float | None = None
     bias_update_rate: float = 0.0
+    force_balance: bool = False
 
     def __post_init__(self) -> None:
         _positive(self, "num_experts", "top_k", "expert_ffn_hidden", "moe_layers")
@@ -124,7 +127,7 @@ def check_routing(m: MoEConfig) -> None:
     """Refuse routing settings the MoE block cannot run, naming the value and the valid ones."""
     if m.score not in SCORES:
         raise MoEConfigError(f"score={m.score!r} is not a router scoring; choose {SCORES}")
-    for name in ("norm_topk", "expert_bias", "shared_gate"):
+    for name in ("norm_topk", "expert_bias", "shared_gate", "force_balance"):
         if not isinstance(getattr(m, name), bool):
             raise MoEConfigError(f"{name}={getattr(m, name)!r} must be true or false")
     _positive(m, "num_groups", "topk_groups")

@@ -73,16 +73,15 @@ class _RingAttention(torch.autograd.Function):
         groups = heads // kv_heads
         qf = q.float().reshape(batch, kv_heads, groups * t, dk)
         qpos = ring.local_positions.repeat(groups)
-        block = torch.cat([k, v], dim=-1).float().contiguous()
+        block = torch.cat([k, v], dim=-1).contiguous()  # travels in the compute dtype
         out = qf.new_zeros(batch, kv_heads, groups * t, dv)
         lse = qf.new_full((batch, kv_heads, groups * t), float("-inf"))
         for step in range(ring.size):
             works, incoming = ring.pass_on(block) if step < ring.size - 1 else ([], None)
             kpos = ring.positions_of(ring.owner(step))
             if bool(visible_keys(qpos[None], kpos[None], window).any()):
-                out_b, lse_b = _block(
-                    qf, block[..., :dk], block[..., dk:], qpos, kpos, scale, window
-                )
+                kv = block.float()
+                out_b, lse_b = _block(qf, kv[..., :dk], kv[..., dk:], qpos, kpos, scale, window)
                 out, lse = _merge(out, lse, out_b, lse_b)
             for work in works:
                 work.wait()
@@ -103,21 +102,23 @@ class _RingAttention(torch.autograd.Function):
         qpos = ring.local_positions.repeat(groups)
         delta = (dout * out).sum(dim=-1, keepdim=True)
         dq = torch.zeros_like(qf)
-        block = torch.cat([k, v], dim=-1).float().contiguous()
-        dblock = torch.zeros_like(block)  # the gradient riding with the block
+        block = torch.cat([k, v], dim=-1).contiguous()  # K/V and their gradients travel in
+        dblock = torch.zeros_like(block)  # the compute dtype; each rank adds in fp32
         for step in range(ring.size):
             kpos = ring.positions_of(ring.owner(step))
-            kb, vb = block[..., :dk], block[..., dk:]
             mask = visible_keys(qpos[None], kpos[None], window)[0]
             if bool(mask.any()):
+                kv = block.float()
+                kb, vb = kv[..., :dk], kv[..., dk:]
                 scores = torch.matmul(qf, kb.transpose(-1, -2)) * scale
                 probs = torch.exp(scores.masked_fill(~mask, float("-inf")) - lse.unsqueeze(-1))
                 probs = probs.nan_to_num(0.0)
                 dprobs = torch.matmul(dout, vb.transpose(-1, -2))
                 dscores = probs * (dprobs - delta)
                 dq += torch.matmul(dscores, kb) * scale
-                dblock[..., :dk] += torch.matmul(dscores.transpose(-1, -2), qf) * scale
-                dblock[..., dk:] += torch.matmul(probs.transpose(-1, -2), dout)
+                dkb = torch.matmul(dscores.transpose(-1, -2), qf) * scale
+                dvb = torch.matmul(probs.transpose(-1, -2), dout)
+                dblock = (dblock.float() + torch.cat([dkb, dvb], dim=-1)).to(block.dtype)
             if step < ring.size - 1:
                 works, incoming = ring.pass_on(torch.cat([block, dblock], dim=-1))
                 for work in works:

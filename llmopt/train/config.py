@@ -56,6 +56,7 @@ class TrainConfig:
     moe_z_loss_coef: float | None = None  # router z-loss weight
     moe_capacity_factor: float | None = None  # None: dropless
     moe_bias_update_rate: float | None = None  # aux-loss-free balancing (expert_bias models)
+    moe_force_balance: bool | None = None  # round-robin routing (benchmarks)
     # data
     tokenizer: str | None = None  # None: the model's own (init_from, else the preset's)
     corpus: str = "corpus:web-bible"  # corpus:NAME, a text file, or random (synthetic tokens)

@@ -19,6 +19,7 @@ FIELD_HELP = {
     "moe_z_loss_coef": "weight of the router z-loss",
     "moe_capacity_factor": "tokens per expert capped at factor x mean (unset: dropless)",
     "moe_bias_update_rate": "aux-loss-free balancing bias step per optimizer step",
+    "moe_force_balance": "route round-robin, every expert the same tokens (benchmarks)",
     "tokenizer": "tokenizer to read text with (default: the model's own)",
     "corpus": "pretraining text: corpus:NAME, a text file, or random (synthetic tokens)",
     "data": "fine-tuning data instead of --corpus: FILE.jsonl|.json|.txt, a directory, hf:NAME",

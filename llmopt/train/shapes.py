@@ -139,6 +139,7 @@ MOE_FIELDS = {
     "moe_z_loss_coef": "z_loss_coef",
     "moe_capacity_factor": "capacity_factor",
     "moe_bias_update_rate": "bias_update_rate",
+    "moe_force_balance": "force_balance",
 }
 
 

@@ -55,7 +55,12 @@ class Router(nn.Module):
             choice = choice + getattr(self, BIAS)
         if m.num_groups > 1:
             choice = _limit_groups(choice, m.num_groups, m.topk_groups)
-        ids = torch.topk(choice, m.top_k, dim=-1).indices
+        if m.force_balance:  # round robin over the experts, whatever the scores (benchmarks)
+            n = x.shape[0]
+            slots = torch.arange(n, device=x.device)[:, None] * m.top_k
+            ids = (slots + torch.arange(m.top_k, device=x.device)) % m.num_experts
+        else:
+            ids = torch.topk(choice, m.top_k, dim=-1).indices
         weights = scores.gather(1, ids)
         if m.norm_topk:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
