@@ -12,8 +12,8 @@ When seq_len, global_batch or micro_batch is overridden on the command line (and
 num_microbatches is not), num_microbatches is derived again from the new sizes:
 global_batch / (dp * micro_batch).
 
-Over 400 lines: one dataclass whose every field carries its flag, its file key and its check;
-moving the checks away from the fields would scatter the one concept the module holds.
+The flags themselves are generated in `llmopt.train.flags`, their help in
+`llmopt.train.field_help`.
 """
 
 from __future__ import annotations
