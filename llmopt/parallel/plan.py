@@ -5,8 +5,9 @@ It is pure data (no torch), so `llmopt plan` can build and print plans without i
 engine. One name per concept everywhere (planner, engine, trainer, CLI flags, TOML/JSON):
 
     tp, pp, dp, cp, ep          parallel degrees (Megatron rank order: tp, cp, ep, dp, pp)
-    expert_tp                   TP degree of the routed experts: 1 or tp (unset: tp)
-    layers_per_stage            layers of each of the pp*v model chunks, in stage order (unset:
+    expert_tp                   TP degree of the routed experts: 1 or tp (0: tp, Megatron's
+                                default)
+    layers_per_stage            layers of each of the pp*v model chunks, in stage order (empty:
                                 even, or the split the two flags below give)
     account_for_embedding       Megatron's --account-for-embedding-in-pipeline-split: the
                                 embedding counts as one layer of the first chunk
@@ -88,8 +89,8 @@ class ParallelPlan:
     precision: Precision = "bf16"
     fp8_recipe: str = "current"
     reduce_dtype: str = "fp32"
-    expert_tp: int | None = None
-    layers_per_stage: tuple[int, ...] | None = None
+    expert_tp: int = 0
+    layers_per_stage: tuple[int, ...] = ()
     account_for_embedding: bool = False
     account_for_loss: bool = False
 
@@ -127,7 +128,11 @@ class ParallelPlan:
         for name in ("account_for_embedding", "account_for_loss"):
             if not isinstance(getattr(self, name), bool):
                 raise PlanError(f"{name}={getattr(self, name)!r} must be true or false")
-        if self.layers_per_stage is not None:
+        if self.layers_per_stage is None:  # an unset value read from JSON
+            object.__setattr__(self, "layers_per_stage", ())
+        if isinstance(self.layers_per_stage, list) and not self.layers_per_stage:
+            object.__setattr__(self, "layers_per_stage", ())  # TOML/JSON give a list
+        if self.layers_per_stage:
             counts = self.layers_per_stage
             stages = self.pp * self.virtual_stages
             if not isinstance(counts, list | tuple) or len(counts) != stages:
@@ -143,17 +148,17 @@ class ParallelPlan:
                     "layers_per_stage gives the split itself; account_for_embedding/"
                     "account_for_loss only shape the default split"
                 )
-        if self.expert_tp is not None:
-            _positive_int("expert_tp", self.expert_tp)
-            object.__setattr__(self, "expert_tp", int(self.expert_tp))
-            if self.expert_tp not in (1, self.tp):
-                raise PlanError(f"expert_tp={self.expert_tp} must be 1 or tp={self.tp}")
+        if isinstance(self.expert_tp, bool) or not hasattr(self.expert_tp, "__index__"):
+            raise PlanError(f"expert_tp={self.expert_tp!r} must be 0 (tp), 1 or tp={self.tp}")
+        object.__setattr__(self, "expert_tp", int(self.expert_tp))
+        if self.expert_tp not in (0, 1, self.tp):
+            raise PlanError(f"expert_tp={self.expert_tp} must be 0 (tp), 1 or tp={self.tp}")
 
     def stage_split(self, num_layers: int) -> tuple[int, ...] | None:
         """Layers of each of the pp*v chunks (None: the engine's even default): the explicit
         split, or Megatron's split with the embedding and/or the loss counted as a layer
         (they must then divide evenly over the chunks, as Megatron asserts)."""
-        if self.layers_per_stage is not None:
+        if self.layers_per_stage:
             return self.layers_per_stage
         extra = int(self.account_for_embedding) + int(self.account_for_loss)
         if not extra:
@@ -175,7 +180,7 @@ class ParallelPlan:
     @property
     def resolved_expert_tp(self) -> int:
         """The experts' TP degree: expert_tp, or tp when unset (Megatron's default)."""
-        return self.tp if self.expert_tp is None else self.expert_tp
+        return self.expert_tp or self.tp
 
     # ---- derived ----
     @property
@@ -191,7 +196,7 @@ class ParallelPlan:
     def short(self) -> str:
         parts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}"]
         parts += [f"{n}={getattr(self, n)}" for n in ("cp", "ep") if getattr(self, n) > 1]
-        if self.expert_tp is not None and self.ep > 1:
+        if self.expert_tp and self.ep > 1:
             parts.append(f"expert_tp={self.expert_tp}")
         return ",".join(parts)
 
@@ -213,7 +218,9 @@ class ParallelPlan:
         return [f.name for f in dataclasses.fields(cls)]
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        out["layers_per_stage"] = list(self.layers_per_stage)  # as TOML and JSON read it back
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ParallelPlan:
@@ -232,8 +239,7 @@ class ParallelPlan:
     def to_toml(self, table: str = "parallel") -> str:
         lines = [f"[{table}]"]
         for key, value in self.to_dict().items():
-            if value is not None:  # unset (expert_tp): TOML has no null
-                lines.append(f"{key} = {_toml_value(value)}")
+            lines.append(f"{key} = {_toml_value(value)}")
         return "\n".join(lines) + "\n"
 
     @classmethod

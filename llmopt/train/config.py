@@ -89,7 +89,7 @@ class TrainConfig:
     dp: int = -1  # -1: the rest of the world
     cp: int = 1
     ep: int = 1
-    expert_tp: int | None = None  # the experts' TP degree: 1 or tp (unset: tp)
+    expert_tp: int = 0  # the experts' TP degree: 1 or tp (0: tp)
     layers_per_stage: list[int] | None = None  # the pipeline split (pp*v chunks; unset: even)
     account_for_embedding: bool = False  # Megatron: the embedding counts as a layer
     account_for_loss: bool = False  # Megatron: the output layer + loss count as a layer
@@ -276,7 +276,7 @@ class TrainConfig:
             cp=self.cp,
             ep=self.ep,
             expert_tp=self.expert_tp,
-            layers_per_stage=self.layers_per_stage,
+            layers_per_stage=tuple(self.layers_per_stage or ()),
             account_for_embedding=self.account_for_embedding,
             account_for_loss=self.account_for_loss,
             sequence_parallel=self.sequence_parallel,

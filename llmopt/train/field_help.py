@@ -46,7 +46,7 @@ FIELD_HELP = {
     "dp": "data-parallel degree (-1: the rest of the world)",
     "cp": "context-parallel degree (ring attention over the sequence)",
     "ep": "expert-parallel degree (experts laid over dp x cp ranks)",
-    "expert_tp": "tensor-parallel degree of the experts: 1 or tp (default: tp)",
+    "expert_tp": "tensor-parallel degree of the experts: 1 or tp (0: tp)",
     "layers_per_stage": "layers of each pipeline chunk, comma-separated (default: even split)",
     "account_for_embedding": "count the embedding as a layer in the pipeline split (Megatron)",
     "account_for_loss": "count the output layer and loss as a layer in the split (Megatron)",
