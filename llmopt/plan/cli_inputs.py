@@ -146,6 +146,8 @@ def build_cluster(args: argparse.Namespace) -> Cluster:
 
 
 def build_workload(args: argparse.Namespace) -> Workload:
+    from llmopt.plan.frameworks import FRAMEWORK_KERNELS
+
     batch = args.global_batch
     if args.global_batch_tokens is not None:
         if args.global_batch_tokens <= 0 or args.global_batch_tokens % args.seq_len:
@@ -171,6 +173,8 @@ def build_workload(args: argparse.Namespace) -> Workload:
         sharding="deepspeed" if getattr(args, "framework", "llmopt") == "deepspeed" else "fsdp",
         lora_rank=getattr(args, "lora_rank", 0),
         qlora=getattr(args, "qlora", False),
+        # the framework's kernels: attention generation, selective AC, FP8 casts
+        **FRAMEWORK_KERNELS.get(getattr(args, "framework", "llmopt"), {}),
     )
 
 

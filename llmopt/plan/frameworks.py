@@ -49,6 +49,26 @@ DEFAULT_REDUCE_DTYPE = {
 }
 
 
+# The kernels each framework trains with unless told otherwise (`Workload` fields): PyTorch's
+# SDPA runs FlashAttention-2 on Hopper by default (llmopt's engine, torchtitan; DeepSpeed users
+# bring FlashAttention-2); Megatron-LM and Megatron-Bridge run Transformer Engine's cuDNN
+# attention and fuse FP8 casts into their kernels; torchtitan's "selective" AC is op-level
+# (every second matmul recomputed, parallelize_llama.py) and its Float8 is torchao's, with FP8
+# weight all-gathers under FSDP (its float8 docs' recommended setting).
+FRAMEWORK_KERNELS: dict[str, dict[str, object]] = {
+    "llmopt": {"attention_kernel": "fa2"},
+    "megatron": {"attention_kernel": "fa3"},
+    "nemo": {"attention_kernel": "fa3"},
+    "torchtitan": {
+        "attention_kernel": "fa2",
+        "selective": "every-other-mm",
+        "fp8_casts": "torchao",
+        "fp8_param_gather": True,
+    },
+    "deepspeed": {"attention_kernel": "fa2"},
+}
+
+
 def rule_sources(name: str) -> list[tuple[str, str]]:
     """(what the rule refuses, the framework source it restates) for `name`'s rules."""
     return [(r.what, r.source) for r in RULES[check_framework(name)]]

@@ -21,6 +21,21 @@ from llmopt.plan.flops import (  # noqa: F401  (re-exported)
 )
 
 Precision = Literal["bf16", "fp8"]  # what the cost model prices (ParallelPlan also has fp32)
+# Fused attention kernel generations (`GPUProfile.attention_efficiency_of`): "fa3" = current
+# Hopper/Blackwell kernels (cuDNN as Transformer Engine >= 2 runs it, FlashAttention-3), "fa2" =
+# FlashAttention-2 and its contemporaries (PyTorch SDPA's flash backend, 2024 TE fused attention).
+ATTENTION_KERNELS = ("fa3", "fa2")
+# What "selective" recomputation recomputes with fused attention (`Workload.selective`):
+# "memory-bound" = the norms, activation function and other memory-bound ops (Megatron-Core's
+# selective modules); "every-other-mm" = torchtitan's op-level SAC, which saves the outputs of
+# every compute op except every second matmul of a block, so those GEMMs run again too
+# (torchtitan parallelize_llama.py @9dec370, _apply_ac_to_transformer_block).
+SELECTIVE_POLICIES = ("memory-bound", "every-other-mm")
+# How FP8 GEMM inputs are quantised (`Workload.fp8_casts`): "fused" = inside the kernels that
+# produce them (Transformer Engine's LayerNormLinear, its activation kernels); "torchao" =
+# torchao Float8Linear's dynamic scaling, an amax pass and a cast (and a transposed cast for the
+# backward) of every linear's input and output gradient, as separate memory-bound kernels.
+FP8_CASTS = ("fused", "torchao")
 
 # Bytes per parameter (weights, gradients, optimizer states) for mixed-precision Adam.
 # "megatron": bf16 weights, fp32 gradient accumulation buffer (main_grad), fp32 master weights
@@ -38,6 +53,12 @@ class Workload:
     precision: Precision = "bf16"
     optimizer: str = "adam"
     flash_attention: bool = True  # fused attention: no s² activations, causal half the work
+    attention_kernel: str = "fa3"  # which generation of fused kernel (ATTENTION_KERNELS)
+    selective: str = "memory-bound"  # what selective recomputation reruns (SELECTIVE_POLICIES)
+    fp8_casts: str = "fused"  # where FP8 inputs are quantised (FP8_CASTS)
+    # ZeRO/FSDP weight all-gathers carry FP8 weights (1 byte; torchtitan's float8 all-gather,
+    # Megatron's --fp8-param-gather); only with precision="fp8"
+    fp8_param_gather: bool = False
     dropout: bool = False  # GPT-style dropout (masks count toward activation memory)
     state_bytes: str = "megatron"
     tp_comm_overlap: bool = False  # TP collectives overlapped with GEMMs (TE userbuffers)
@@ -89,6 +110,14 @@ class Workload:
             raise UsageError(
                 f"ep_dispatcher={self.ep_dispatcher!r}; choose from alltoall, deepep, hybridep"
             )
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise UsageError(
+                f"attention_kernel={self.attention_kernel!r}; choose from "
+                + ", ".join(ATTENTION_KERNELS)
+            )
+        for name, valid in (("selective", SELECTIVE_POLICIES), ("fp8_casts", FP8_CASTS)):
+            if getattr(self, name) not in valid:
+                raise UsageError(f"{name}={getattr(self, name)!r}; choose from {', '.join(valid)}")
         if self.sharding not in ("fsdp", "deepspeed"):
             raise UsageError(f"sharding={self.sharding!r}; choose fsdp or deepspeed")
         if self.optimizer != "adam":

@@ -74,6 +74,9 @@ class RowSetup:
     cluster: Cluster
     constraints: dict[str, int]
     assumptions: list[str]
+    # the source states no global batch: one micro-batch per step on each of the dp ranks
+    # (torchtitan before gradient accumulation), the micro-batch the planner's choice
+    open_batch: bool = False
 
 
 def _model(row: dict[str, str], notes: list[str]) -> ModelConfig:
@@ -155,9 +158,35 @@ def _cluster(row: dict[str, str], notes: list[str]) -> Cluster:
     return cluster
 
 
+def _years(row: dict[str, str]) -> list[int]:
+    """Years the row's source dates its software by: 4-digit years, and NeMo containers
+    ("25.11 NeMo Container", "NeMo24.03.01", "Container NeMo 25.02")."""
+    text = row["source"] + " " + row["locator"]
+    years = [int(y) for y in re.findall(r"\b(20[12]\d)\b", text)]
+    nemo = r"(?:NeMo\s*(\d\d)\.\d\d|\b(\d\d)\.\d\d(?:\.\d+)?\s+NeMo Container)"
+    years += [2000 + int(a or b) for a, b in re.findall(nemo, text)]
+    return years
+
+
+def attention_kernel(row: dict[str, str], years: list[int]) -> str:
+    """The fused attention generation a row ran (`Workload.attention_kernel`): the `attention`
+    column if given; PyTorch SDPA's flash backend (FlashAttention-2) for torchtitan and
+    DeepSpeed; FlashAttention-2-generation kernels for software of 2024 and before; else the
+    current generation."""
+    given = (row.get("attention") or "").strip().lower()
+    if given:
+        if given not in ("fa2", "fa3"):
+            raise RowError(f"attention={given!r}; use fa2 or fa3")
+        return given
+    framework = (row.get("framework") or "").strip().lower()
+    if framework in ("torchtitan", "deepspeed") or (years and max(years) <= 2024):
+        return "fa2"
+    return "fa3"
+
+
 def _workload(row: dict[str, str], model: ModelConfig, notes: list[str]) -> Workload:
     seq = count(row["seq_len"], "seq_len")
-    years = [int(y) for y in re.findall(r"\b(20[12]\d)\b", row["source"] + row["locator"])]
+    years = _years(row)
     # Megatron-LM before 2023: no fused flash attention, gradient all-reduce after backward,
     # pipeline messages scattered over TP ranks.
     early = bool(years) and min(years) <= 2022
@@ -181,11 +210,18 @@ def _workload(row: dict[str, str], model: ModelConfig, notes: list[str]) -> Work
     compiled = flag(row.get("compile", ""), "compile")
     fused = compiled if compiled is not None else ("eager" not in prec or "compile" in prec)
     ep_overlap = (row.get("ep_overlap") or "").strip().lower()
+    # torchtitan: op-level SAC and torchao Float8 (`llmopt.plan.frameworks.FRAMEWORK_KERNELS`)
+    titan = framework == "torchtitan"
+    text = (prec + " " + row["notes"]).lower()
     work = Workload(
         seq_len=seq,
-        global_batch=count(row["global_batch_seqs"], "global_batch_seqs", seq) or 0,
+        global_batch=count(row["global_batch_seqs"], "global_batch_seqs", seq) or 1,
         precision="fp8" if fp8 else "bf16",
         flash_attention=not early,
+        attention_kernel=attention_kernel(row, years),
+        selective="every-other-mm" if titan else "memory-bound",
+        fp8_casts="torchao" if titan and fp8 else "fused",
+        fp8_param_gather=fp8 and ("float8 all-gather" in text or "fp8 all-gather" in text),
         # GPT rows given by their shapes train with dropout; Llama and preset rows do not
         dropout=count(row["layers"], "layers") is not None and "llama" not in row["model"].lower(),
         state_bytes="zero" if reduce == "bf16" else "megatron",
@@ -199,11 +235,14 @@ def _workload(row: dict[str, str], model: ModelConfig, notes: list[str]) -> Work
         sharding="deepspeed" if deepspeed or framework == "deepspeed" else "fsdp",
     )
     notes.append(
-        f"flash={'yes' if work.flash_attention else 'no (Megatron <= 2022)'}, "
+        f"flash={work.attention_kernel if work.flash_attention else 'no (Megatron <= 2022)'}, "
         f"dp_overlap={'yes' if work.dp_comm_overlap else 'no'}, "
         f"kernels={'fused' if work.fused_kernels else 'eager'}, {reduce} reduce"
         + (", fp8 GEMMs" if fp8 else "")
         + (", TP overlap" if tp_overlap else "")
+        + (", op-level SAC" if titan else "")
+        + (", torchao casts" if work.fp8_casts == "torchao" else "")
+        + (", FP8 all-gather" if work.fp8_param_gather else "")
     )
     return work
 
@@ -248,7 +287,13 @@ def setup_row(row: dict[str, str]) -> RowSetup:
     zero = zero_stage(row["zero_fsdp"])
     if zero is not None:
         c["zero"] = zero
-    return RowSetup(model, work, cluster, c, notes)
+    open_batch = count(row["global_batch_seqs"], "global_batch_seqs", work.seq_len) is None
+    if open_batch and "dp" not in c:
+        raise RowError("global_batch_seqs and dp are both open; state one")
+    return RowSetup(model, work, cluster, c, notes, open_batch)
+
+
+OPEN_BATCH_MICRO_BATCHES = (1, 2, 4, 8, 16)
 
 
 NAMES = {"mb": "micro_batch", "rc": "recompute", "sp": "sequence_parallel",
@@ -257,7 +302,11 @@ NAMES = {"mb": "micro_batch", "rc": "recompute", "sp": "sequence_parallel",
 
 def predict(setup: RowSetup) -> tuple[Plan, list[str]]:
     """Best plan under the row's constraints (what fits, else the leanest), and the choices the
-    planner made where the source is silent."""
+    planner made where the source is silent. With an open global batch, the micro-batch with
+    the most tokens/s among those that fit sets it (dp × micro-batch, one per step), and
+    `setup.work` becomes that workload."""
+    if setup.open_batch:
+        return _predict_open_batch(setup)
     model, work, cluster = setup.model, setup.work, setup.cluster
     grid = build_grid(model, work, cluster, setup.constraints)
     if len(grid["tp"]) == 0:
@@ -287,6 +336,31 @@ def predict(setup: RowSetup) -> tuple[Plan, list[str]]:
     if not fits:
         chosen.append("predicted not to fit; leanest plan used")
     return plan, chosen
+
+
+def _predict_open_batch(setup: RowSetup) -> tuple[Plan, list[str]]:
+    dp = setup.constraints["dp"]
+    given = setup.constraints.get("mb")
+    best = None
+    for mb in (given,) if given else OPEN_BATCH_MICRO_BATCHES:
+        work = dataclasses.replace(setup.work, global_batch=dp * mb)
+        one = dataclasses.replace(
+            setup, work=work, constraints={**setup.constraints, "mb": mb}, open_batch=False
+        )
+        try:
+            plan, chosen = predict(one)
+        except ValueError:
+            continue
+        fits = plan.fits
+        rate = work.tokens_per_step / plan.step_time_s["total"]
+        key = (fits, rate if fits else -plan.memory_bytes["total"])
+        if best is None or key > best[0]:
+            best = (key, plan, chosen, work, mb)
+    if best is None:
+        raise ValueError(f"{setup.constraints}: no micro-batch gives a plan")
+    _, plan, chosen, work, mb = best
+    setup.work = work
+    return plan, [*chosen, f"global batch = dp x micro_batch {mb} (planner's choice)"]
 
 
 def measured_and_predicted(
