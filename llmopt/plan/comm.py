@@ -50,6 +50,8 @@ import numpy as np
 
 from llmopt.models.config import ModelConfig
 from llmopt.parallel.plan import ParallelPlan
+from llmopt.plan.dispatch import ep_of
+from llmopt.plan.experts import expert_dp, expert_params_per_rank
 from llmopt.plan.grid import Grid, to_grid
 from llmopt.plan.hardware import Cluster
 from llmopt.plan.memory import (
@@ -60,6 +62,7 @@ from llmopt.plan.memory import (
     layer_params_per_rank,
     stage_params,
 )
+from llmopt.plan.split import rank_layers
 from llmopt.plan.workload import STATE_BYTES, Workload
 
 OPS = ("all-reduce", "all-gather", "reduce-scatter", "send", "recv")
@@ -236,9 +239,21 @@ def collectives(
     # under ZeRO-2/3 its unit (embedding / final norm + head) is reduce-scattered once per step.
     tied_split = model.tie_embeddings & (pp > 1)
     once = grad_policy(grid) == 1  # ZeRO-2/3 "step" policy: one reduce-scatter per step
-    for kind, params in (("not_last", first_p), ("last", last_p)):
+    # Routed experts are data-parallel over their own ranks (edp = tp·cp·dp / (etp·ep), strided
+    # by etp·ep: `experts.expert_dp`), a separate group with its own NICs per node.
+    n_first, _, n_last = rank_layers(model, pp, v)
+    local_experts = expert_params_per_rank(model, grid)
+    edp = expert_dp(grid)
+    ep, etp = ep_of(grid)
+    edp_rails = np.minimum(edp, np.maximum(cluster.gpus_per_node // (ep * etp), 1))
+    for kind, params, layers in (("not_last", first_p, n_first), ("last", last_p, n_last)):
+        experts = layers * local_experts
+        params = params - experts
         root = params - block_p  # embedding, final norm, head: the non-block parameters
         crosses = inter["dp"]
+        if model.moe is not None:
+            rails["edp"] = edp_rails
+            _expert_collectives(add, kind, experts, edp, crosses, z, m, once, w_bytes, g_bytes)
         add("dp", "all-reduce", "step", kind, (z == 0) * 1, params * g_bytes, d, crosses)
         add("dp", "reduce-scatter", "backward", kind, (z == 1) * 1, params * g_bytes, d, crosses)
         rs_calls = np.where(once, 1, m) * (z >= 2)
@@ -261,6 +276,25 @@ def collectives(
         add("dp", "all-gather", "forward", kind, (z == 3) * 1, root * w_bytes, d, crosses)
         add("dp", "all-gather", "backward", kind, (z == 3) * m, block_p * w_bytes, d, crosses)
     return out
+
+
+def _expert_collectives(add, kind, experts, edp, crosses, z, m, once, w_bytes, g_bytes) -> None:
+    """The routed experts' data-parallel traffic over their edp ranks: ZeRO-0 all-reduces
+    gradients per step, 1 reduce-scatters and gathers once per step, 2 reduce-scatters per
+    micro-batch (or once); under ZeRO-3 the local experts are gathered once, at their first
+    use, and kept for the step like the root unit (the pricing before issue 27's split into
+    dense and expert groups; whether Megatron-FSDP regathers experts per micro-batch is not
+    settled by any calibration row)."""
+    add("edp", "all-reduce", "step", kind, (z == 0) * 1, experts * g_bytes, edp, crosses)
+    rs_calls = np.where(z == 1, 1, np.where(once, 1, m) * (z >= 2))
+    add("edp", "reduce-scatter", "backward", kind, rs_calls, experts * g_bytes, edp, crosses)
+    gather_step = ((z == 1) | (z == 2)) * 1
+    add("edp", "all-gather", "step", kind, gather_step, experts * w_bytes, edp, crosses)
+    add("edp", "all-gather", "forward", kind, (z == 3) * 1, experts * w_bytes, edp, crosses)
+
+
+def _rails(c: Collectives) -> float:
+    return 1.0 if c.op in ("send", "recv") else float(np.maximum(np.asarray(c.per_node), 1).flat[0])
 
 
 def applies(kind: str, stage: str, pp: np.ndarray | int) -> np.ndarray:
@@ -304,6 +338,11 @@ def collectives_for(
                 "group_size": int(c.group_size[0]),
                 "link": "inter_node" if bool(c.inter_node[0]) else "intra_node",
                 "wire_bytes": float(c.wire_bytes[0]),
+                # across nodes: the bytes this rank's own NIC carries (1/k of a ring's with k
+                # of the group's ranks per node; a send's whole message)
+                "network_bytes": float(c.wire_bytes[0]) / _rails(c)
+                if bool(c.inter_node[0])
+                else 0.0,
             }
         )
     return rows

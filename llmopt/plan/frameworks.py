@@ -69,6 +69,13 @@ FRAMEWORK_KERNELS: dict[str, dict[str, object]] = {
 }
 
 
+def recipe_moments(framework: str, model_name: str) -> str:
+    """Adam moment dtype a framework's recipe for the model sets: Megatron-Bridge's DeepSeek-V3
+    recipe keeps Adam's moments in bf16 (recipes/deepseek/h100/deepseek_v3.py @b7b4e11b:
+    exp_avg_dtype = exp_avg_sq_dtype = bfloat16); fp32 otherwise."""
+    return "bf16" if framework == "nemo" and model_name.startswith("deepseek-v3") else "fp32"
+
+
 def rule_sources(name: str) -> list[tuple[str, str]]:
     """(what the rule refuses, the framework source it restates) for `name`'s rules."""
     return [(r.what, r.source) for r in RULES[check_framework(name)]]

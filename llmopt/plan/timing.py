@@ -76,6 +76,7 @@ TORCHAO_CAST_BYTES = 8.0
 # Adam step, bytes moved per local parameter: read fp32 master, grad, m, v (16), write master,
 # m, v (12) and the bf16 weight copy (2), plus a read of the gradient for the norm/clip (4).
 ADAM_BYTES_PER_PARAM = 34.0
+DP_GROUPS = ("dp", "edp")  # dense and routed-expert data parallelism
 
 
 def _linear_dims(model: ModelConfig, kv_dim: np.ndarray, t: np.ndarray) -> tuple:
@@ -247,12 +248,16 @@ def step_time(
     interleaved = grid["sched"] == SCHED_INTERLEAVED
     step_fwd_window = fwd_window + np.where(interleaved, hide * bubble / 2, 0.0)
     step_bwd_window = bwd_window + np.where(interleaved, hide * bubble / 2, 0.0)
-    grad_once = _sum_time(cs, cluster, group="dp", phase="step", op="all-reduce", stage="last")
+    grad_once = _sum_time(cs, cluster, group=DP_GROUPS, phase="step", op="all-reduce", stage="last")
     z = grid["zero"]
-    rs_total = _sum_time(cs, cluster, group="dp", op="reduce-scatter", stage="last")
-    ag_step = _sum_time(cs, cluster, group="dp", op="all-gather", phase="step", stage="last")
-    ag_fwd = _sum_time(cs, cluster, group="dp", op="all-gather", phase="forward", stage="last") / m
-    ag_bwd = _sum_time(cs, cluster, group="dp", op="all-gather", phase="backward", stage="last") / m
+    rs_total = _sum_time(cs, cluster, group=DP_GROUPS, op="reduce-scatter", stage="last")
+    ag_step = _sum_time(cs, cluster, group=DP_GROUPS, op="all-gather", phase="step", stage="last")
+    ag_fwd = (
+        _sum_time(cs, cluster, group=DP_GROUPS, op="all-gather", phase="forward", stage="last") / m
+    )
+    ag_bwd = (
+        _sum_time(cs, cluster, group=DP_GROUPS, op="all-gather", phase="backward", stage="last") / m
+    )
     # ZeRO-2/3 "step" policy: the one reduce-scatter runs in the last micro-batch's backward
     once = grad_policy(grid) == 1
     rs_mb = np.where(once, 0.0, rs_total / m)
@@ -275,7 +280,8 @@ def step_time(
 
     first_p, last_p = stage_params(model, grid)
     opt_params = split_state_bytes(model, np.maximum(first_p, last_p), grid, "zero")
-    optimizer = opt_params["optimizer"] / 12 * ADAM_BYTES_PER_PARAM / hbm
+    adam_bytes = ADAM_BYTES_PER_PARAM - (8 if work.moments == "bf16" else 0)  # m, v read+write
+    optimizer = opt_params["optimizer"] / 12 * adam_bytes / hbm
 
     busy_head = np.where(last_busiest, 1.0, 0.0)
     out = {
@@ -297,10 +303,14 @@ def step_time(
 def comm_bytes_per_gpu(
     model: ModelConfig, work: Workload, cluster: Cluster, grid: Grid
 ) -> dict[str, np.ndarray]:
-    """Wire bytes one GPU of the busiest (last) stage sends per step, by link."""
+    """Wire bytes one GPU of the busiest (last) stage sends per step, by link. A ring
+    collective across nodes with k of its ranks per node leaves each node once per ring on
+    each of k NICs: 1/k of a rank's ring traffic goes over its NIC, the rest over NVLink."""
     intra = inter = 0.0
     for c in collectives(model, work, cluster, grid):
         wire = np.where(applies(c.stage, "last", grid["pp"]), c.wire_bytes, 0.0)
-        inter = inter + np.where(c.inter_node, wire, 0.0)
-        intra = intra + np.where(c.inter_node, 0.0, wire)
+        ring = c.op not in ("send", "recv")
+        net = wire / np.maximum(c.per_node, 1) if ring else wire
+        inter = inter + np.where(c.inter_node, net, 0.0)
+        intra = intra + np.where(c.inter_node, wire - net, wire)
     return {"intra_node": np.asarray(intra), "inter_node": np.asarray(inter)}

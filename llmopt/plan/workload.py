@@ -42,6 +42,20 @@ FP8_CASTS = ("fused", "torchao")
 # + Adam m + v = 2 + 4 + 12 = 18 (Megatron-LM, Korthikanti et al. 2022).
 # "zero": bf16 weights, bf16 gradients, fp32 master + m + v = 2 + 2 + 12 = 16 (ZeRO paper, K=12).
 STATE_BYTES: dict[str, tuple[int, int, int]] = {"megatron": (2, 4, 12), "zero": (2, 2, 12)}
+# Adam moments m and v in bf16 instead of fp32 (`Workload.moments`): 4 bytes less each, so the
+# optimizer states are fp32 master + 2 + 2 = 8 bytes per parameter (DeepSeek-V3 report §3.3.3;
+# Megatron-Core's --use-precision-aware-optimizer --exp-avg-dtype/--exp-avg-sq-dtype bf16).
+MOMENT_DTYPES = ("fp32", "bf16")
+# Megatron-Core's --recompute-modules and --offload-modules names (`llmopt.plan.recompute`)
+RECOMPUTE_MODULES = (
+    "core_attn", "layernorm", "mlp", "moe_act", "moe", "shared_experts", "mla_up_proj",
+    "expert_fc1", "attn_proj",
+)  # fmt: skip
+
+
+def optimizer_bytes_per_param(moments: str) -> int:
+    """Optimizer-state bytes per parameter: fp32 master weights + Adam's m and v."""
+    return 4 + 2 * (4 if moments == "fp32" else 2)
 
 
 @dataclass(frozen=True)
@@ -59,6 +73,10 @@ class Workload:
     # ZeRO/FSDP weight all-gathers carry FP8 weights (1 byte; torchtitan's float8 all-gather,
     # Megatron's --fp8-param-gather); only with precision="fp8"
     fp8_param_gather: bool = False
+    moments: str = "fp32"  # Adam moment dtype (MOMENT_DTYPES)
+    # What "selective" recompute (or activation offloading) stops keeping, by Megatron-Core
+    # module name (RECOMPUTE_MODULES); empty: the planner's own selective (`selective`)
+    recompute_modules: tuple[str, ...] = ()
     dropout: bool = False  # GPT-style dropout (masks count toward activation memory)
     state_bytes: str = "megatron"
     tp_comm_overlap: bool = False  # TP collectives overlapped with GEMMs (TE userbuffers)
@@ -115,9 +133,15 @@ class Workload:
                 f"attention_kernel={self.attention_kernel!r}; choose from "
                 + ", ".join(ATTENTION_KERNELS)
             )
-        for name, valid in (("selective", SELECTIVE_POLICIES), ("fp8_casts", FP8_CASTS)):
+        checks = (("selective", SELECTIVE_POLICIES), ("fp8_casts", FP8_CASTS))
+        for name, valid in (*checks, ("moments", MOMENT_DTYPES)):
             if getattr(self, name) not in valid:
                 raise UsageError(f"{name}={getattr(self, name)!r}; choose from {', '.join(valid)}")
+        bad = [m for m in self.recompute_modules if m not in RECOMPUTE_MODULES]
+        if bad:
+            raise UsageError(
+                f"recompute_modules {', '.join(bad)}; choose from {', '.join(RECOMPUTE_MODULES)}"
+            )
         if self.sharding not in ("fsdp", "deepspeed"):
             raise UsageError(f"sharding={self.sharding!r}; choose fsdp or deepspeed")
         if self.optimizer != "adam":

@@ -184,6 +184,27 @@ def attention_kernel(row: dict[str, str], years: list[int]) -> str:
     return "fa3"
 
 
+# How sources name Megatron-Core's selective recompute / offload modules
+_MODULE_WORDS = {
+    "norm": "layernorm", "layernorm": "layernorm", "rmsnorm": "layernorm", "act": "moe_act",
+    "moe_act": "moe_act", "moe": "moe", "mlp": "mlp", "up_proj": "mla_up_proj",
+    "mla_up_proj": "mla_up_proj", "mla up-projection": "mla_up_proj", "expert_fc1": "expert_fc1",
+    "shared_experts": "shared_experts", "attn_proj": "attn_proj", "core_attn": "core_attn",
+}  # fmt: skip
+
+
+def recompute_modules(row: dict[str, str]) -> tuple[str, ...]:
+    """Megatron-Core modules a row's "selective (a, b)" recompute cell and its "activation
+    offloading (c, d)" note name; () when the row names none the planner knows (its own
+    selective then applies)."""
+    found = []
+    for cell in (row["recompute"], *re.findall(r"offloading\s*(\([^)]*\))", row["notes"])):
+        m = re.search(r"\(([^)]*)\)", cell)
+        words = [w.strip().lower() for w in m.group(1).split(",")] if m else []
+        found += [_MODULE_WORDS[w] for w in words if w in _MODULE_WORDS]
+    return tuple(dict.fromkeys(found))
+
+
 def _workload(row: dict[str, str], model: ModelConfig, notes: list[str]) -> Workload:
     seq = count(row["seq_len"], "seq_len")
     years = _years(row)
@@ -222,6 +243,12 @@ def _workload(row: dict[str, str], model: ModelConfig, notes: list[str]) -> Work
         selective="every-other-mm" if titan else "memory-bound",
         fp8_casts="torchao" if titan and fp8 else "fused",
         fp8_param_gather=fp8 and ("float8 all-gather" in text or "fp8 all-gather" in text),
+        recompute_modules=recompute_modules(row),
+        # DeepSeek-V3 (report §3.3.3) and runs whose source says so keep Adam's moments in bf16
+        moments="bf16"
+        if framework == "deepseek"
+        or re.search(r"bf16 (optimizer states|adam moments|moments)", text)
+        else "fp32",
         # GPT rows given by their shapes train with dropout; Llama and preset rows do not
         dropout=count(row["layers"], "layers") is not None and "llama" not in row["model"].lower(),
         state_bytes="zero" if reduce == "bf16" else "megatron",
@@ -243,6 +270,8 @@ def _workload(row: dict[str, str], model: ModelConfig, notes: list[str]) -> Work
         + (", op-level SAC" if titan else "")
         + (", torchao casts" if work.fp8_casts == "torchao" else "")
         + (", FP8 all-gather" if work.fp8_param_gather else "")
+        + (", bf16 Adam moments" if work.moments == "bf16" else "")
+        + (f", modules {'/'.join(work.recompute_modules)}" if work.recompute_modules else "")
     )
     return work
 
