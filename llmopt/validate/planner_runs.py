@@ -4,7 +4,8 @@ reported (Narayanan's Eq. 3, Megatron's model TFLOP/s, Megatron-Core's causal co
 iteration time, tokens/s). Calibration rows may tune cost terms; validation rows come from
 other sources and are only predicted (`SETS`). Cells a source left open are the planner's
 choice, printed as assumptions; optional columns (framework, reduce_dtype, tp_comm_overlap,
-compile, dispatcher, ep_overlap, nvlink_domain, hbm_tbs) state what the source implies.
+compile, dispatcher, ep_overlap, nvlink_domain, hbm_tbs, attention) state what the source
+implies; the kernels a row ran are read by `llmopt.validate.software`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from llmopt.validate.cells import (
     row_preset,
     zero_stage,
 )
+from llmopt.validate.software import kernel_traits, software_years
 from llmopt.validate.stats import error_summary
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -158,56 +160,9 @@ def _cluster(row: dict[str, str], notes: list[str]) -> Cluster:
     return cluster
 
 
-def _years(row: dict[str, str]) -> list[int]:
-    """Years the row's source dates its software by: 4-digit years, and NeMo containers
-    ("25.11 NeMo Container", "NeMo24.03.01", "Container NeMo 25.02")."""
-    text = row["source"] + " " + row["locator"]
-    years = [int(y) for y in re.findall(r"\b(20[12]\d)\b", text)]
-    nemo = r"(?:NeMo\s*(\d\d)\.\d\d|\b(\d\d)\.\d\d(?:\.\d+)?\s+NeMo Container)"
-    years += [2000 + int(a or b) for a, b in re.findall(nemo, text)]
-    return years
-
-
-def attention_kernel(row: dict[str, str], years: list[int]) -> str:
-    """The fused attention generation a row ran (`Workload.attention_kernel`): the `attention`
-    column if given; PyTorch SDPA's flash backend (FlashAttention-2) for torchtitan and
-    DeepSpeed; FlashAttention-2-generation kernels for software of 2024 and before; else the
-    current generation."""
-    given = (row.get("attention") or "").strip().lower()
-    if given:
-        if given not in ("fa2", "fa3"):
-            raise RowError(f"attention={given!r}; use fa2 or fa3")
-        return given
-    framework = (row.get("framework") or "").strip().lower()
-    if framework in ("torchtitan", "deepspeed") or (years and max(years) <= 2024):
-        return "fa2"
-    return "fa3"
-
-
-# How sources name Megatron-Core's selective recompute / offload modules
-_MODULE_WORDS = {
-    "norm": "layernorm", "layernorm": "layernorm", "rmsnorm": "layernorm", "act": "moe_act",
-    "moe_act": "moe_act", "moe": "moe", "mlp": "mlp", "up_proj": "mla_up_proj",
-    "mla_up_proj": "mla_up_proj", "mla up-projection": "mla_up_proj", "expert_fc1": "expert_fc1",
-    "shared_experts": "shared_experts", "attn_proj": "attn_proj", "core_attn": "core_attn",
-}  # fmt: skip
-
-
-def recompute_modules(row: dict[str, str]) -> tuple[str, ...]:
-    """Megatron-Core modules a row's "selective (a, b)" recompute cell and its "activation
-    offloading (c, d)" note name; () when the row names none the planner knows (its own
-    selective then applies)."""
-    found = []
-    for cell in (row["recompute"], *re.findall(r"offloading\s*(\([^)]*\))", row["notes"])):
-        m = re.search(r"\(([^)]*)\)", cell)
-        words = [w.strip().lower() for w in m.group(1).split(",")] if m else []
-        found += [_MODULE_WORDS[w] for w in words if w in _MODULE_WORDS]
-    return tuple(dict.fromkeys(found))
-
-
 def _workload(row: dict[str, str], model: ModelConfig, notes: list[str]) -> Workload:
     seq = count(row["seq_len"], "seq_len")
-    years = _years(row)
+    years = software_years(row)
     # Megatron-LM before 2023: no fused flash attention, gradient all-reduce after backward,
     # pipeline messages scattered over TP ranks.
     early = bool(years) and min(years) <= 2022
@@ -231,24 +186,12 @@ def _workload(row: dict[str, str], model: ModelConfig, notes: list[str]) -> Work
     compiled = flag(row.get("compile", ""), "compile")
     fused = compiled if compiled is not None else ("eager" not in prec or "compile" in prec)
     ep_overlap = (row.get("ep_overlap") or "").strip().lower()
-    # torchtitan: op-level SAC and torchao Float8 (`llmopt.plan.frameworks.FRAMEWORK_KERNELS`)
-    titan = framework == "torchtitan"
-    text = (prec + " " + row["notes"]).lower()
     work = Workload(
         seq_len=seq,
         global_batch=count(row["global_batch_seqs"], "global_batch_seqs", seq) or 1,
         precision="fp8" if fp8 else "bf16",
         flash_attention=not early,
-        attention_kernel=attention_kernel(row, years),
-        selective="every-other-mm" if titan else "memory-bound",
-        fp8_casts="torchao" if titan and fp8 else "fused",
-        fp8_param_gather=fp8 and ("float8 all-gather" in text or "fp8 all-gather" in text),
-        recompute_modules=recompute_modules(row),
-        # DeepSeek-V3 (report §3.3.3) and runs whose source says so keep Adam's moments in bf16
-        moments="bf16"
-        if framework == "deepseek"
-        or re.search(r"bf16 (optimizer states|adam moments|moments)", text)
-        else "fp32",
+        **kernel_traits(row, years, fp8),
         # GPT rows given by their shapes train with dropout; Llama and preset rows do not
         dropout=count(row["layers"], "layers") is not None and "llama" not in row["model"].lower(),
         state_bytes="zero" if reduce == "bf16" else "megatron",
@@ -267,7 +210,7 @@ def _workload(row: dict[str, str], model: ModelConfig, notes: list[str]) -> Work
         f"kernels={'fused' if work.fused_kernels else 'eager'}, {reduce} reduce"
         + (", fp8 GEMMs" if fp8 else "")
         + (", TP overlap" if tp_overlap else "")
-        + (", op-level SAC" if titan else "")
+        + (", op-level SAC" if work.selective == "every-other-mm" else "")
         + (", torchao casts" if work.fp8_casts == "torchao" else "")
         + (", FP8 all-gather" if work.fp8_param_gather else "")
         + (", bf16 Adam moments" if work.moments == "bf16" else "")
