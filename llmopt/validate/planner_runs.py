@@ -4,7 +4,8 @@ reported (Narayanan's Eq. 3, Megatron's model TFLOP/s, Megatron-Core's causal co
 iteration time, tokens/s). Calibration rows may tune cost terms; validation rows come from
 other sources and are only predicted (`SETS`). Cells a source left open are the planner's
 choice, printed as assumptions; optional columns (framework, reduce_dtype, tp_comm_overlap,
-compile, dispatcher, ep_overlap, nvlink_domain, hbm_tbs) state what the source implies.
+compile, dispatcher, ep_overlap, nvlink_domain, hbm_tbs, attention) state what the source
+implies; the kernels a row ran are read by `llmopt.validate.software`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from llmopt.validate.cells import (
     row_preset,
     zero_stage,
 )
+from llmopt.validate.software import kernel_traits, software_years
 from llmopt.validate.stats import error_summary
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -74,6 +76,9 @@ class RowSetup:
     cluster: Cluster
     constraints: dict[str, int]
     assumptions: list[str]
+    # the source states no global batch: one micro-batch per step on each of the dp ranks
+    # (torchtitan before gradient accumulation), the micro-batch the planner's choice
+    open_batch: bool = False
 
 
 def _model(row: dict[str, str], notes: list[str]) -> ModelConfig:
@@ -157,7 +162,7 @@ def _cluster(row: dict[str, str], notes: list[str]) -> Cluster:
 
 def _workload(row: dict[str, str], model: ModelConfig, notes: list[str]) -> Workload:
     seq = count(row["seq_len"], "seq_len")
-    years = [int(y) for y in re.findall(r"\b(20[12]\d)\b", row["source"] + row["locator"])]
+    years = software_years(row)
     # Megatron-LM before 2023: no fused flash attention, gradient all-reduce after backward,
     # pipeline messages scattered over TP ranks.
     early = bool(years) and min(years) <= 2022
@@ -183,9 +188,10 @@ def _workload(row: dict[str, str], model: ModelConfig, notes: list[str]) -> Work
     ep_overlap = (row.get("ep_overlap") or "").strip().lower()
     work = Workload(
         seq_len=seq,
-        global_batch=count(row["global_batch_seqs"], "global_batch_seqs", seq) or 0,
+        global_batch=count(row["global_batch_seqs"], "global_batch_seqs", seq) or 1,
         precision="fp8" if fp8 else "bf16",
         flash_attention=not early,
+        **kernel_traits(row, years, fp8),
         # GPT rows given by their shapes train with dropout; Llama and preset rows do not
         dropout=count(row["layers"], "layers") is not None and "llama" not in row["model"].lower(),
         state_bytes="zero" if reduce == "bf16" else "megatron",
@@ -199,11 +205,16 @@ def _workload(row: dict[str, str], model: ModelConfig, notes: list[str]) -> Work
         sharding="deepspeed" if deepspeed or framework == "deepspeed" else "fsdp",
     )
     notes.append(
-        f"flash={'yes' if work.flash_attention else 'no (Megatron <= 2022)'}, "
+        f"flash={work.attention_kernel if work.flash_attention else 'no (Megatron <= 2022)'}, "
         f"dp_overlap={'yes' if work.dp_comm_overlap else 'no'}, "
         f"kernels={'fused' if work.fused_kernels else 'eager'}, {reduce} reduce"
         + (", fp8 GEMMs" if fp8 else "")
         + (", TP overlap" if tp_overlap else "")
+        + (", op-level SAC" if work.selective == "every-other-mm" else "")
+        + (", torchao casts" if work.fp8_casts == "torchao" else "")
+        + (", FP8 all-gather" if work.fp8_param_gather else "")
+        + (", bf16 Adam moments" if work.moments == "bf16" else "")
+        + (f", modules {'/'.join(work.recompute_modules)}" if work.recompute_modules else "")
     )
     return work
 
@@ -248,7 +259,13 @@ def setup_row(row: dict[str, str]) -> RowSetup:
     zero = zero_stage(row["zero_fsdp"])
     if zero is not None:
         c["zero"] = zero
-    return RowSetup(model, work, cluster, c, notes)
+    open_batch = count(row["global_batch_seqs"], "global_batch_seqs", work.seq_len) is None
+    if open_batch and "dp" not in c:
+        raise RowError("global_batch_seqs and dp are both open; state one")
+    return RowSetup(model, work, cluster, c, notes, open_batch)
+
+
+OPEN_BATCH_MICRO_BATCHES = (1, 2, 4, 8, 16)
 
 
 NAMES = {"mb": "micro_batch", "rc": "recompute", "sp": "sequence_parallel",
@@ -257,7 +274,11 @@ NAMES = {"mb": "micro_batch", "rc": "recompute", "sp": "sequence_parallel",
 
 def predict(setup: RowSetup) -> tuple[Plan, list[str]]:
     """Best plan under the row's constraints (what fits, else the leanest), and the choices the
-    planner made where the source is silent."""
+    planner made where the source is silent. With an open global batch, the micro-batch with
+    the most tokens/s among those that fit sets it (dp × micro-batch, one per step), and
+    `setup.work` becomes that workload."""
+    if setup.open_batch:
+        return _predict_open_batch(setup)
     model, work, cluster = setup.model, setup.work, setup.cluster
     grid = build_grid(model, work, cluster, setup.constraints)
     if len(grid["tp"]) == 0:
@@ -287,6 +308,31 @@ def predict(setup: RowSetup) -> tuple[Plan, list[str]]:
     if not fits:
         chosen.append("predicted not to fit; leanest plan used")
     return plan, chosen
+
+
+def _predict_open_batch(setup: RowSetup) -> tuple[Plan, list[str]]:
+    dp = setup.constraints["dp"]
+    given = setup.constraints.get("mb")
+    best = None
+    for mb in (given,) if given else OPEN_BATCH_MICRO_BATCHES:
+        work = dataclasses.replace(setup.work, global_batch=dp * mb)
+        one = dataclasses.replace(
+            setup, work=work, constraints={**setup.constraints, "mb": mb}, open_batch=False
+        )
+        try:
+            plan, chosen = predict(one)
+        except ValueError:
+            continue
+        fits = plan.fits
+        rate = work.tokens_per_step / plan.step_time_s["total"]
+        key = (fits, rate if fits else -plan.memory_bytes["total"])
+        if best is None or key > best[0]:
+            best = (key, plan, chosen, work, mb)
+    if best is None:
+        raise ValueError(f"{setup.constraints}: no micro-batch gives a plan")
+    _, plan, chosen, work, mb = best
+    setup.work = work
+    return plan, [*chosen, f"global batch = dp x micro_batch {mb} (planner's choice)"]
 
 
 def measured_and_predicted(
