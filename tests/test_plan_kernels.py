@@ -125,7 +125,7 @@ def test_named_recompute_modules_drop_what_megatron_stops_keeping():
 
 
 def test_validator_reads_the_kernels_and_modules_a_row_states():
-    from llmopt.validate.planner_runs import setup_row
+    from llmopt.validate.run_rows import setup_row
     from llmopt.validate.software import attention_kernel, recompute_modules, software_years
 
     assert software_years({"source": "x", "locator": "25.11 NeMo Container, DGX-H100"}) == [2025]

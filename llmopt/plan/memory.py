@@ -17,6 +17,10 @@ recomputation (which drops the s² terms), and 2sbh (/t with SP) for the layer i
 full recomputation. The first pipeline stage of 1F1B holds min(m, p) micro-batches in flight,
 GPipe holds all m, and interleaving (v chunks) holds p + (p-1)/v, i.e. Korthikanti's
 (1 + (p-1)/(p·v)) penalty on L layers.
+
+Over 400 lines: model states, activations and buffers add up to one per-GPU total that the
+search, the explanation and the engine's check all read; apart they would be three halves of
+one sum.
 """
 
 from __future__ import annotations
