@@ -24,6 +24,7 @@ from torch import nn
 
 from llmopt.errors import UsageError
 from llmopt.infer.batch.blocks import BlockManager
+from llmopt.infer.batch.logits import record_prompt_logprobs, sample_processed
 from llmopt.infer.batch.request import Request, Status, StepOutput
 from llmopt.infer.batch.runner import EagerRunner, Runner
 from llmopt.infer.batch.scheduler import Scheduler
@@ -133,6 +134,17 @@ class Engine:
             )
         if params.stop and self.detokenize is None:
             raise InvalidRequestError("stop strings need an engine with a tokenizer")
+        bad = [t for t, _ in params.logit_bias if t >= self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
+            )
+        grammar = params.grammar
+        if grammar is not None and grammar.vocab_size != self.vocab_size:
+            raise InvalidRequestError(
+                f"the grammar was compiled for {grammar.vocab_size} token ids; the model has "
+                f"{self.vocab_size}"
+            )
 
     def add_request(
         self,
@@ -151,7 +163,15 @@ class Engine:
         if not params.greedy:
             seed = params.seed if params.seed is not None else int(torch.seed() % 2**62)
             request.generator = torch.Generator(device=self.cache.k.device).manual_seed(seed)
-        if draft is None and params.ngram:
+        if not params.plain:  # logits processed per request: no speculation
+            if draft is not None:
+                raise InvalidRequestError(
+                    "speculative decoding does not combine with logprobs, penalties, logit "
+                    "bias, min_p or a grammar"
+                )
+            if params.grammar is not None:
+                request.matcher = params.grammar.matcher()
+        elif draft is None and params.ngram:
             draft = NGramDraft(max_n=params.ngram)
         elif draft is None and params.speculate and self.draft is not None:
             draft = self.draft()
@@ -216,9 +236,10 @@ class Engine:
             r, start = item.request, item.request.num_computed
             tokens = r.tokens[start : start + item.num_tokens] + item.draft
             done_prompt = start + item.num_tokens == r.num_tokens
-            chunks.append(
-                SeqChunk(tokens, start, r.blocks, item.num_tokens - 1 if done_prompt else None)
-            )
+            logits_from = item.num_tokens - 1 if done_prompt else None
+            if self._wants_prompt_rows(r):
+                logits_from = 0
+            chunks.append(SeqChunk(tokens, start, r.blocks, logits_from))
         batch = StepBatch.build(chunks, self.config.block_size, self.cache.k.device)
         t0 = time.perf_counter()
         logits = self.runner.forward(batch)
@@ -234,17 +255,31 @@ class Engine:
                 self._register(r)
                 continue
             rows = logits[span[0] : span[0] + span[1]]
+            if self._wants_prompt_rows(r):
+                record_prompt_logprobs(r, r.num_computed, rows)
+                if r.num_computed + item.num_tokens < r.num_tokens:  # more prompt to come
+                    r.num_computed += item.num_tokens
+                    self._register(r)
+                    continue
+                rows = rows[-1:]
             new = self._accept(r, item.draft, rows, elapsed)
             r.num_computed += item.num_tokens + len(new) - 1
             outputs.append(self._append(r, new))
         return outputs
+
+    @staticmethod
+    def _wants_prompt_rows(r: Request) -> bool:
+        """Whether this step needs logits for r's prompt positions (prompt_logprobs)."""
+        return r.params.prompt_logprobs is not None and len(r.prompt_logprobs) < len(r.prompt)
 
     def _accept(
         self, r: Request, draft: list[int], rows: torch.Tensor, elapsed: float
     ) -> list[int]:
         params = r.params
         if r.spec is None:
-            return [int(next_token(rows[-1:], params, r.generator)[0])]
+            if params.plain:
+                return [int(next_token(rows[-1:], params, r.generator)[0])]
+            return [sample_processed(r, rows[-1])]
         if params.greedy:
             kept, token = verify_greedy(rows.argmax(-1).tolist(), draft)
         else:
@@ -280,6 +315,8 @@ class Engine:
                 reason = "stop"
             elif r.params.stop and self._hit_stop(r):
                 reason = "stop"
+            elif r.matcher is not None and r.matcher.finished:
+                reason = "stop"  # the grammar is complete: nothing but EOS could follow
             elif len(r.output) >= r.params.max_tokens:
                 reason = "length"
             if reason:
@@ -294,7 +331,7 @@ class Engine:
             self._finish(r, reason)
         if not r.params.stop and self.detokenize is not None:
             r.text = self.detokenize(r.output)
-        return StepOutput(
+        out = StepOutput(
             r.request_id,
             added,
             r.finished,
@@ -303,6 +340,12 @@ class Engine:
             len(r.prompt),
             len(r.output),
         )
+        if not r.params.plain:
+            if r.params.logprobs is not None:
+                out.logprobs = r.logprobs[len(r.output) - len(added) : len(r.output)]
+            if r.params.prompt_logprobs is not None and len(r.output) == len(added):
+                out.prompt_logprobs = r.prompt_logprobs
+        return out
 
     def _hit_stop(self, r: Request) -> bool:
         text = self.detokenize(r.output)
