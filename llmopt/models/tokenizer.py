@@ -118,9 +118,14 @@ class Tokenizer:
         return self.backend.id_to_token(token_id)
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """The prompt text for `messages` ([{"role": ..., "content": ...}]), HF-style."""
+        """The prompt text for `messages` ([{"role": ..., "content": ...}]), HF-style;
+        `tools`: function definitions for templates that render them (HF's `tools=`)."""
         if not self.chat_template:
             raise UsageError("this tokenizer has no chat template; drop --chat for plain text")
         for message in messages:
@@ -132,6 +137,7 @@ class Tokenizer:
             return _compile_template(self.chat_template).render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
+                tools=tools,
                 bos_token=self._token_text(self.bos_token_id),
                 eos_token=self._token_text(self.eos_token_id),
             )
