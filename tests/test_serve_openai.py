@@ -512,6 +512,7 @@ def test_tokenizer_endpoints(server, tok):
         (False, {"prompt_logprobs": 1}, "prompt_logprobs"),
         (False, {"min_tokens": 3}, "min_tokens"),
         (False, {"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+        (False, {"stream_options": {"include_usage": True}}, "stream_options"),
         (True, {"echo": True}, "echo"),
         (True, {"functions": [{"name": "f"}]}, "functions"),
         (True, {"audio": {"voice": "alloy"}}, "audio"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import threading
 from typing import Any
 
@@ -24,6 +25,7 @@ from llmopt.infer.sampling import InvalidRequestError
 # spaces/tabs of indentation (llama.cpp's json-schema grammars). Unbounded whitespace (vLLM's
 # default) lets a model loop on blanks until max_tokens; a schema can still choose its own
 # with llguidance's "x-guidance" key.
+_log = logging.getLogger(__name__)
 JSON_WHITESPACE = r"(?: |\n{1,2}[ \t]{0,20})?"
 
 
@@ -44,21 +46,30 @@ def _llguidance():
 class GrammarMatcher:
     """One request's parse state: the tokens allowed next, and advancing by the chosen one."""
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, eos_ids: list[int]) -> None:
         self._matcher = matcher
         self.vocab_size = vocab_size
+        self.eos_ids = eos_ids
         self._words = torch.zeros((vocab_size + 31) // 32, dtype=torch.int32)
         self._shifts = torch.arange(32, dtype=torch.int32)
 
     def allowed(self) -> torch.Tensor:
-        """bool [vocab_size]: the tokens the grammar accepts next (EOS once it may end)."""
+        """bool [vocab_size]: the tokens the grammar accepts next (EOS once it may end).
+        Never empty: should the parser fail (a bug), only EOS is allowed, which ends the
+        request instead of the server's engine."""
         self._matcher.unsafe_compute_mask_ptr(self._words.data_ptr(), self._words.numel() * 4)
         bits = (self._words.unsqueeze(-1) >> self._shifts) & 1
-        return bits.view(-1)[: self.vocab_size].bool()
+        allowed = bits.view(-1)[: self.vocab_size].bool()
+        if not allowed.any():
+            _log.error("grammar %s allows no token: %s", self, self._matcher.get_error())
+            allowed[self.eos_ids] = True
+        return allowed
 
     def advance(self, token: int) -> None:
+        """Consume the chosen token. A refused token (a bug) leaves the matcher stopped, so
+        the request finishes (`finished`) rather than failing the engine step."""
         if not self._matcher.consume_token(int(token)):
-            raise RuntimeError(f"the grammar refused token {token}: {self._matcher.get_error()}")
+            _log.error("grammar %s refused token %d: %s", self, token, self._matcher.get_error())
 
     @property
     def finished(self) -> bool:
@@ -69,13 +80,16 @@ class GrammarMatcher:
 class Grammar:
     """A compiled constraint (immutable); `matcher()` starts a fresh parse of it."""
 
-    def __init__(self, description: str, prototype: Any, vocab_size: int) -> None:
+    def __init__(
+        self, description: str, prototype: Any, vocab_size: int, eos_ids: list[int]
+    ) -> None:
         self.description = description
         self._prototype = prototype
         self.vocab_size = vocab_size
+        self.eos_ids = eos_ids
 
     def matcher(self) -> GrammarMatcher:
-        return GrammarMatcher(self._prototype.deep_copy(), self.vocab_size)
+        return GrammarMatcher(self._prototype.deep_copy(), self.vocab_size, self.eos_ids)
 
     def __repr__(self) -> str:
         return f"Grammar({self.description})"
@@ -150,4 +164,4 @@ class GrammarCompiler:
         prototype = llg.LLMatcher(tokenizer, grammar, log_level=0)
         if prototype.is_error():
             raise GrammarError(f"invalid {kind.replace('_', ' ')}: {prototype.get_error()}")
-        return Grammar(kind, prototype, self.vocab_size)
+        return Grammar(kind, prototype, self.vocab_size, self.eos_ids)

@@ -156,7 +156,7 @@ class RequestParser:
             raise APIError(
                 400, f"'stop' must be a string or a list of strings, got {stop!r}", "stop"
             )
-        options = _get(body, "stream_options", (dict,), {})
+        options = self._stream_options(body)
         bias = _get(body, "logit_bias", (dict,), {})
         try:
             bias = tuple((int(k), max(-100.0, min(100.0, float(v)))) for k, v in bias.items())
@@ -214,6 +214,20 @@ class RequestParser:
                 continue
             where = "chat completions" if chat else "completions"
             raise APIError(400, f"'{key}' is not supported for {where} by this server", key)
+
+    def _stream_options(self, body: dict) -> dict:
+        options = _get(body, "stream_options", (dict,), {})
+        if options and not body.get("stream"):
+            raise APIError(400, "'stream_options' needs 'stream': true", "stream_options")
+        for key, value in options.items():
+            if key == "include_usage" and isinstance(value, bool):
+                continue
+            if key == "continuous_usage_stats" and value in (None, False):
+                continue
+            raise APIError(
+                400, f"'stream_options.{key}'={value!r} is not supported", "stream_options"
+            )
+        return options
 
     def _logprobs(self, body: dict, chat: bool) -> int | None:
         if not chat:
