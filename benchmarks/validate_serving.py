@@ -1,174 +1,27 @@
-"""Validate the serving planner (`llmopt plan serve`) against published serving measurements.
+"""Validate the serving planner (`llmopt plan serve`) against published serving measurements
+(`llmopt.validate.serving_runs`; data: llmopt/validate/data/serving.csv).
 
-    python benchmarks/validate_serving.py [--runs benchmarks/data/published_serving.csv]
-        [--out runs/validate_serving.json]
+    python benchmarks/validate_serving.py [--runs FILE.csv] [--out runs/validate_serving.json]
 
-Columns: row_id, model, gpu, num_gpus, tp, ep, precision, kv_dtype, input_len, output_len,
-load (`offline`, `concurrency=N` or `rate=R`), output_tokens_per_s, ttft_ms, itl_ms, source,
-locator. Cells are free text read robustly ("28,312", "~36 ms", "H100 SXM 80GB", "FP16",
-"Llama 3.3 70B"); a row that cannot be understood is listed with the reason, never guessed.
-Each row's configuration is predicted with the same global constants (nothing fitted per row).
 The last line is `median_abs_rel_err=<x> p90_abs_rel_err=<y> n=<rows>` over output tokens/s;
-TTFT and ITL errors are summarised on the line before it.
+TTFT and ITL errors (all rows, and the online rows: finite request rate or concurrency) are
+summarised on the lines before it.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
-import math
-import re
-import statistics
 import sys
 from pathlib import Path
 
 from llmopt.artifacts import atomic_write_text
-from llmopt.models.presets import PRESETS, get_preset
-from llmopt.plan.hardware import get_cluster
-from llmopt.plan.serve import Scenario, ServeInputError, estimate, parse_load
-
-DEFAULT_RUNS = Path(__file__).parent / "data" / "published_serving.csv"
-METRICS = ("output_tokens_per_s", "ttft_ms", "itl_ms")
-REQUIRED = ("row_id", "model", "gpu", "tp", "precision", "input_len", "output_len", "load")
-# published model names -> the preset with the same shapes
-MODEL_ALIASES = {
-    "llama-3.3-70b": "llama-3.1-70b",  # Llama 3.3 70B: Llama 3.1 70B's architecture
-    "llama-7b": "llama-2-7b",
-    "llama-70b": "llama-2-70b",
-}
-GPU_PATTERNS = (  # (regex on the lower-cased cell, cluster preset)
-    (r"gb200|nvl72", "gb200-nvl72"),
-    (r"b200", "dgx-b200"),
-    (r"h200", "dgx-h200"),
-    (r"h800", "dgx-h800"),
-    (r"h100.*pcie", "h100-pcie"),
-    (r"h100", "dgx-h100"),
-    (r"a100.*40", "dgx-a100-40gb"),
-    (r"a100", "dgx-a100-80gb"),
-    (r"mi300x", "mi300x"),
-)
-PRECISION_WORDS = {
-    "bf16": "bf16", "fp16": "bf16", "float16": "bf16", "bfloat16": "bf16", "fp8": "fp8",
-    "int8": "int8", "w8a8": "int8", "int4-awq": "int4-awq", "awq": "int4-awq", "int4": "int4-awq",
-}  # fmt: skip
-
-
-class RowError(ValueError):
-    """A row whose cells cannot be read unambiguously."""
-
-
-def number(cell: str | None, name: str, integer: bool = False) -> float | None:
-    """A number from free text ("28,312", "~36 ms", "1.2k"); None when blank."""
-    text = (cell or "").strip().lower()
-    if text in ("", "-", "n/a", "na", "not reported"):
-        return None
-    m = re.fullmatch(r"[~≈]?\s*([-+]?[0-9][0-9,]*(?:\.[0-9]+)?)\s*(k)?\s*[a-z/%]*", text)
-    if not m:
-        raise RowError(f"{name}={cell!r} is not a number")
-    value = float(m[1].replace(",", "")) * (1000 if m[2] else 1)
-    if not math.isfinite(value) or value <= 0:
-        raise RowError(f"{name}={cell!r} must be positive")
-    if integer and value != int(value):
-        raise RowError(f"{name}={cell!r} must be a whole number")
-    return value
-
-
-def model_of(cell: str) -> str:
-    key = re.sub(r"^.*/", "", cell.strip().lower())
-    key = re.sub(r"[\s_]+", "-", key)
-    key = re.sub(r"-(instruct|chat|hf|fp8|fp4|awq|int4|int8)\b", "", key)
-    key = MODEL_ALIASES.get(key, key)
-    if key not in PRESETS:
-        raise RowError(f"model {cell!r} has no preset ({key!r} unknown)")
-    return key
-
-
-def gpu_of(cell: str) -> str:
-    low = cell.strip().lower()
-    for pattern, preset in GPU_PATTERNS:
-        if re.search(pattern, low):
-            return preset
-    raise RowError(f"gpu {cell!r} is not a known GPU")
-
-
-def precision_of(cell: str, name: str) -> str:
-    key = cell.strip().lower()
-    if key not in PRECISION_WORDS:
-        raise RowError(f"{name}={cell!r}; valid: {', '.join(PRECISION_WORDS)}")
-    return PRECISION_WORDS[key]
-
-
-def scenario_of(row: dict[str, str]) -> tuple[str, str, Scenario]:
-    """(preset, cluster preset, Scenario) of one CSV row, or RowError naming the bad cell."""
-    missing = [c for c in REQUIRED if not (row.get(c) or "").strip()]
-    if missing:
-        raise RowError(f"missing {', '.join(missing)}")
-    tp = int(number(row["tp"], "tp", integer=True))
-    ep = int(number(row.get("ep") or "1", "ep", integer=True))
-    gpus = number(row.get("num_gpus"), "num_gpus", integer=True)
-    precision = precision_of(row["precision"], "precision")
-    kv = precision_of(row.get("kv_dtype") or "bf16", "kv_dtype")
-    if kv not in ("bf16", "fp8"):
-        raise RowError(f"kv_dtype={row['kv_dtype']!r}; valid: bf16, fp16, fp8")
-    try:
-        sc = Scenario(
-            precision=precision, kv_dtype=kv, tp=tp, ep=ep,
-            num_gpus=None if gpus is None else int(gpus),
-            input_len=int(number(row["input_len"], "input_len", integer=True)),
-            output_len=int(number(row["output_len"], "output_len", integer=True)),
-            load=parse_load(row["load"]),
-        )  # fmt: skip
-    except ServeInputError as exc:
-        raise RowError(str(exc)) from None
-    return model_of(row["model"]), gpu_of(row["gpu"]), sc
-
-
-def evaluate(rows: list[dict[str, str]]) -> tuple[list[dict], list[tuple[str, str]]]:
-    """Per-row predictions and errors, and the rows that could not be understood."""
-    results, bad = [], []
-    for row in rows:
-        rid = (row.get("row_id") or "?").strip()
-        try:
-            measured = {m: number(row.get(m), m) for m in METRICS}
-            if all(v is None for v in measured.values()):
-                raise RowError("no measured output_tokens_per_s, ttft_ms or itl_ms")
-            model_name, gpu, sc = scenario_of(row)
-            cluster = get_cluster(gpu, max(1, math.ceil(sc.replicas * sc.tp / 8)))
-            est = estimate(get_preset(model_name), cluster, sc)
-        except (RowError, ServeInputError) as exc:
-            bad.append((rid, str(exc)))
-            continue
-        predicted = {
-            "output_tokens_per_s": est.output_tokens_per_s,
-            "ttft_ms": None if est.ttft_s is None else est.ttft_s * 1e3,
-            "itl_ms": est.itl_s * 1e3,
-        }
-        for metric, value in measured.items():
-            if value is None or predicted[metric] is None:
-                continue
-            results.append(
-                {
-                    "row_id": rid, "model": model_name, "gpu": gpu, "tp": sc.tp,
-                    "precision": sc.precision, "kv_dtype": sc.kv_dtype,
-                    "isl_osl": f"{sc.input_len}/{sc.output_len}", "load": str(sc.load),
-                    "metric": metric, "measured": value, "predicted": predicted[metric],
-                    "rel_err": predicted[metric] / value - 1, "bound": est.bound,
-                    "batch": est.batch,
-                }
-            )  # fmt: skip
-    return results, bad
-
-
-def summary(errs: list[float]) -> tuple[float, float]:
-    a = sorted(abs(e) for e in errs)
-    if not a:
-        return math.nan, math.nan
-    p90 = a[min(len(a) - 1, math.ceil(0.9 * len(a)) - 1)]
-    return statistics.median(a), p90
+from llmopt.validate.serving_runs import DEFAULT_RUNS, METRICS, evaluate, summary
 
 
 def main(argv: list[str] | None = None) -> int:
+    import csv
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", default=str(DEFAULT_RUNS))
     ap.add_argument("--out", default=None, help="also write the per-row table as JSON")
@@ -193,11 +46,20 @@ def main(argv: list[str] | None = None) -> int:
     for rid, reason in bad:
         print(f"row {rid}: not understood: {reason}")
     by = {m: [r["rel_err"] for r in results if r["metric"] == m] for m in METRICS}
+    online = {
+        m: [r["rel_err"] for r in results if r["metric"] == m and r["load"] != "offline"]
+        for m in METRICS
+    }
     others = []
     for m in ("ttft_ms", "itl_ms"):
         med, p90 = summary(by[m])
         others.append(f"{m}: median_abs_rel_err={med:.3f} p90_abs_rel_err={p90:.3f} n={len(by[m])}")
     print("; ".join(others) + f"; rows not understood: {len(bad)}")
+    online_line = []
+    for m in METRICS:
+        med, p90 = summary(online[m])
+        online_line.append(f"{m} median={med:.3f} p90={p90:.3f} n={len(online[m])}")
+    print("online rows: " + "; ".join(online_line))
     if args.out:
         atomic_write_text(
             Path(args.out), json.dumps({"rows": results, "not_understood": bad}, indent=1)

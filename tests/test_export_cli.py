@@ -44,16 +44,29 @@ def test_export_cli_refuses_output_equal_to_input(model_dir, capsys):
 
 
 @pytest.mark.parametrize("fmt", ["gptq", "compressed-tensors"])
-def test_quantize_cli_writes_new_formats(tmp_path, model_dir, fmt, capsys):
+@pytest.mark.parametrize("flag", [None, "--no-sym"])
+def test_quantize_cli_writes_new_formats(tmp_path, model_dir, fmt, flag, capsys):
+    """Symmetric by default for the formats vLLM's Marlin kernels run (--no-sym opts out);
+    files at the umask (safetensors alone writes 0600)."""
+    import os
+
     _, src = model_dir
     out = tmp_path / fmt
-    argv = ["quantize", "--model", str(src), "--method", "rtn", "--group-size", "32", "--sym"]
-    assert main([*argv, "--format", fmt, "--out", str(out), "--json"]) == 0
+    argv = ["quantize", "--model", str(src), "--method", "rtn", "--group-size", "32"]
+    argv += [flag] if flag else []
+    old = os.umask(0o022)
+    try:
+        assert main([*argv, "--format", fmt, "--out", str(out), "--json"]) == 0
+    finally:
+        os.umask(old)
     summary = json.loads(capsys.readouterr().out)
     assert summary["format"] == fmt
     qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qcfg["quant_method"] == fmt
+    sym = qcfg["sym"] if fmt == "gptq" else qcfg["config_groups"]["group_0"]["weights"]["symmetric"]
+    assert sym is (flag is None)
     assert (out / "tokenizer.json").is_file()
+    assert {oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == {oct(0o644)}
 
 
 def test_quantize_cli_rejects_bad_gguf_type_before_work(tmp_path, model_dir, capsys):

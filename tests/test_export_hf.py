@@ -76,3 +76,39 @@ def test_hf_export_refuses_nan_and_leaves_no_partial_output(tmp_path):
     with pytest.raises(ExportError, match="NaN or inf"):
         export_hf(model, tmp_path / "nan")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_hf_export_shards_with_an_index_at_the_umask(tmp_path):
+    """Past max_shard_size the weights are split as transformers splits them, with
+    model.safetensors.index.json; transformers and our loader read the shards; every file
+    follows the umask (safetensors itself writes 0600)."""
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    from llmopt.models.loading import load_model
+
+    model = tiny_llama(eos_token_ids=(2, 3))  # ~0.2 MB of fp32 weights
+    old = os.umask(0o027)
+    try:
+        out = export_hf(model, tmp_path / "hf", smollm_tokenizer(), max_shard_size="60KB")
+    finally:
+        os.umask(old)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) >= 3 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert sorted(set(index["weight_map"].values())) == shards
+    assert index["metadata"]["total_size"] == sum(p.numel() * 4 for p in model.parameters())
+    assert not (out / "model.safetensors").exists()
+    assert {oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == {oct(0o640)}
+    assert oct(out.stat().st_mode & 0o777) == oct(0o750)
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [2, 3]
+    tokens = torch.tensor([PROMPT])
+    ref = AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.allclose(ref(tokens).logits, model(tokens), atol=1e-4)
+        assert torch.equal(load_model(out)(tokens), model(tokens))
+    with pytest.raises(ExportError, match="max_shard_size='5 parsecs' is not a size"):
+        export_hf(model, tmp_path / "bad", max_shard_size="5 parsecs")
+    with pytest.raises(ExportError, match="max_shard_size=0 must be positive"):
+        export_hf(model, tmp_path / "bad", max_shard_size=0)

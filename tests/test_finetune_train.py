@@ -265,3 +265,31 @@ def test_lora_resume_continues_the_trajectory_exactly(run):
     second = train(cfg.replace(resume=True))
     assert second.start_step == 2
     assert second.losses == first.losses[2:]  # bit for bit
+
+
+def test_auto_peft_loads_the_adapter_train_wrote(run, monkeypatch, tmp_path):
+    """AutoPeftModelForCausalLM resolves base_model_name_or_path itself (from another working
+    directory, offline) and gives the logits of our merged model."""
+    from peft import AutoPeftModelForCausalLM
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    config = json.loads((run["ckpt"] / "adapter/adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(run["base"].resolve())
+    model = AutoPeftModelForCausalLM.from_pretrained(run["ckpt"] / "adapter", dtype=torch.float32)
+    with torch.no_grad():
+        theirs = model(IDS).logits
+        ours = load_model(run["ckpt"] / "hf")(IDS)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
+
+
+def test_adapter_base_reference(tmp_path, monkeypatch):
+    from llmopt.models.registry import resolve
+    from llmopt.train.lora import peft_base_reference
+
+    base = tiny_hf_model(tmp_path / "base")
+    monkeypatch.chdir(tmp_path)
+    assert peft_base_reference("base") == str(base.resolve())  # relative -> absolute
+    assert peft_base_reference("HuggingFaceTB/SmolLM2-135M") == "HuggingFaceTB/SmolLM2-135M"
+    assert peft_base_reference("smollm2-135m") == str(resolve("smollm2-135m").resolve())
+    assert peft_base_reference(None) is None

@@ -81,25 +81,47 @@ def _leaves(value):
     return [value]
 
 
-def _evaluate(backend: str, root, monkeypatch):
+def _evaluate(backend: str, root, monkeypatch, chat: bool = False):
     from lm_eval import simple_evaluate
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tasks = ["llmopt_tiny_mc", "llmopt_tiny_gen"]
     return simple_evaluate(
         model=backend,
-        model_args=f"pretrained={root / 'model'},dtype=float32,max_length=32",
-        tasks=["llmopt_tiny_mc", "llmopt_tiny_rolling", "llmopt_tiny_gen"],
+        model_args=f"pretrained={root / 'model'},dtype=float32,max_length={96 if chat else 32}",
+        tasks=tasks if chat else [*tasks, "llmopt_tiny_rolling"],
         task_manager=TaskManager(include_path=str(root)),
         batch_size=1,
         log_samples=True,
         device="cpu",
+        apply_chat_template=chat,
     )
 
 
 def test_llmopt_backend_equals_hf_backend(model_dir, monkeypatch):
     ours = _evaluate("llmopt", model_dir, monkeypatch)
     ref = _evaluate("hf", model_dir, monkeypatch)
+    _same_results(ours, ref, count=6)
+    # the rolling task really spans more than one window of max_length=32 tokens
+    tokens = load_tokenizer(str(model_dir / "model")).encode(TEXTS[0])
+    assert len(tokens) > 32
+    gen = [s["resps"][0][0] for s in ours["samples"]["llmopt_tiny_gen"]]
+    assert any(gen) and all("\n" not in g and "." not in g for g in gen)
+    assert math.isfinite(ours["results"]["llmopt_tiny_rolling"]["word_perplexity,none"])
+
+
+def test_apply_chat_template_equals_hf_backend(model_dir, monkeypatch):
+    """`--apply_chat_template`: SmolLM2's template, the same prompts and scores as `hf`."""
+    ours = _evaluate("llmopt", model_dir, monkeypatch, chat=True)
+    ref = _evaluate("hf", model_dir, monkeypatch, chat=True)
+    _same_results(ours, ref, count=3)
+    prompts = [s["arguments"] for s in ours["samples"]["llmopt_tiny_gen"]]
+    assert prompts == [s["arguments"] for s in ref["samples"]["llmopt_tiny_gen"]]
+    assert "<|im_start|>user" in json.dumps(prompts)
+
+
+def _same_results(ours, ref, count: int) -> None:
     compared = 0
     for task, metrics in ref["results"].items():
         for key, value in metrics.items():
@@ -109,7 +131,7 @@ def test_llmopt_backend_equals_hf_backend(model_dir, monkeypatch):
                     key,
                 )
                 compared += 1
-    assert compared == 6  # acc, acc_norm, word/byte perplexity, bits per byte, exact match
+    assert compared == count  # acc, acc_norm, exact match (+ word/byte perplexity, bpb)
     for task in ref["samples"]:
         ours_resps = [s["resps"] for s in ours["samples"][task]]
         ref_resps = [s["resps"] for s in ref["samples"][task]]
@@ -120,12 +142,6 @@ def test_llmopt_backend_equals_hf_backend(model_dir, monkeypatch):
                     assert x == pytest.approx(y, rel=1e-4, abs=1e-4), task
                 else:
                     assert x == y, task  # generated text, greedy flags
-    # the rolling task really spans more than one window of max_length=32 tokens
-    tokens = load_tokenizer(str(model_dir / "model")).encode(TEXTS[0])
-    assert len(tokens) > 32
-    gen = [s["resps"][0][0] for s in ours["samples"]["llmopt_tiny_gen"]]
-    assert any(gen) and all("\n" not in g and "." not in g for g in gen)
-    assert math.isfinite(ours["results"]["llmopt_tiny_rolling"]["word_perplexity,none"])
 
 
 def test_bad_model_args(model_dir):
@@ -135,6 +151,11 @@ def test_bad_model_args(model_dir):
         LlmoptLM(pretrained=str(model_dir / "model"), max_length=999)
     with pytest.raises(ValueError, match="dtype='int8' is not one of float32, bfloat16, float16"):
         LlmoptLM(pretrained=str(model_dir / "model"), dtype="int8")
+    with pytest.raises(
+        ValueError,
+        match=r"unknown model_args for --model llmopt: max_lenght; valid: pretrained, dtype",
+    ):
+        LlmoptLM.create_from_arg_string(f"pretrained={model_dir / 'model'},max_lenght=32")
 
 
 def test_lm_eval_command_line_runs_the_llmopt_backend(model_dir, tmp_path):

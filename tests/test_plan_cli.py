@@ -160,7 +160,7 @@ print("HEAVY", heavy)
 
 
 @pytest.mark.parametrize(
-    "argv", [["plan"], ["plan", "--top-k", "2", "--emit", "{tmp}/run.toml"],
+    "argv", [["plan"], ["plan", "--top-k", "2", "--where", "virtual_stages=2", "--emit", "{tmp}/run.toml"],
              ["plan", "--emit", "{tmp}/x.megatron.sh"], ["plan", "compare"]],
 )  # fmt: skip
 def test_plan_never_imports_torch(argv, tmp_path):
@@ -232,3 +232,22 @@ def test_json_into_a_closed_pipe_exits_quietly():
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 0, err
     assert "Traceback" not in err and "BrokenPipe" not in err
+
+
+def test_long_top_k_lists_explain_only_the_first_plans_in_full(capsys):
+    """Issue 27 item 6: `--top-k N --json` prices alternatives only for the plans a reader is
+    shown explained (the first 10); bulk rows carry one line from the ranking itself."""
+    import json
+
+    from llmopt.cli import main
+    from llmopt.plan.cli_run import EXPLAINED
+
+    assert main(["plan", "--top-k", "14", "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)["plans"]
+    assert len(plans) == 14
+    for i, p in enumerate(plans, start=1):
+        if i <= EXPLAINED:
+            assert len(p["explanation"]) > 1, i
+        else:
+            (line,) = p["explanation"]
+            assert line.startswith(f"Rank {i}: +") and "versus the top plan" in line

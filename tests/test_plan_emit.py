@@ -6,11 +6,20 @@ express."""
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import subprocess
 import sys
 
 import pytest
+from framework_checks import (  # noqa: E402  (a helper module beside the tests)
+    DS_CHECK,
+    MEGATRON_CHOICES,
+    MEGATRON_FLAGS,
+    TORCHTITAN_FIELDS,
+    TORCHTITAN_LITERALS,
+    megatron_core_config,
+)
 
 from llmopt.cli import main
 from llmopt.models.presets import get_preset
@@ -98,34 +107,6 @@ def test_run_config_refuses_what_the_trainer_cannot_read():
         run_config(vocab)
 
 
-# Megatron-LM option strings and choices, from the argparse parser that
-# megatron/training/arguments.py builds (NVIDIA/Megatron-LM@d98e8a64ddf34856e74b24714e3bedb2f5a39553,
-# flags generated from TransformerConfig/ModelParallelConfig included): only those used here.
-MEGATRON_FLAGS = {
-    "--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads",
-    "--group-query-attention", "--num-query-groups", "--kv-channels", "--seq-length",
-    "--max-position-embeddings", "--position-embedding-type", "--rotary-base", "--normalization",
-    "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
-    "--tokenizer-type", "--vocab-size", "--mock-data", "--micro-batch-size",
-    "--global-batch-size", "--train-iters", "--lr", "--tensor-model-parallel-size",
-    "--pipeline-model-parallel-size", "--num-virtual-stages-per-pipeline-rank",
-    "--context-parallel-size", "--sequence-parallel", "--use-distributed-optimizer",
-    "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "--ckpt-format",
-    "--recompute-granularity", "--recompute-method", "--recompute-num-layers", "--bf16",
-    "--fp8-format", "--fp8-recipe", "--grad-reduce-in-bf16",
-}  # fmt: skip
-MEGATRON_CHOICES = {
-    "--position-embedding-type": {"learned_absolute", "rope", "yarn", "mrope", "relative", "none"},
-    "--normalization": {"LayerNorm", "RMSNorm"},
-    "--recompute-granularity": {"full", "selective"},
-    "--recompute-method": {"uniform", "block"},
-    "--fp8-format": {"e4m3", "hybrid"},
-    "--fp8-recipe": {"tensorwise", "delayed", "mxfp8", "blockwise", "custom"},
-    "--data-parallel-sharding-strategy": {"no_shard", "optim", "optim_grads", "optim_grads_params"},
-    "--ckpt-format": {"torch", "torch_dist", "torch_dcp", "fsdp_dtensor"},
-    "--tokenizer-type": {"NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer"},
-}  # fmt: skip
-
 VARIANTS = [
     TOP,
     dict(
@@ -154,10 +135,19 @@ VARIANTS = [
 ]
 
 
-def _megatron_args(run: PlannedRun) -> dict[str, str | None]:
+def _megatron_argv(run: PlannedRun) -> tuple[dict[str, str], list[str]]:
+    """(environment, pretrain_gpt.py arguments) of the emitted line."""
     argv = shlex.split(emit(run, "megatron").text.splitlines()[-1].replace('"$', "$"))
+    env = {}
+    while "=" in argv[0]:
+        key, _, value = argv.pop(0).partition("=")
+        env[key] = value
     assert argv[:2] == ["torchrun", "--nnodes"]
-    argv = argv[argv.index("pretrain_gpt.py") + 1 :]
+    return env, argv[argv.index("pretrain_gpt.py") + 1 :]
+
+
+def _megatron_args(run: PlannedRun) -> dict[str, str | None]:
+    _, argv = _megatron_argv(run)
     out: dict[str, str | None] = {}
     for i, tok in enumerate(argv):
         if tok.startswith("--"):
@@ -202,6 +192,14 @@ BRIDGE_KEYS = {
     "model.recompute_num_layers", "dataset.seq_length", "train.micro_batch_size",
     "train.global_batch_size", "ddp.use_distributed_optimizer", "ddp.use_megatron_fsdp",
     "ddp.data_parallel_sharding_strategy", "checkpoint.ckpt_format", "mixed_precision",
+    # uneven splits, TP overlap, gradient-reduce dtype (training/config.py ConfigContainer:
+    # comm_overlap = CommOverlapConfig, mixed_precision = MixedPrecisionConfig), MoE fields
+    "model.pipeline_model_parallel_layout", "model.account_for_embedding_in_pipeline_split",
+    "model.account_for_loss_in_pipeline_split", "comm_overlap.tp_comm_overlap",
+    "ddp.grad_reduce_in_fp32", "mixed_precision.grad_reduce_in_fp32",
+    "model.expert_model_parallel_size", "model.expert_tensor_parallel_size",
+    "model.moe_token_dispatcher_type", "model.moe_flex_dispatcher_backend",
+    "model.overlap_moe_expert_parallel_comm",
 }  # fmt: skip
 BRIDGE_MIXED = {"bf16_mixed", "bf16_with_fp8_current_scaling_mixed",
                 "bf16_with_fp8_delayed_scaling_mixed"}  # fmt: skip
@@ -225,32 +223,6 @@ def test_nemo_overrides_are_bridge_config_fields(fields):
     assert pairs["model.tensor_model_parallel_size"] == str(p.tp)
     assert pairs["model.sequence_parallel"] == str(p.sequence_parallel).lower()
     assert pairs["train.global_batch_size"] == "1024"
-
-
-# torchtitan JobConfig sections and fields (torchtitan/config/job_config.py at
-# pytorch/torchtitan@238fa9953e4aec2a62582121564273d7cbb1e9f1): only those used here, with the
-# Literal values they allow.
-TORCHTITAN_FIELDS = {
-    "job": {"description"},
-    "model": {"name", "flavor", "converters"},
-    "training": {"local_batch_size", "global_batch_size", "seq_len", "mixed_precision_param",
-                 "mixed_precision_reduce"},
-    "parallelism": {"data_parallel_replicate_degree", "data_parallel_shard_degree",
-                    "fsdp_reshard_after_forward", "tensor_parallel_degree",
-                    "pipeline_parallel_degree", "context_parallel_degree",
-                    "pipeline_parallel_schedule", "pipeline_parallel_microbatch_size",
-                    "pipeline_parallel_layers_per_stage",
-                    "pipeline_parallel_first_stage_less_layers",
-                    "pipeline_parallel_last_stage_less_layers"},
-    "activation_checkpoint": {"mode", "selective_ac_option"},
-    "quantize": {"linear"},
-}  # fmt: skip
-TORCHTITAN_LITERALS = {
-    ("parallelism", "fsdp_reshard_after_forward"): {"default", "always", "never"},
-    ("activation_checkpoint", "mode"): {"selective", "full", "memory_budget", "none"},
-    ("training", "mixed_precision_param"): {"bfloat16", "float32"},
-    ("training", "mixed_precision_reduce"): {"float32"},
-}
 
 
 @pytest.mark.parametrize(
@@ -284,7 +256,7 @@ TORCHTITAN_LITERALS = {
             zero_stage=3,
             num_microbatches=128,
             schedule="interleaved",
-            virtual_stages=5,
+            virtual_stages=2,
             recompute="full",
         ),  # fmt: skip
     ],
@@ -307,9 +279,12 @@ def test_torchtitan_job_config_uses_job_config_fields(fields):
     assert n == p.world_size == 64
     if p.pp > 1:
         get_schedule_class(par["pipeline_parallel_schedule"])  # a schedule torch knows
-        # torchtitan derives ceil(layers / layers_per_stage) stages: pp * virtual_stages of them
+        # torchtitan derives ceil((layers + 1 + 1) / layers_per_stage) stages (embedding and
+        # output weighted as a layer each): pp * virtual_stages of them
+        weights = par["pipeline_parallel_first_stage_less_layers"]
+        weights += par["pipeline_parallel_last_stage_less_layers"]
         assert (
-            -(-MODEL.num_layers // par["pipeline_parallel_layers_per_stage"])
+            -(-(MODEL.num_layers + weights) // par["pipeline_parallel_layers_per_stage"])
             == p.pp * p.virtual_stages
         )
         assert doc["training"]["local_batch_size"] == p.micro_batch * p.num_microbatches
@@ -326,8 +301,7 @@ def test_torchtitan_job_config_uses_job_config_fields(fields):
     "module, fields, message",
     [
         (megatron, dict(TOP, schedule="gpipe", virtual_stages=1), "Megatron-LM cannot express schedule=gpipe"),
-        (megatron, dict(TOP, virtual_stages=6), "num_layers=80 split over pp\\*virtual_stages=24 unevenly"),  # fmt: skip
-        (nemo, dict(TOP, reduce_dtype="bf16"), "Megatron-Bridge cannot express reduce_dtype=bf16"),
+        (torchtitan, dict(TOP, zero_stage=3, virtual_stages=8), "torchtitan cannot express num_layers=80 over 32 pipeline stages"),  # fmt: skip
         (torchtitan, TOP, "torchtitan cannot express zero_stage=1"),
         (torchtitan, dict(TOP, zero_stage=0), "zero_stage=0 with tp=4,pp=4,dp=4"),
         (torchtitan, dict(TOP, zero_stage=3, sequence_parallel=False), "tp>1 without sequence_parallel"),
@@ -358,37 +332,6 @@ def test_unknown_model_is_refused_by_recipe_based_frameworks():
     with pytest.raises(EmitError, match="no llama3 flavor for it"):
         torchtitan.emit(run)
     assert "--num-layers 28" in megatron.emit(run).text  # Megatron takes the shape itself
-
-
-DS_CHECK = r"""
-import json, sys
-import deepspeed.runtime.config as dsc
-from deepspeed.runtime import constants
-from deepspeed.launcher.runner import parse_args
-
-dsc.dist.get_rank = lambda *a, **k: 0  # no process group: DeepSpeedConfig only asks the rank
-known = {v for k, v in vars(constants).items() if k.isupper() and isinstance(v, str)}
-known |= {"zero_optimization", "tensor_parallel", "activation_checkpointing"}
-
-
-class MPU:  # the data-parallel size is what DeepSpeed checks the batch against
-    def __init__(self, dp):
-        self.dp = dp
-
-    def get_data_parallel_world_size(self):
-        return self.dp
-
-
-for path, dp, launcher in json.loads(sys.argv[1]):
-    cfg = json.load(open(path))
-    unknown = set(cfg) - known
-    assert not unknown, unknown
-    c = dsc.DeepSpeedConfig(cfg, mpu=MPU(dp))
-    args = parse_args(launcher.split()[1:])
-    print(json.dumps({"batch": c.train_batch_size, "gas": c.gradient_accumulation_steps,
-                      "zero": c.zero_optimization_stage, "tp": c.tensor_parallel_config.autotp_size,
-                      "nodes": args.num_nodes, "gpus": args.num_gpus, "script": args.user_script}))
-"""
 
 
 def test_deepspeed_config_is_accepted_by_deepspeed(tmp_path):
@@ -424,11 +367,139 @@ def test_cli_emit_names_the_best_plan_a_framework_can_express(tmp_path, capsys):
     path = tmp_path / "t.torchtitan.toml"
     assert main(["plan", "--emit", str(path), "--top-k", "1"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("llmopt plan: error: plan #1: torchtitan cannot express zero_stage=1")
-    assert err.endswith("the best plan it can express is #6: use --pick 6")
+    assert err.startswith("llmopt plan: error: plan #1: torchtitan cannot express ")
+    best = re.search(r"the best plan it can express is #(\d+): use --pick (\d+)$", err)
+    assert best and best.group(1) == best.group(2), err
+    pick = best.group(1)
     assert not path.exists()
-    assert main(["plan", "--emit", str(path), "--pick", "6", "--top-k", "1"]) == 0
-    assert f"wrote {path} (plan #6)" in capsys.readouterr().out
-    assert tomllib.loads(path.read_text())["job"]["description"].startswith("llmopt plan #6")
+    assert main(["plan", "--emit", str(path), "--pick", pick, "--top-k", "1"]) == 0
+    assert f"wrote {path} (plan #{pick})" in capsys.readouterr().out
+    doc = tomllib.loads(path.read_text())
+    assert doc["job"]["description"].startswith(f"llmopt plan #{pick}")
     assert main(["plan", "--emit", str(path), "--pick", "999999"]) == 2
     assert "rank 999999 is not valid" in capsys.readouterr().err
+
+
+MOE_WORK = Workload(seq_len=4096, global_batch=2048, precision="fp8", ep_dispatcher="hybridep")
+
+
+def _moe_run(model_name, cluster, folded_ep, work=MOE_WORK, **fields) -> PlannedRun:
+    par = ParallelPlan(**fields)
+    model = get_preset(model_name)
+    plan = estimate(model, work, cluster, par, etp=1, ep=folded_ep)
+    assert not plan.rejected, plan.rejected
+    assert plan.ep == folded_ep
+    plan.rank = 1
+    return PlannedRun(model, model_name, work, cluster, plan)
+
+
+def _megatron_runs() -> list[PlannedRun]:
+    h100_128 = get_cluster("dgx-h100", 128)
+    return [
+        *(_run(**v) for v in VARIANTS),
+        _run(**dict(TOP, virtual_stages=6)),  # 80 layers over 24 chunks: uneven, a layout
+        PlannedRun(
+            get_preset("llama-3.1-405b"),
+            "llama-3.1-405b",
+            Workload(seq_len=8192, global_batch=512, precision="fp8", tp_comm_overlap=True),
+            h100_128,
+            estimate(
+                get_preset("llama-3.1-405b"),
+                Workload(seq_len=8192, global_batch=512, precision="fp8", tp_comm_overlap=True),
+                h100_128,
+                ParallelPlan(
+                    tp=8,
+                    pp=8,
+                    dp=8,
+                    cp=2,
+                    sequence_parallel=True,
+                    zero_stage=1,
+                    num_microbatches=64,
+                    schedule="interleaved",
+                    virtual_stages=8,
+                    precision="fp8",
+                    reduce_dtype="bf16",
+                ),
+            ),
+        ),  # fmt: skip
+        _moe_run(
+            "deepseek-v3",
+            get_cluster("dgx-b200", 32),
+            8,
+            tp=1,
+            pp=16,
+            dp=16,
+            ep=8,
+            zero_stage=1,
+            num_microbatches=128,
+            precision="fp8",
+        ),  # fmt: skip
+        _moe_run(
+            "qwen3-235b-a22b",
+            get_cluster("dgx-h100", 32),
+            32,
+            tp=2,
+            pp=8,
+            dp=16,
+            ep=1,
+            sequence_parallel=True,
+            zero_stage=1,
+            num_microbatches=128,
+            schedule="interleaved",
+            virtual_stages=4,
+            recompute="selective",
+            work=Workload(seq_len=4096, global_batch=2048, ep_comm_overlap=True),
+        ),  # fmt: skip
+    ]
+
+
+def test_megatron_lines_pass_megatron_cores_own_validation(monkeypatch):
+    import megatron.core.transformer.transformer_config as tc
+    from packaging.version import Version
+
+    monkeypatch.setattr(tc, "is_te_min_version", lambda *a, **k: True)
+    monkeypatch.setattr(tc, "get_te_version", lambda: Version("2.9.0"))
+    for run in _megatron_runs():
+        env, argv = _megatron_argv(run)
+        flags = {t for t in argv if t.startswith("--")}
+        assert flags <= MEGATRON_FLAGS, flags - MEGATRON_FLAGS
+        config = megatron_core_config(argv)
+        p = run.parallel
+        assert config.num_layers == run.model.num_layers
+        assert config.pipeline_model_parallel_size == p.pp
+        if run.model.moe is not None:  # the experts travel with the plan
+            assert config.num_moe_experts == run.model.moe.num_experts
+            assert config.expert_model_parallel_size == run.plan.ep
+            assert config.moe_router_topk == run.model.moe.top_k
+        if run.model.name == "deepseek-v3":
+            assert config.mtp_num_layers == 1 and config.q_lora_rank == 1536
+            assert config.moe_layer_freq == [0] * 3 + [1] * 58
+        # what Megatron's validate_args asserts about the environment (before Blackwell)
+        if (p.tp > 1 or p.cp > 1) and p.zero_stage < 2 and not run.work.ep_comm_overlap:
+            assert env.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1" or "B200" in run.cluster.gpu.name
+        else:
+            assert env.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1"
+    # and Megatron-Core refuses what is wrong: a layout that loses a layer
+    bad = _megatron_argv(_run(**dict(TOP, virtual_stages=6)))[1]
+    i = bad.index("--pipeline-model-parallel-layout")
+    bad[i + 1] = bad[i + 1].replace("t", "", 1)
+    with pytest.raises((ValueError, AssertionError)):
+        megatron_core_config(bad)
+
+
+def test_emitted_moe_plans_carry_their_experts():
+    run = _megatron_runs()[-2]  # DeepSeek-V3 on 256 B200
+    nemo_argv = shlex.split(emit(run, "nemo").text.splitlines()[-1])
+    assert "deepseek_v3_pretrain_config" in nemo_argv
+    pairs = dict(t.split("=", 1) for t in nemo_argv if t.startswith(("model.", "ddp.", "mixed")))
+    assert pairs["model.expert_model_parallel_size"] == "8"
+    assert pairs["model.moe_token_dispatcher_type"] == "flex"
+    assert pairs["model.moe_flex_dispatcher_backend"] == "hybridep"
+    assert pairs["model.pipeline_model_parallel_layout"].endswith("mL")
+    assert pairs["ddp.grad_reduce_in_fp32"] == "true"
+    for module, message in ((ds, "DeepSpeed cannot express the experts of deepseek-v3"),
+                            (torchtitan, "no llama3 flavor")):  # fmt: skip
+        with pytest.raises(EmitError, match=message):
+            module.emit(run)
+    with pytest.raises(EmitError, match="builds dense models only"):
+        run_config(run)

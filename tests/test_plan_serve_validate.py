@@ -1,48 +1,32 @@
-"""benchmarks/validate_serving.py: robust cell parsing, unreadable rows reported, the shipped
-published measurements met within the issue's 20 % median error on output tokens/s."""
+"""llmopt.validate.serving_runs (and its CLI, benchmarks/validate_serving.py): robust cell
+parsing, unreadable rows reported, the shipped published measurements met within the issue's
+20 % median error on output tokens/s."""
 
 from __future__ import annotations
 
 import csv
-import importlib.util
-import re
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT / "benchmarks" / "data" / "published_serving.csv"
+from llmopt.validate import serving_runs as vs
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location(
-        "validate_serving", ROOT / "benchmarks" / "validate_serving.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-vs = _load()
+DATA = vs.DEFAULT_RUNS
 HEADER = [
     "row_id", "model", "gpu", "num_gpus", "tp", "ep", "precision", "kv_dtype", "input_len",
     "output_len", "load", "output_tokens_per_s", "ttft_ms", "itl_ms", "source", "locator",
 ]  # fmt: skip
 
 
-def test_published_rows_have_sources_and_the_median_error_meets_20_percent(capsys):
+def test_published_rows_have_sources_and_the_median_error_meets_20_percent():
     rows = list(csv.DictReader(DATA.open(newline="")))
     assert len(rows) >= 10
     assert all(r["source"].strip() and r["locator"].strip() for r in rows)
-    assert vs.main(["--runs", str(DATA)]) == 0
-    lines = capsys.readouterr().out.strip().splitlines()
-    m = re.fullmatch(r"median_abs_rel_err=([0-9.]+) p90_abs_rel_err=([0-9.]+) n=(\d+)", lines[-1])
-    assert m, lines[-1]
-    n_tps = sum(1 for r in rows if r["output_tokens_per_s"].strip())
-    assert int(m[3]) == n_tps and float(m[1]) <= 0.20
-    assert "rows not understood: 0" in lines[-2]
+    results, bad = vs.evaluate(rows)
+    assert bad == []
+    tps = [r["rel_err"] for r in results if r["metric"] == "output_tokens_per_s"]
+    assert len(tps) == sum(1 for r in rows if r["output_tokens_per_s"].strip())
+    med, _ = vs.summary(tps)
+    assert med <= 0.20
 
 
 def test_free_text_cells_are_read():
@@ -75,7 +59,7 @@ def test_free_text_cells_are_read():
         ({"num_gpus": "6", "tp": "4"}, "num_gpus=6 is not a multiple of tp=4"),
     ],
 )
-def test_unreadable_rows_are_reported_never_guessed(tmp_path, capsys, change, reason):
+def test_unreadable_rows_are_reported_never_guessed(change, reason):
     good = dict.fromkeys(HEADER, "")
     good.update(
         row_id="1", model="Llama-3.1-8B", gpu="H100 SXM 80GB", num_gpus="1", tp="1",
@@ -83,12 +67,6 @@ def test_unreadable_rows_are_reported_never_guessed(tmp_path, capsys, change, re
         load="concurrency=32", output_tokens_per_s="3000", source="s", locator="l",
     )  # fmt: skip
     bad = {**good, "row_id": "2", **change}
-    path = tmp_path / "runs.csv"
-    with path.open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=HEADER)
-        w.writeheader()
-        w.writerows([good, bad])
-    assert vs.main(["--runs", str(path)]) == 0
-    out = capsys.readouterr().out
-    assert "row 2: not understood: " in out and reason in out
-    assert out.strip().splitlines()[-1].endswith("n=1")  # the good row alone is scored
+    results, failed = vs.evaluate([good, bad])
+    assert [r["row_id"] for r in results if r["metric"] == "output_tokens_per_s"] == ["1"]
+    assert len(failed) == 1 and failed[0][0] == "2" and reason in failed[0][1]

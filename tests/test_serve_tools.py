@@ -167,3 +167,24 @@ def test_chat_choice_whole_and_streamed_agree(text):
         assert calls[0]["index"] == 0 and calls[0]["id"].startswith("chatcmpl-tool-")
     else:
         assert choice["finish_reason"] == "stop" and content == text and not calls
+
+
+def test_constrained_tool_schemas():
+    from llmopt.serve.tools import ToolRequest
+
+    params = {"type": "object", "properties": {"q": {"type": "string"}}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": params}},
+             {"type": "function", "function": {"name": "g"}}]  # fmt: skip
+    required = ToolRequest(tools, "required").schema()
+    assert required["minItems"] == 1 and "maxItems" not in required
+    options = required["items"]["anyOf"]
+    assert [o["properties"]["name"] for o in options] == [{"const": "f"}, {"const": "g"}]
+    assert options[0]["properties"]["parameters"] == params
+    assert options[1]["properties"]["parameters"] == {"type": "object", "properties": {}}
+    assert ToolRequest(tools, "required", parallel=False).schema()["maxItems"] == 1
+    assert ToolRequest(tools, "named", "f").schema() == params
+    assert ToolRequest(tools, "auto").schema() is None
+    calls = ToolRequest(tools, "required").calls('[{"name": "g", "parameters": {}}]')
+    assert [(c.name, c.arguments) for c in calls] == [("g", "{}")]
+    assert ToolRequest(tools, "required").calls('[{"name": "g", "param') == []  # cut short
+    assert ToolRequest(tools, "named", "f").calls('{"q" : "x"}')[0].arguments == '{"q": "x"}'

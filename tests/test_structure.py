@@ -1,4 +1,5 @@
-"""Repository structure rules: no import cycle among llmopt modules, no module over 400 lines.
+"""Repository structure rules: no import cycle among llmopt modules; no module over 400 lines
+unless its docstring says why (the 400-line rule is a guide, not a reason to carve a concept).
 
 Imports are read statically (ast): every import statement counts, lazy ones inside functions
 and those under `if TYPE_CHECKING:` included, since either way the two modules depend on each
@@ -122,10 +123,23 @@ def test_no_import_cycles_among_llmopt_modules():
     assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
 
 
-def test_no_module_over_400_lines():
+def _says_why_it_is_long(text: str) -> bool:
+    """A module may pass the guide when splitting would scatter one concept, and its docstring
+    says so in a paragraph starting "Over 400 lines:"."""
+    doc = ast.get_docstring(ast.parse(text)) or ""
+    return any(line.startswith("Over 400 lines:") for line in doc.splitlines())
+
+
+def test_no_module_over_400_lines_without_saying_why():
     too_long = {
         str(p.relative_to(ROOT)): n
         for p in PACKAGE.rglob("*.py")
-        if (n := len(p.read_text().splitlines())) > MAX_LINES
+        if (n := len((text := p.read_text()).splitlines())) > MAX_LINES
+        and not _says_why_it_is_long(text)
     }
-    assert not too_long, f"modules over {MAX_LINES} lines: {too_long}"
+    assert not too_long, f"modules over {MAX_LINES} lines that do not say why: {too_long}"
+
+
+def test_the_length_exemption_needs_the_reason_in_the_docstring():
+    assert _says_why_it_is_long('"""A module.\n\nOver 400 lines: one table."""\n')
+    assert not _says_why_it_is_long('"""A module."""\n# Over 400 lines: a comment\n')

@@ -33,7 +33,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--bits", type=int, default=4, help=f"one of {list(VALID_BITS)}")
     p.add_argument("--group-size", type=int, default=128, help="32, 64, 128 or -1 (per channel)")
-    p.add_argument("--sym", action="store_true", help="symmetric grid (zero point fixed)")
+    p.add_argument(
+        "--sym",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="symmetric grid (zero point fixed); default: symmetric for --format gptq and "
+        "compressed-tensors (what vLLM's Marlin kernels run), asymmetric otherwise",
+    )
     p.add_argument(
         "--calib",
         default="mix:default",
@@ -133,6 +139,13 @@ def _export(qmodel, args: argparse.Namespace, tokenizer):
     return export_gguf(qmodel, args.out, tokenizer, qtype=qtype, source=args.model)
 
 
+def default_sym(fmt: str) -> bool:
+    """The grid `--sym` defaults to: symmetric where the consumers' fast kernels need it."""
+    from llmopt.export.gptq import SYMMETRIC_FORMATS
+
+    return fmt in SYMMETRIC_FORMATS
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Counts named by their flags and the output, before anything loads."""
     cli_args.integer(args, "calib_samples", 1)
@@ -165,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
         method=args.method,
         bits=args.bits,
         group_size=args.group_size,
-        sym=args.sym,
+        sym=default_sym(args.format) if args.sym is None else args.sym,
         calib=args.calib,
         calib_samples=args.calib_samples,
         calib_seq_len=args.calib_seq_len,

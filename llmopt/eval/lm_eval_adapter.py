@@ -7,13 +7,19 @@ backend registered. Conventions follow lm-eval's HF backend (`hf`) so scores are
 - a context is encoded with the continuation and split (lm-eval's `_encode_pair`), an empty
   context becomes the BOS (else EOS) token, inputs keep their last `max_length` tokens;
 - rolling log-likelihood uses lm-eval's disjoint rolling windows of `max_length`;
-- generation is greedy unless `do_sample`, stops at any `until` string or EOS, and the context
-  keeps its last `max_length - max_gen_toks` tokens.
+- generation is greedy unless `do_sample`, stops at any `until` string or any of the model's
+  EOS ids (`generation_config.json`'s list), and the context keeps its last
+  `max_length - max_gen_toks` tokens;
+- `--apply_chat_template` renders with the model's template as transformers does
+  (`continue_final_message` when lm-eval asks for no generation prompt, like `hf`), retrying
+  without system messages if the template refuses them.
+A `model_args` key this backend does not know is refused, naming the valid ones.
 Requests run one at a time: exact, and small models on CPU gain little from padding batches.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 from typing import Any
@@ -32,6 +38,7 @@ from tqdm import tqdm
 
 from llmopt.infer.generate import generate
 from llmopt.infer.sampling import SamplingParams
+from llmopt.models.chat_template import ChatTemplateError
 from llmopt.models.loading import load_model, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -76,10 +83,18 @@ class LlmoptLM(TemplateLM):
         max_gen_toks: int | str = 256,
         add_bos_token: bool | str = False,
         batch_size: int | str = 1,
+        max_batch_size: int | str | None = None,
         seed: int | str = 1234,
-        **_ignored: Any,
+        enable_thinking: bool | str | None = None,
+        **unknown: Any,
     ) -> None:
         super().__init__()
+        if unknown:
+            valid = list(inspect.signature(LlmoptLM.__init__).parameters)[1:-1]
+            raise ValueError(
+                f"unknown model_args for --model llmopt: {', '.join(sorted(unknown))}; "
+                f"valid: {', '.join(valid)}"
+            )
         device = _device(device)
         if str(dtype) not in DTYPES:
             raise ValueError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
@@ -94,8 +109,13 @@ class LlmoptLM(TemplateLM):
         self.max_gen_toks = int(max_gen_toks)
         self.add_bos_token = _flag(add_bos_token)
         self.seed = int(seed)
-        self.batch_size = batch_size  # accepted for lm-eval's CLI; requests run one by one
+        # accepted for lm-eval's CLI (it always passes them); requests run one by one
+        self.batch_size, self.max_batch_size = batch_size, max_batch_size
         self._device = device
+        self._pretrained = str(pretrained)
+        self.chat_template_args: dict[str, Any] = {}
+        if enable_thinking is not None:
+            self.chat_template_args["enable_thinking"] = _flag(enable_thinking)
 
     # ---- tokenisation (lm-eval's TemplateLM hooks) ----
     @property
@@ -125,6 +145,31 @@ class LlmoptLM(TemplateLM):
 
     def tok_decode(self, tokens: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
+
+    # ---- chat templates (lm-eval's --apply_chat_template) ----
+    @property
+    def tokenizer_name(self) -> str:
+        """Fingerprints lm-eval's request cache, as `hf` does with the model path."""
+        return self._pretrained.replace("/", "__")
+
+    def apply_chat_template(
+        self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        def render(history: list[dict[str, str]]) -> str:
+            return self.tokenizer.apply_chat_template(
+                history,
+                add_generation_prompt,
+                continue_final_message=not add_generation_prompt,
+                **self.chat_template_args,
+            )
+
+        try:
+            return render(chat_history)
+        except ChatTemplateError:
+            logging.getLogger(__name__).warning(
+                "the chat template failed; retrying without the system messages (as lm-eval's hf)"
+            )
+            return render([m for m in chat_history if m["role"] != "system"])
 
     # ---- scoring ----
     @torch.inference_mode()
@@ -195,9 +240,12 @@ class LlmoptLM(TemplateLM):
     ) -> list[int]:
         produced: list[int] = []
         stops = [s for s in until if s]
+        ends = set(self.tokenizer.eos_token_ids)
 
         def on_token(token: int) -> None:
             produced.append(token)
+            if token in ends:
+                raise _Stop
             text = self.tok_decode(produced, skip_special_tokens=False)
             if stops and any(s in text for s in stops):
                 raise _Stop

@@ -33,6 +33,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--gguf-type", default="f16", choices=GGUF_TYPES, help="GGUF weight type")
     cli_args.add_dtype(p, help="dtype of the ONNX/HF weights", choices=("float32", "float16"))
     cli_args.add_overwrite(p)
+    p.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="HF: largest safetensors file (bytes or e.g. 500MB, 5GB); larger models are sharded "
+        "with model.safetensors.index.json (default: %(default)s)",
+    )
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.set_defaults(func=run, check=check_args)
 
@@ -41,6 +47,8 @@ def check_args(args: argparse.Namespace) -> None:
     """What `export` can refuse before loading the model (the output path: `llmopt.cli`)."""
     if args.format != "gguf" and args.gguf_type != "f16":
         raise ExportError(f"--gguf-type applies to --format gguf only, not {args.format}")
+    if args.format != "hf" and args.max_shard_size != "5GB":
+        raise ExportError(f"--max-shard-size applies to --format hf only, not {args.format}")
     if args.format == "gguf":
         cli_args.output_file(args, "out", b"GGUF", "a GGUF file")
     else:
@@ -82,7 +90,14 @@ def run(args: argparse.Namespace) -> int:
     else:
         from llmopt.export.hf import export_hf
 
-        out = export_hf(model, args.out, dtype=args.dtype, overwrite=args.overwrite, **common)
+        out = export_hf(
+            model,
+            args.out,
+            dtype=args.dtype,
+            overwrite=args.overwrite,
+            max_shard_size=args.max_shard_size,
+            **common,
+        )
     say(f"done in {time.perf_counter() - start:.1f} s")
     files = [out] if out.is_file() else sorted(f for f in out.iterdir() if f.is_file())
     summary = {

@@ -22,6 +22,7 @@ from llmopt.export.quantized_dir import (
     uniform_setting,
     write_quantized_directory,
 )
+from llmopt.export.tensors import DEFAULT_MAX_SHARD_SIZE
 
 
 def pack_bitstream(values: torch.Tensor, bits: int) -> torch.Tensor:
@@ -66,6 +67,7 @@ def export_compressed_tensors(
     dtype: str = "fp16",
     source: str | Path | None = None,
     overwrite: bool = False,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
 ) -> Path:
     """Write a compressed-tensors pack-quantized directory of a quantized model.
     `overwrite`: an `out` holding other files gets only this export's files replaced."""
@@ -112,5 +114,7 @@ def export_compressed_tensors(
         "global_compression_ratio": None,
     }
     with staged_directory(out, KIND, overwrite) as stage:
-        write_quantized_directory(model, stage, _layer_tensors(bits, sym), config, tokenizer, dtype)
+        write_quantized_directory(
+            model, stage, _layer_tensors(bits, sym), config, tokenizer, dtype, max_shard_size
+        )
     return out

@@ -27,8 +27,15 @@ from llmopt.export.quantized_dir import (
     uniform_setting,
     write_quantized_directory,
 )
+from llmopt.export.tensors import DEFAULT_MAX_SHARD_SIZE
 
 GPTQ_BITS = (2, 4, 8)
+# Formats whose consumers want a symmetric grid: vLLM's Marlin kernels (gptq_marlin, and
+# compressed-tensors' W4A16/W8A16 Marlin path) take symmetric weights only; an asymmetric
+# GPTQ checkpoint falls back to slower kernels or is refused. `llmopt quantize` defaults to
+# symmetric for these formats (asymmetric for its own format, whose tables are in
+# docs/benchmarks/quant.md).
+SYMMETRIC_FORMATS = ("gptq", "compressed-tensors")
 
 
 def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
@@ -90,6 +97,7 @@ def export_gptq(
     dtype: str = "fp16",
     source: str | Path | None = None,
     overwrite: bool = False,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
 ) -> Path:
     """Write a GPTQ v1 directory (model.safetensors, config.json, quantize_config.json).
     `overwrite`: an `out` holding other files gets only this export's files replaced."""
@@ -118,6 +126,8 @@ def export_gptq(
         "pack_dtype": "int32",
     }
     with staged_directory(out, KIND, overwrite) as stage:
-        write_quantized_directory(model, stage, gptq_tensors, config, tokenizer, dtype)
+        write_quantized_directory(
+            model, stage, gptq_tensors, config, tokenizer, dtype, max_shard_size
+        )
         atomic_write_text(stage / "quantize_config.json", json.dumps(config, indent=2))
     return out

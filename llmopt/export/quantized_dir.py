@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from llmopt.export.output import ExportError
-from llmopt.export.tensors import checked, float_dtype
+from llmopt.export.tensors import DEFAULT_MAX_SHARD_SIZE, checked, float_dtype, save_safetensors
 
 
 def quantized_layers(model: nn.Module) -> dict[str, Any]:
@@ -42,10 +42,10 @@ def write_quantized_directory(
     quantization_config: dict[str, Any],
     tokenizer: Any,
     dtype: str,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
 ) -> None:
-    """model.safetensors + config.json (+ generation_config, tokenizer) into `directory`."""
-    from safetensors.torch import save_file
-
+    """Safetensors (sharded past `max_shard_size`) + config.json (+ generation_config,
+    tokenizer) into `directory`."""
     from llmopt.artifacts import atomic_write_text
     from llmopt.export.hf import generation_config
     from llmopt.models.features import require_llama_checkpoint
@@ -71,7 +71,7 @@ def write_quantized_directory(
         floats[name] = tensor.detach().to("cpu", torch_dtype)
     for name, tensor in checked(floats).items():
         state[ours_to_hf(name)] = tensor.contiguous()
-    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(state, directory, max_shard_size)
     hf = model.config.to_hf_config()
     hf["torch_dtype"] = str(torch_dtype).removeprefix("torch.")
     hf["quantization_config"] = quantization_config

@@ -2,10 +2,13 @@
 
 Float exports (HF safetensors, GGUF, ONNX) store dense weights: a `QuantLinear` is
 dequantised to exactly the weight it computes with, so an export of a quantized model
-reproduces that model, not the float model it came from.
+reproduces that model, not the float model it came from. `save_safetensors` writes any
+export's tensors as HF lays them out (sharded with an index past `max_shard_size`).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -57,3 +60,46 @@ def checked(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
             raise ExportError(f"tensor {name!r} holds NaN or inf values; refusing to export it")
     return state
+
+
+DEFAULT_MAX_SHARD_SIZE = "5GB"  # transformers' `save_pretrained` default
+
+
+def save_safetensors(
+    state: dict[str, torch.Tensor],
+    directory: Path,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    metadata: dict[str, str] | None = None,
+) -> list[str]:
+    """Write `state` as HF does: one `model.safetensors`, or shards of at most
+    `max_shard_size` (bytes, or "500MB"/"5GB") named `model-0000k-of-0000n.safetensors`
+    plus `model.safetensors.index.json`; every file at the umask's mode. The split is
+    huggingface_hub's, so shard boundaries are the ones transformers would choose."""
+    import json
+
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    from llmopt.artifacts import atomic_write_text
+    from llmopt.export.output import ExportError, write_with
+    from llmopt.models.hf_schema import INDEX_FILE
+
+    if isinstance(max_shard_size, str) and max_shard_size.strip().isdigit():
+        max_shard_size = int(max_shard_size)
+    if isinstance(max_shard_size, int) and max_shard_size <= 0:
+        raise ExportError(f"max_shard_size={max_shard_size} must be positive")
+    try:
+        split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size)
+    except ValueError as exc:
+        raise ExportError(
+            f"max_shard_size={max_shard_size!r} is not a size: give bytes or a number with "
+            f"KB, MB, GB or TB (e.g. 2GB) ({exc})"
+        ) from None
+    meta = {"format": "pt", **(metadata or {})}
+    for filename, names in split.filename_to_tensors.items():
+        shard = {name: state[name].contiguous() for name in names}
+        write_with(directory / filename, lambda tmp, s=shard: save_file(s, str(tmp), metadata=meta))
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        atomic_write_text(directory / INDEX_FILE, json.dumps(index, indent=2))
+    return list(split.filename_to_tensors)

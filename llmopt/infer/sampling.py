@@ -13,14 +13,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from llmopt.errors import LlmoptError
-
-if TYPE_CHECKING:
-    from llmopt.infer.guided import Grammar
 
 MAX_LOGPROBS = 20  # alternatives per position a request may ask for (vLLM's default limit)
 
@@ -82,7 +78,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
     prompt_logprobs: int | None = None
-    grammar: Grammar | None = None
+    grammar: object | None = None  # a compiled llmopt.infer.guided.Grammar
 
     def __post_init__(self) -> None:
         temperature = _finite("temperature", self.temperature)
@@ -184,12 +180,23 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
 
 
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """Argmax of each row of [R, vocab] logits. On CPU through numpy, whose SIMD argmax is ~9x
+    faster than torch's over a 49k vocabulary: at 16-64 streams torch's argmax alone costs
+    more than the whole output head."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.detach().contiguous().numpy().argmax(-1).tolist()
+    return logits.argmax(-1).tolist()
+
+
 def next_token(
     logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None
 ) -> torch.Tensor:
     """[B, vocab] logits -> [B] token ids (argmax for greedy, no probability tensor built)."""
     if sampling.greedy:
-        return logits.argmax(-1)
+        return torch.tensor(argmax_rows(logits.reshape(-1, logits.shape[-1]))).reshape(
+            logits.shape[:-1]
+        )
     return sample(logits_to_probs(logits, sampling), generator)
 
 

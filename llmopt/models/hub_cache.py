@@ -1,34 +1,36 @@
-"""Hub ids ("org/name", "org/name@revision") resolved from the local Hugging Face cache.
+"""Hub ids ("org/name", "org/name@revision") through `huggingface_hub`: the local cache first,
+then a download unless offline.
 
-llmopt never downloads; a model fetched earlier by transformers or `hf download` sits in
-`$HF_HUB_CACHE` (default `$HF_HOME/hub`, i.e. `~/.cache/huggingface/hub`) as
-`models--org--name/snapshots/<commit>/`, with `refs/<branch>` holding the commit of a branch.
+The cache is huggingface_hub's own (`HF_HUB_CACHE`, default `$HF_HOME/hub`) and so are its
+rules: `refs/<branch>` names the commit of a branch or tag, a full commit hash names itself.
+A repository missing from the cache is downloaded (config, tokenizer and safetensors files;
+`snapshot_download`) unless `HF_HUB_OFFLINE=1`, in which case the error says so. GGUF-only
+repositories are found in the cache (the snapshot's sole .gguf file is loaded) but not
+downloaded: they hold one file per quantization, so fetch the one you want with
+`hf download org/name FILE.gguf`.
 """
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
 from llmopt.errors import LlmoptError
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+# what loading a transformers model needs (weights, config, tokenizer, chat template)
+DOWNLOAD_PATTERNS = ("*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt")
 
 
 class HubCacheError(LlmoptError, FileNotFoundError):
-    """A Hub id that is not (or not unambiguously) in the local cache."""
+    """A Hub id that is neither in the local cache nor downloadable now."""
 
 
 def hub_cache_dir() -> Path:
-    """Where huggingface_hub keeps downloaded repositories (same variables, same defaults)."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    home = os.environ.get("HF_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"), "huggingface"
-    )
-    return Path(home).expanduser() / "hub"
+    """Where huggingface_hub keeps downloaded repositories (its variables, its defaults)."""
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
 
 
 def looks_like_hub_id(spec: str) -> bool:
@@ -40,31 +42,29 @@ def looks_like_hub_id(spec: str) -> bool:
 
 
 def cached_snapshot(spec: str) -> Path:
-    """The snapshot directory of `org/name[@revision]` (revision: branch, tag or commit)."""
+    """The snapshot directory of `org/name[@revision]` (revision: branch, tag or commit),
+    downloaded first when it is not cached and the Hub may be reached."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
     repo, _, revision = spec.partition("@")
-    revision = revision or "main"
+    revision = revision or None
+    try:
+        return Path(snapshot_download(repo, revision=revision, local_files_only=True))
+    except LocalEntryNotFoundError:
+        pass
     cache = hub_cache_dir()
-    root = cache / f"models--{repo.replace('/', '--')}"
-    hint = f"llmopt does not download; fetch it first (e.g. `hf download {repo}`)"
-    if not root.is_dir():
-        raise HubCacheError(f"{spec!r} is not a local path and not in the HF cache {cache}; {hint}")
-    snapshots = root / "snapshots"
-    ref = root / "refs" / revision
-    if _COMMIT.match(revision):
-        commit = revision
-    elif ref.is_file():
-        commit = ref.read_text().strip()
-    else:
-        present = sorted(p.name for p in snapshots.iterdir()) if snapshots.is_dir() else []
-        if revision != "main" or len(present) != 1:
-            raise HubCacheError(
-                f"{spec!r}: the HF cache {root} has no ref {revision!r} (snapshots: "
-                f"{', '.join(present) or 'none'}); pass org/name@<commit>"
-            )
-        commit = present[0]
-    snapshot = snapshots / commit
-    if not snapshot.is_dir():
+    if constants.is_offline_mode():
         raise HubCacheError(
-            f"{spec!r}: revision {revision} -> {commit}, not in {snapshots}; {hint}"
+            f"{spec!r} is not a local path and not in the HF cache {cache}, and HF_HUB_OFFLINE "
+            f"is set; fetch it while online (e.g. `hf download {repo}`) or unset HF_HUB_OFFLINE"
         )
-    return snapshot
+    try:
+        path = snapshot_download(repo, revision=revision, allow_patterns=list(DOWNLOAD_PATTERNS))
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise HubCacheError(
+            f"{spec!r} is not a local path, not in the HF cache {cache}, and could not be "
+            f"downloaded from the Hugging Face Hub: {reason}"
+        ) from None
+    return Path(path)

@@ -6,13 +6,13 @@ latter by merging adjacent pieces best-score-first, with `<0xXX>` byte tokens fo
 the vocabulary lacks and `▁` for spaces; that is a BPE whose merges are ranked by the score
 of the merged piece, which is how it is rebuilt here.
 
-The wrapper adds what generation needs and `tokenizers` lacks: BOS/EOS ids, the model's chat
-template (rendered with jinja2 like HF transformers does), and a save format that HF tools read.
+The wrapper adds what generation needs and `tokenizers` lacks: BOS/EOS ids (with every id that
+ends a turn: `generation_config.json`'s EOS list), the model's chat template (rendered as
+transformers renders it: `llmopt.models.chat_template`), and a save format HF tools read.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 from pathlib import Path
@@ -23,12 +23,17 @@ from tokenizers import Tokenizer as Backend
 
 from llmopt.artifacts import atomic_write_text
 from llmopt.config_files import ConfigFileError, read_text
-from llmopt.errors import LlmoptError, UsageError
-from llmopt.models.hf_schema import HF_CONFIG, TOKENIZER_CONFIG, read_hf_json
+from llmopt.errors import UsageError
+from llmopt.models.chat_template import ChatTemplateError, render_chat
+from llmopt.models.hf_schema import GENERATION_CONFIG, HF_CONFIG, TOKENIZER_CONFIG, read_hf_json
 
 # GGUF token types (llama.cpp's llama_token_type)
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _BYTE = 1, 2, 3, 4, 6
 _SPACE = "\u2581"  # SentencePiece's space marker
+
+# llama.cpp's Llama 3 pre-tokenizers: whole-word vocabulary hits skip the merges, and BOS is
+# added unless the file says otherwise (llama-vocab.cpp)
+_LLAMA3_PRE = ("llama3", "llama-v3", "llama-bpe")
 
 # How text is split before byte-level BPE, by `tokenizer.ggml.pre` (llama.cpp's names). Each
 # reproduces the pre-tokenizer of the model's original `tokenizer.json`.
@@ -58,12 +63,13 @@ def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
         "qwen2": _QWEN2_SPLIT,
         "deepseek-r1-qwen": _QWEN2_SPLIT,
         "gpt2": _GPT2_SPLIT,
+        "gpt-2": _GPT2_SPLIT,
         "default": _GPT2_SPLIT,
     }.get(pre)
     if split is None:
         raise UsageError(
             f"GGUF pre-tokenizer {pre!r} is not supported; supported: smollm, starcoder, refact, "
-            "llama-bpe, llama3, smaug-bpe, qwen2, deepseek-r1-qwen, gpt2, default"
+            "llama-bpe, llama3, smaug-bpe, qwen2, deepseek-r1-qwen, gpt-2, gpt2, default"
         )
     return pre_tokenizers.Sequence(
         [
@@ -73,8 +79,7 @@ def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     )
 
 
-class ChatTemplateError(LlmoptError, ValueError):
-    """A chat template (the model's, not ours) that does not compile or render."""
+__all__ = ["ChatTemplateError", "Tokenizer"]
 
 
 class Tokenizer:
@@ -88,12 +93,23 @@ class Tokenizer:
         eos_token_id: int | None,
         chat_template: str | None = None,
         add_bos: bool = False,
+        eos_token_ids: tuple[int, ...] | list[int] = (),
     ) -> None:
         self.backend = backend
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.chat_template = chat_template
         self.add_bos = add_bos  # whether the model was trained with BOS in front of text
+        ids = [eos_token_id] if eos_token_id is not None else []
+        for token_id in eos_token_ids:
+            if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
+                raise ValueError(
+                    f"eos_token_ids holds {token_id!r}; expected token ids (ints >= 0)"
+                )
+            if token_id not in ids:
+                ids.append(token_id)
+        # every id that ends generation (Llama 3: <|end_of_text|>, <|eom_id|>, <|eot_id|>)
+        self.eos_token_ids: tuple[int, ...] = tuple(ids)
 
     @property
     def vocab_size(self) -> int:
@@ -122,31 +138,29 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         *,
+        continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        **kwargs: Any,
     ) -> str:
-        """The prompt text for `messages` ([{"role": ..., "content": ...}]), HF-style;
-        `tools`: function definitions for templates that render them (HF's `tools=`)."""
+        """The prompt text for `messages` ([{"role": ..., "content": ...}]), exactly as
+        transformers' `apply_chat_template(..., tokenize=False)` renders it; `kwargs` are
+        template variables (e.g. `enable_thinking=False`)."""
         if not self.chat_template:
             raise UsageError("this tokenizer has no chat template; drop --chat for plain text")
         for message in messages:
-            if not isinstance(message, dict) or not {"role", "content"} <= set(message):
-                raise UsageError(f"chat message {message!r} needs 'role' and 'content' keys")
-        from jinja2.exceptions import TemplateError
-
-        try:
-            return _compile_template(self.chat_template).render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                tools=tools,
-                bos_token=self._token_text(self.bos_token_id),
-                eos_token=self._token_text(self.eos_token_id),
-            )
-        except (TemplateError, TypeError, AttributeError, IndexError) as exc:
-            line = getattr(exc, "lineno", None)
-            where = f" (line {line})" if line else ""
-            raise ChatTemplateError(
-                f"the tokenizer's chat template fails{where}: {type(exc).__name__}: {exc}"
-            ) from None
+            if not isinstance(message, dict) or "role" not in message:
+                raise UsageError(f"chat message {message!r} needs a 'role' key")
+        specials = {"bos_token": self._token_text(self.bos_token_id)}
+        specials["eos_token"] = self._token_text(self.eos_token_id)
+        return render_chat(
+            self.chat_template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tools=tools,
+            special_tokens={k: v for k, v in specials.items() if v},
+            **kwargs,
+        )
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else self.backend.id_to_token(token_id) or ""
@@ -207,6 +221,7 @@ class Tokenizer:
             eos_token_id=special("eos_token"),
             chat_template=template if isinstance(template, str) else None,
             add_bos=bool(config.get("add_bos_token", False)),
+            eos_token_ids=_eos_list(directory, model_config),
         )
 
     @classmethod
@@ -227,10 +242,13 @@ class Tokenizer:
         else:
             merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges") or []]
             vocab = {token: i for i, token in enumerate(tokens)}
-            backend = Backend(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-            backend.pre_tokenizer = _byte_level_pre_tokenizer(
-                fields.get("tokenizer.ggml.pre") or "default"
+            pre = fields.get("tokenizer.ggml.pre") or "default"
+            backend = Backend(
+                models.BPE(
+                    vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=pre in _LLAMA3_PRE
+                )
             )
+            backend.pre_tokenizer = _byte_level_pre_tokenizer(pre)
             backend.decoder = decoders.ByteLevel()
         backend.add_special_tokens(
             [
@@ -246,14 +264,41 @@ class Tokenizer:
                 if t == _USER_DEFINED
             ]
         )
+        ends = ("eot", "eom")  # llama.cpp's end-of-turn / end-of-message ids also stop it
         return cls(
             backend,
             bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=fields.get("tokenizer.ggml.eos_token_id"),
+            eos_token_ids=[
+                fields[f"tokenizer.ggml.{e}_token_id"]
+                for e in ends
+                if fields.get(f"tokenizer.ggml.{e}_token_id") is not None
+            ],
             chat_template=fields.get("tokenizer.chat_template"),
-            # llama.cpp adds BOS to SentencePiece vocabularies unless the file says otherwise
-            add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", kind == "llama")),
+            # llama.cpp adds BOS to SentencePiece and Llama 3 vocabularies unless the file
+            # says otherwise
+            add_bos=bool(
+                fields.get(
+                    "tokenizer.ggml.add_bos_token",
+                    kind == "llama" or fields.get("tokenizer.ggml.pre") in _LLAMA3_PRE,
+                )
+            ),
         )
+
+
+def _eos_list(directory: Path, model_config: dict[str, Any]) -> list[int]:
+    """The EOS ids of `generation_config.json` (what transformers' generate stops on), else of
+    config.json; either may hold one id or a list."""
+    found: Any = None
+    path = directory / "generation_config.json"
+    if path.is_file():
+        found = read_hf_json(path, "generation config", GENERATION_CONFIG).get("eos_token_id")
+    if found is None:
+        found = model_config.get("eos_token_id")
+    ids = found if isinstance(found, list) else [] if found is None else [found]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"{directory}: eos_token_id {found!r} is not a token id or a list of them")
+    return ids
 
 
 def _sentencepiece_backend(fields: dict[str, Any], tokens: list[str], types: list[int]) -> Backend:
@@ -307,16 +352,3 @@ def _score_ranked_merges(
                 ranked.append((-scores[i], -len(left), -len(right), i, rank[left], left, right))
     ranked.sort()
     return [(left, right) for *_, left, right in ranked]
-
-
-@functools.lru_cache(maxsize=8)
-def _compile_template(source: str):
-    from jinja2.exceptions import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str):
-        raise TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(source)

@@ -70,8 +70,9 @@ def _common(p: argparse.ArgumentParser, sub: bool) -> None:
     w.add_argument(
         "--reduce-dtype",
         choices=REDUCE_DTYPES,
-        default=d("fp32"),
-        help="fp32: fp32 gradients (Megatron, 18 B/param); bf16: bf16 gradients (16 B/param)",
+        default=d(None),
+        help="fp32: fp32 gradients (18 B/param); bf16: bf16 gradients (16 B/param); default: "
+        "the --framework's (fp32; bf16 for nemo and deepspeed)",
     )
     w.add_argument("--no-flash", action="store_true", default=d(False))
     w.add_argument(
@@ -79,6 +80,20 @@ def _common(p: argparse.ArgumentParser, sub: bool) -> None:
         help="how MFU counts attention: causal (default), megatron (full s^2), palm (6N+12LHQT)",
     )  # fmt: skip
     w.add_argument("--expert-imbalance", type=float, default=d(1.0), help="MoE busiest/mean load")
+    w.add_argument(
+        "--ep-dispatcher", choices=("alltoall", "deepep", "hybridep"), default=d("alltoall"),
+        help="MoE token dispatcher: NCCL all-to-all, DeepEP or HybridEP (one network copy per "
+        "destination node)",
+    )  # fmt: skip
+    w.add_argument(
+        "--ep-overlap", action="store_true", default=d(False),
+        help="hide dispatch/combine behind the other micro-batch's compute (Megatron-Core "
+        "--overlap-moe-expert-parallel-comm)",
+    )  # fmt: skip
+    w.add_argument(
+        "--dualpipe", action="store_true", default=d(False),
+        help="DeepSeek's DualPipe schedule: half the bubble, two weight copies, EP comm hidden",
+    )  # fmt: skip
     w.add_argument("--tp-comm-overlap", action="store_true", default=d(False))
     w.add_argument("--no-dp-overlap", action="store_true", default=d(False))
     w.add_argument("--lora-rank", type=int, default=d(0), help="LoRA fine-tuning: adapter rank")
@@ -160,6 +175,10 @@ def check_args(args: argparse.Namespace) -> None:
         for flag, spec, parse in given:
             if spec is None:
                 continue
+            if not spec.strip():  # an empty spec would silently mean "no constraint"
+                raise UsageError(
+                    f"{flag} {spec!r} names no setting; give key=value pairs such as tp=8,pp=2"
+                )
             try:
                 parse(spec)
             except ValueError as exc:  # name the flag unless the parser's message does

@@ -16,6 +16,9 @@ from llmopt.plan.hardware import Cluster, customize, get_cluster, load_cluster_t
 from llmopt.plan.workload import Workload
 
 DEFAULT_NODES = 8  # `--nodes` when neither the flag nor a cluster file says
+# Largest count a shape, cluster or workload flag may take: beyond it numbers stop being a model
+# or a cluster (and numpy's int64 arithmetic would overflow).
+MAX_COUNT = 2**31 - 1
 
 # flag dest (= ModelConfig field = TrainConfig shape override) given on the command line
 SHAPE_FIELDS = (
@@ -52,26 +55,77 @@ def build_model(args: argparse.Namespace) -> ModelConfig:
     if spec.endswith(".json") or path.is_dir():
         from llmopt.models.moe_hf import planner_config_from_hf
 
+        _check_head_counts(path / "config.json" if path.is_dir() else path)
         model = planner_config_from_hf(path, name=path.stem)  # MoE layouts planned as MoE
     else:
         model = get_preset(spec)
     changes = model_overrides(args)
     for name in SHAPE_FIELDS:
         value = changes.get(name)
-        if value is not None and value <= 0:
-            raise UsageError(f"--{name.replace('_', '-')}={value} must be a positive integer")
+        if value is not None and not 0 < value <= MAX_COUNT:
+            raise UsageError(
+                f"--{name.replace('_', '-')}={value} must be a positive integer up to {MAX_COUNT}"
+            )
     if changes:
         if "hidden_size" in changes or "num_heads" in changes:
             changes.setdefault("head_dim", None)
         model = model.replace(name=f"{model.name} (custom)", **changes)
+    if model.num_kv_heads < 1 or model.num_heads % model.num_kv_heads:
+        raise UsageError(
+            f"--model {spec}: num_kv_heads={model.num_kv_heads} must be a positive divisor of "
+            f"num_heads={model.num_heads}"
+        )
     return model
 
 
+def check_counts(args: argparse.Namespace) -> None:
+    """Integer flags of plan/estimate/compare: positive and at most MAX_COUNT."""
+    for dest in ("nodes", "gpus_per_node", "seq_len", "global_batch", "global_batch_tokens",
+                 "top_k", "pick", "tp", "pp", "cp", "dp", "ep", "etp", "micro_batch",
+                 "num_microbatches", "virtual_stages", "lora_rank"):  # fmt: skip
+        value = getattr(args, dest, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > MAX_COUNT:
+            raise UsageError(
+                f"--{dest.replace('_', '-')}={value} is too large (at most {MAX_COUNT})"
+            )
+
+
+def _check_head_counts(config_json: Path) -> None:
+    """A config.json whose head counts are given but not positive is refused (a 0 would
+    otherwise read as "not given" and default to the query heads)."""
+    import json
+
+    try:
+        hf = json.loads(config_json.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # the config reader reports unreadable files in its own words
+    for key in ("num_key_value_heads", "num_attention_heads"):
+        value = hf.get(key) if isinstance(hf, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value <= 0:
+            raise UsageError(f"{config_json}: {key}={value} must be a positive integer")
+
+
+def _check_cluster_file_says_nodes(path: Path, nodes: int | None) -> None:
+    """A cluster file on the command line must say how big the cluster is (the API's default
+    of one node would otherwise be planned without a word)."""
+    from llmopt.config_files import read_toml
+
+    data = read_toml(path, "cluster file")
+    if not data:
+        raise UsageError(
+            f'{path} is empty: give at least base = "dgx-h100" (or another preset) and nodes = N'
+        )
+    if "nodes" not in data and nodes is None:
+        raise UsageError(f"{path} sets no nodes: add nodes = N to the file or pass --nodes N")
+
+
 def build_cluster(args: argparse.Namespace) -> Cluster:
+    check_counts(args)
     if args.nodes is not None and args.nodes <= 0:
         raise UsageError(f"--nodes={args.nodes} must be a positive integer")
     if args.cluster.endswith(".toml"):  # its `nodes` stands unless --nodes is given
         cluster = load_cluster_toml(args.cluster, nodes=args.nodes)
+        _check_cluster_file_says_nodes(Path(args.cluster), args.nodes)
     else:
         cluster = get_cluster(args.cluster, DEFAULT_NODES if args.nodes is None else args.nodes)
     flags = {  # flag dest -> the cluster field it overrides
@@ -105,14 +159,27 @@ def build_workload(args: argparse.Namespace) -> Workload:
         global_batch=batch,
         precision=args.precision,
         flash_attention=not args.no_flash,
-        state_bytes=STATE_OF_REDUCE_DTYPE[args.reduce_dtype],
+        state_bytes=STATE_OF_REDUCE_DTYPE[reduce_dtype(args)],
         tp_comm_overlap=args.tp_comm_overlap,
         dp_comm_overlap=not args.no_dp_overlap,
         flops_convention=getattr(args, "flops_convention", "causal"),
         expert_imbalance=getattr(args, "expert_imbalance", 1.0),
+        ep_dispatcher=getattr(args, "ep_dispatcher", "alltoall"),
+        ep_comm_overlap=getattr(args, "ep_overlap", False),
+        dualpipe=getattr(args, "dualpipe", False),
+        # DeepSpeed's ZeRO-3 fetches parameters from module hooks (timing.SHARDING_OVERLAP)
+        sharding="deepspeed" if getattr(args, "framework", "llmopt") == "deepspeed" else "fsdp",
         lora_rank=getattr(args, "lora_rank", 0),
         qlora=getattr(args, "qlora", False),
     )
+
+
+def reduce_dtype(args: argparse.Namespace) -> str:
+    """--reduce-dtype, else the --framework's default (`frameworks.DEFAULT_REDUCE_DTYPE`)."""
+    from llmopt.plan.frameworks import DEFAULT_REDUCE_DTYPE
+
+    given = getattr(args, "reduce_dtype", None)
+    return given or DEFAULT_REDUCE_DTYPE.get(getattr(args, "framework", "llmopt"), "fp32")
 
 
 def inputs(args: argparse.Namespace) -> tuple[ModelConfig, Workload, Cluster]:
@@ -147,7 +214,7 @@ def build_plan(args: argparse.Namespace, work: Workload, cluster: Cluster) -> Pa
         sequence_parallel=bool(args.sequence_parallel),
         zero_stage=args.zero_stage, micro_batch=args.micro_batch, num_microbatches=m,
         schedule=args.schedule, virtual_stages=args.virtual_stages, recompute=args.recompute,
-        precision=work.precision, fp8_recipe=args.fp8_recipe, reduce_dtype=args.reduce_dtype,
+        precision=work.precision, fp8_recipe=args.fp8_recipe, reduce_dtype=reduce_dtype(args),
     )  # fmt: skip
 
 

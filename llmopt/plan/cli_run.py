@@ -6,6 +6,8 @@ import argparse
 import time
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from llmopt.errors import UsageError
 from llmopt.plan.cli_inputs import budget_inputs, build_plan, header, inputs, model_overrides
 from llmopt.plan.cli_render import label, links_table, plans_table, plot_breakdown, print_json
@@ -15,6 +17,9 @@ if TYPE_CHECKING:
     from llmopt.plan.hardware import Cluster
     from llmopt.plan.search import Plan, SearchResult
     from llmopt.plan.workload import Workload
+
+
+EXPLAINED = 10  # plans of a --top-k list that get a full explanation
 
 
 def _console():
@@ -79,6 +84,44 @@ def _runs_on(args: argparse.Namespace, model, work, cluster, plan: Plan) -> dict
     return out
 
 
+def _best_framework_plan(
+    args: argparse.Namespace, model, work, cluster, result: SearchResult, runs_on: dict[str, str]
+) -> tuple[int, Plan, list[str]] | None:
+    """When no framework runs the #1 plan (only llmopt's planner prices it): the best-ranked
+    plan some framework's rules and exporter accept, with those frameworks."""
+    from llmopt.plan.emit import FORMATS, EmitError, PlannedRun, check
+    from llmopt.plan.frameworks import Numerics, framework_reasons
+    from llmopt.plan.search import plan_of_rank, ranked
+
+    real = [f for f in FORMATS if f != "llmopt"]
+    if args.framework != "llmopt" or any(not runs_on[f] for f in real):
+        return None
+    ev = result.evaluation
+    order = ranked(ev)
+    numerics = Numerics.of_work(work)
+    for f in real:  # the rules are masks: the first plan each framework accepts
+        ok = np.ones(len(ev.grid["tp"]), dtype=bool)
+        for _, mask in framework_reasons(f, model, numerics, ev.grid):
+            ok &= ~mask
+        hits = np.flatnonzero(ok[order])
+        runs_on[f] = int(hits[0]) + 1 if len(hits) else 0
+    best: tuple[int, Plan, list[str]] | None = None
+    for rank in sorted({r for r in runs_on.values() if isinstance(r, int) and r > 0}):
+        plan = plan_of_rank(model, work, cluster, result, rank)
+        run = PlannedRun(model, args.model, work, cluster, plan, model_overrides(args))
+        names = []
+        for f in real:
+            try:
+                check(run, f)
+                names.append(f)
+            except EmitError:
+                pass
+        if names:
+            best = (rank, plan, names)
+            break
+    return best
+
+
 def _answer(objective: str, top: Plan, result: SearchResult, cluster: Cluster) -> str:
     """One sentence answering the objective with the top plan's figure."""
     p = top.parallel
@@ -131,9 +174,11 @@ def _budget(
 def run_plan(args: argparse.Namespace) -> int:
     from llmopt.plan.explain import explain, why_not
     from llmopt.plan.fewest import search_fewest_gpus
+    from llmopt.plan.fits import fits_with
     from llmopt.plan.objectives import parse_require
     from llmopt.plan.rules import parse_constraints
     from llmopt.plan.search import search
+    from llmopt.plan.shortfall import NothingFitsError
 
     if args.top_k <= 0:
         raise UsageError(f"--top-k={args.top_k} must be positive")
@@ -149,18 +194,35 @@ def run_plan(args: argparse.Namespace) -> int:
             model, work, cluster, top_k, where, args.framework, requires
         )
     else:
-        result = search(
-            model, work, cluster, top_k, where, args.framework, args.objective, requires
-        )
+        try:
+            result = search(
+                model, work, cluster, top_k, where, args.framework, args.objective, requires
+            )
+        except NothingFitsError as exc:  # name the one switch that admits plans, if any
+            fix = fits_with(model, work, cluster, exc.constraints, exc.evaluation)
+            if fix is None or "does not fit" not in str(exc):
+                raise
+            raise UsageError(f"{exc}; {fix.strip()[0].lower()}{fix.strip()[1:]}") from None
     seconds = time.perf_counter() - t0
     plans = result.plans[: args.top_k]
     runner = result.plans[1] if len(result.plans) > 1 else None
     plans[0].explanation = explain(model, work, cluster, plans[0], runner, framework=args.framework)
-    for plan in plans[1:]:
-        plan.explanation = explain(
-            model, work, cluster, plan, top=plans[0], framework=args.framework
-        )
+    # A full explanation prices each plan's alternatives (several evaluations); only the plans
+    # a reader sees explained get one, the bulk rows of a long --top-k list one cheap line.
+    top_time = plans[0].step_time_s["total"]
+    for i, plan in enumerate(plans[1:], start=2):
+        if i <= EXPLAINED:
+            plan.explanation = explain(
+                model, work, cluster, plan, top=plans[0], framework=args.framework
+            )
+        else:
+            plan.explanation = [
+                f"Rank {i}: {plan.step_time_s['total'] / top_time - 1:+.1%} step time versus "
+                f"the top plan, {plan.memory_bytes['total'] / 2**30:.1f} GiB per GPU (full "
+                f"explanations for the first {EXPLAINED} plans)."
+            ]
     runs_on = _runs_on(args, model, work, cluster, plans[0])
+    framework_plan = _best_framework_plan(args, model, work, cluster, result, dict(runs_on))
     budget, budget_lines = _budget(budget_flags, model, work, plans[0])
     written = _emit(args, model, work, cluster, result) if args.emit else []
     if args.plot:
@@ -185,6 +247,9 @@ def run_plan(args: argparse.Namespace) -> int:
             }
         )
         out.update(budget)
+        if framework_plan is not None:
+            rank, fp, names = framework_plan
+            out["best_framework_plan"] = {"rank": rank, "runs_on": names, "plan": fp.to_dict()}
         if where:
             out["where"] = args.where
         if constraints is not None:
@@ -220,6 +285,16 @@ def run_plan(args: argparse.Namespace) -> int:
         soft_wrap=True,
         highlight=False,
     )
+    if framework_plan is not None:
+        rank, fp, names = framework_plan
+        slower = fp.step_time_s["total"] / plans[0].step_time_s["total"] - 1
+        console.print(
+            f"[bold]Best plan a framework runs:[/bold] #{rank} {fp.parallel.short()} "
+            f"zero_stage={fp.parallel.zero_stage} recompute={fp.parallel.recompute}, "
+            f"{fp.step_time_s['total']:.2f} s per step ({slower:+.1%}), on {', '.join(names)}",
+            soft_wrap=True,
+            highlight=False,
+        )
     for line in budget_lines:
         console.print(f"[bold]Budget:[/bold] {line}", soft_wrap=True, highlight=False)
     if why:

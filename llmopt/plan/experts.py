@@ -11,10 +11,8 @@ Per MoE block and micro-batch on one rank:
   and etp fold them, 2·top_k·(expert weights)·tokens/t FLOPs forward, slowed by the load
   imbalance factor (the busiest expert's share over the mean; 1.0 for force-balanced
   benchmarks) and run at `GROUPED_GEMM_EFFICIENCY` × the dense GEMM efficiency;
-- all-to-all dispatch and combine of top_k copies of each local token's hidden state
-  (bf16), forward and backward (and again under full recomputation): each rank sends
-  (ep-1)/ep of them, over NVLink to the peers in its node and over the inter-node network to
-  the rest (an EP group spans etp·ep consecutive ranks), exposed unless `Workload.ep_comm_overlap`;
+- dispatch and combine of the tokens to the experts' ranks: `llmopt.plan.dispatch` (per
+  dispatcher, with A2A overlap and DualPipe);
 - permute/unpermute copies of the dispatched tokens as memory-bound traffic;
 - the local experts' weight traffic per micro-batch (`expert_weight_seconds`): it does not
   shrink with the tokens per expert, so small expert GEMMs fall towards the memory roofline;
@@ -32,8 +30,8 @@ import numpy as np
 
 from llmopt.models.config import ModelConfig
 from llmopt.models.moe import mlp_params, n_mlp, num_moe_layers
+from llmopt.plan.dispatch import ep_of
 from llmopt.plan.grid import Grid
-from llmopt.plan.hardware import Cluster
 from llmopt.plan.workload import Workload
 
 # Grouped (per-expert) GEMMs reach this fraction of the large dense GEMMs' throughput: many
@@ -50,12 +48,6 @@ KERNELS_PER_EXPERT = {"bf16": 8, "fp8": 14}
 # Per MoE block and micro-batch, whatever the expert count: router GEMM, softmax/top-k, aux
 # loss, permute, dispatch, combine, unpermute, forward and backward.
 KERNELS_PER_MOE_BLOCK = 40
-
-
-def ep_of(grid: Grid) -> tuple[np.ndarray, np.ndarray]:
-    """(ep, etp) arrays of a grid; 1 where the grid has none (dense plans)."""
-    ones = np.ones_like(grid["tp"])
-    return grid.get("ep", ones), grid.get("etp", ones)
 
 
 def moe_fraction(model: ModelConfig) -> float:
@@ -84,22 +76,29 @@ def expert_reasons(model: ModelConfig, grid: Grid) -> list[tuple[str, np.ndarray
     e = model.moe.num_experts
     return [
         (f"ep={{ep}} does not divide num_experts={e}", e % ep != 0),
+        # megatron/core/parallel_state.py (initialize_model_parallel): the expert grid is
+        # etp x ep x edp over the same tp·cp·dp ranks of a pipeline stage ("parallel folding")
         (
-            "ep={ep} does not divide dp*cp (Megatron lays experts over the data-parallel ranks)",
-            (dp * cp) % ep != 0,
+            "etp*ep={etp}*{ep} does not divide tp*cp*dp={tp}*{cp}*{dp} (experts are folded over "
+            "the ranks of a pipeline stage)",
+            (tp * cp * dp) % (etp * ep) != 0,
         ),  # fmt: skip
         ("etp={etp} must be 1 or tp={tp}", (etp != 1) & (etp != tp)),
     ]
 
 
 def expert_options(model: ModelConfig, tp: int, dpcp: int, options) -> list[tuple[int, int]]:
-    """(ep, etp) candidates of the search: ep dividing dp·cp and the expert count, etp 1 or tp
-    (dense models: (1, 1)); `options(key, default)` applies the user's constraints."""
+    """(ep, etp) candidates of the search: etp 1 or tp, ep dividing the expert count and
+    tp·dp·cp/etp (Megatron-Core's folding; dense models: (1, 1)); `options(key, default)`
+    applies the user's constraints."""
     if model.moe is None:
-        eps = options("ep", [1])
-    else:
-        eps = options("ep", [e for e in _divisors(dpcp) if model.moe.num_experts % e == 0])
-    return [(e, t) for e in eps for t in options("etp", sorted({1, tp} if e > 1 else {1}))]
+        return [(e, t) for e in options("ep", [1]) for t in options("etp", [1])]
+    out = []
+    for t in options("etp", sorted({1, tp})):
+        stage = tp * dpcp // t if (tp * dpcp) % t == 0 else 0
+        eps = [e for e in _divisors(stage) if model.moe.num_experts % e == 0] if stage else []
+        out += [(e, t) for e in options("ep", eps) if e > 1 or t == 1]
+    return out
 
 
 def _divisors(n: int) -> list[int]:
@@ -135,26 +134,6 @@ def moe_elementwise(model: ModelConfig) -> float:
     return moe_fraction(model) * (4 * m.top_k * model.hidden_size + act)
 
 
-def a2a_seconds_per_call(
-    model: ModelConfig, cluster: Cluster, grid: Grid, tokens: np.ndarray
-) -> np.ndarray:
-    """One dispatch (or combine) all-to-all of one MoE block for `tokens` tokens per rank."""
-    ep, etp = ep_of(grid)
-    if model.moe is None:
-        return np.zeros_like(tokens, dtype=np.float64)
-    e = ep.astype(np.float64)
-    payload = tokens / grid["tp"] * model.moe.top_k * model.hidden_size * ACT_BYTES
-    g = cluster.gpus_per_node
-    span = etp * ep
-    peers_in_node = np.where(span <= g, e - 1, np.maximum(g // etp - 1, 0))
-    peers_out = e - 1 - peers_in_node
-    per_peer = payload / e
-    intra, inter = cluster.intra_node, cluster.inter_node
-    t = per_peer * (peers_in_node / intra.bytes_per_s + peers_out / inter.bytes_per_s)
-    lat = np.where(peers_out > 0, inter.latency_us, intra.latency_us) * 1e-6
-    return np.where(ep > 1, t + 2 * lat, 0.0)
-
-
 def host_seconds_per_block(
     model: ModelConfig, work: Workload, grid: Grid, expert_gpu_s: np.ndarray
 ) -> np.ndarray:
@@ -171,12 +150,6 @@ def host_seconds_per_block(
     experts = moe_fraction(model) * local * KERNELS_PER_EXPERT[work.precision] * LAUNCH_S
     block = moe_fraction(model) * KERNELS_PER_MOE_BLOCK * LAUNCH_S
     return block + np.maximum(0.0, experts - expert_gpu_s)
-
-
-def a2a_calls_per_microbatch(model: ModelConfig, rc_full: np.ndarray) -> np.ndarray:
-    """Dispatch + combine forward and backward per block (averaged), again under full
-    recomputation."""
-    return moe_fraction(model) * np.where(rc_full, 6.0, 4.0)
 
 
 def moe_activation_bytes(

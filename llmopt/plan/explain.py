@@ -313,7 +313,15 @@ def why_not(
             (int(mask.sum()), f"  - {prefix}{text} ({int(mask.sum())} of {len(mask)} variants)")
         )
     found.sort(key=lambda f: -f[0])
-    return lines + [line for _, line in found]
+    lines += [line for _, line in found]
+    memory_only = ev.structural & ~ev.memory["fits"]
+    if memory_only.any() and not (ev.structural & ev.memory["fits"]).any():
+        from llmopt.plan.fits import fits_with
+
+        fix = fits_with(model, work, cluster, constraints, ev)
+        lines.append(fix or "  No single switch (bf16 gradients, more recompute, a higher ZeRO "
+                     "stage, micro-batch 1) makes them fit.")  # fmt: skip
+    return lines
 
 
 def link_report(

@@ -45,13 +45,20 @@ REDUCE_DTYPE_OF_STATE = {"megatron": "fp32", "zero": "bf16"}
 STATE_OF_REDUCE_DTYPE = {v: k for k, v in REDUCE_DTYPE_OF_STATE.items()}
 
 
-def to_grid(plan: ParallelPlan, etp: int | None = None, grad_reduce: str = "microbatch") -> Grid:
+def to_grid(
+    plan: ParallelPlan,
+    etp: int | None = None,
+    grad_reduce: str = "microbatch",
+    ep: int | None = None,
+) -> Grid:
     """A one-plan grid (expert TP defaults to Megatron's: tp when ep > 1; `grad_reduce` is the
-    ZeRO-2/3 gradient policy, one of GRAD_REDUCES)."""
+    ZeRO-2/3 gradient policy, one of GRAD_REDUCES; `ep` overrides plan.ep for an EP degree
+    folded beyond dp·cp, which ParallelPlan does not hold)."""
     if grad_reduce not in GRAD_REDUCES:
         raise UsageError(f"grad_reduce={grad_reduce!r}; choose from {', '.join(GRAD_REDUCES)}")
+    ep = plan.ep if ep is None else ep
     if etp is None:
-        etp = plan.tp if plan.ep > 1 else 1
+        etp = plan.tp if ep > 1 else 1
     return {
         "tp": np.array([plan.tp]),
         "pp": np.array([plan.pp]),
@@ -64,7 +71,7 @@ def to_grid(plan: ParallelPlan, etp: int | None = None, grad_reduce: str = "micr
         "v": np.array([plan.virtual_stages]),
         "sched": np.array([SCHEDULES.index(plan.schedule)]),
         "rc": np.array([RECOMPUTES.index(plan.recompute)]),
-        "ep": np.array([plan.ep]),
+        "ep": np.array([ep]),
         "etp": np.array([etp]),
         "gacc": np.array([GRAD_REDUCES.index(grad_reduce)]),
     }
@@ -73,13 +80,17 @@ def to_grid(plan: ParallelPlan, etp: int | None = None, grad_reduce: str = "micr
 def grid_row(
     grid: Grid, i: int, precision: str = "bf16", state_bytes: str = "megatron"
 ) -> ParallelPlan:
-    """The i-th plan of a grid, with the workload's numerics."""
+    """The i-th plan of a grid, with the workload's numerics. An expert-parallel degree that
+    ParallelPlan cannot hold (Megatron-Core's parallel folding lays EP over tp·cp·dp, so ep may
+    exceed dp·cp) is left out of the ParallelPlan (ep=1); `Plan.ep` carries it."""
+    ep = int(grid["ep"][i]) if "ep" in grid else 1
+    dpcp = int(grid["dp"][i]) * int(grid["cp"][i])
     return ParallelPlan(
         tp=int(grid["tp"][i]),
         pp=int(grid["pp"][i]),
         dp=int(grid["dp"][i]),
         cp=int(grid["cp"][i]),
-        ep=int(grid["ep"][i]) if "ep" in grid else 1,
+        ep=ep if dpcp % ep == 0 else 1,
         sequence_parallel=bool(grid["sp"][i]),
         zero_stage=int(grid["zero"][i]),
         micro_batch=int(grid["mb"][i]),

@@ -29,6 +29,7 @@ from llmopt.models.moe import attention_params, mlp_params
 from llmopt.plan.experts import expert_dp, expert_params_per_rank, moe_activation_bytes
 from llmopt.plan.grid import Grid
 from llmopt.plan.hardware import GIB, Cluster
+from llmopt.plan.split import rank_layers
 from llmopt.plan.workload import STATE_BYTES, Workload
 
 ACT_BYTES = 2  # bf16 activations (FP8 training keeps bf16 activations between GEMMs)
@@ -89,9 +90,9 @@ def layer_params_per_rank(model: ModelConfig, tp: np.ndarray) -> np.ndarray:
 
 
 def layers_per_stage(model: ModelConfig, pp: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """Layers on the most loaded pipeline stage (v chunks of ceil(L / (p·v)) layers)."""
-    pv = np.asarray(pp) * np.asarray(v)
-    return -(-model.num_layers // pv) * np.asarray(v)
+    """Layers on the most loaded pipeline rank of the most balanced split (`llmopt.plan.split`:
+    the last rank, which also runs the output layer, may hold fewer)."""
+    return rank_layers(model, pp, v)[1]
 
 
 def stage_params(model: ModelConfig, grid: Grid) -> tuple[np.ndarray, np.ndarray]:
@@ -99,15 +100,16 @@ def stage_params(model: ModelConfig, grid: Grid) -> tuple[np.ndarray, np.ndarray
 
     The first stage holds the (vocab-parallel) embedding, the last the output layer and final
     norm; with tied embeddings and pp>1 the last stage keeps its own copy (Megatron does).
+    Each holds its share of the layers (`llmopt.plan.split.rank_layers`).
     """
     tp, pp = grid["tp"], grid["pp"]
     t = tp.astype(np.float64)
     per_layer = layer_params_per_rank(model, tp) + expert_params_per_rank(model, grid)
-    layers = layers_per_stage(model, pp, grid["v"]) * per_layer
+    n_first, _, n_last = rank_layers(model, pp, grid["v"])
     emb = model.vocab_size * model.hidden_size / t
     head = np.where(model.tie_embeddings & (pp == 1), 0.0, emb) + model.hidden_size
-    first = layers + emb + np.where(pp == 1, head, 0.0)
-    last = layers + head + np.where(pp == 1, emb, 0.0)
+    first = n_first * per_layer + emb + np.where(pp == 1, head, 0.0)
+    last = n_last * per_layer + head + np.where(pp == 1, emb, 0.0)
     return first, last
 
 
@@ -273,11 +275,18 @@ def microbatches_in_flight_on_rank(
 
 
 def split_state_bytes(
-    model: ModelConfig, stage_p: np.ndarray, grid: Grid, state_bytes: str
+    model: ModelConfig,
+    stage_p: np.ndarray,
+    grid: Grid,
+    state_bytes: str,
+    n_layers: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
-    """Model states of a stage's `stage_p` parameters per rank: dense parts ZeRO-sharded over
-    dp·cp, routed experts over their expert-data-parallel ranks (`experts.expert_dp`)."""
-    experts = layers_per_stage(model, grid["pp"], grid["v"]) * expert_params_per_rank(model, grid)
+    """Model states of a stage's `stage_p` parameters per rank (`n_layers` of them in blocks;
+    default the busiest rank's): dense parts ZeRO-sharded over dp·cp, routed experts over
+    their expert-data-parallel ranks (`experts.expert_dp`)."""
+    if n_layers is None:
+        n_layers = layers_per_stage(model, grid["pp"], grid["v"])
+    experts = n_layers * expert_params_per_rank(model, grid)
     z, full = grid["zero"], grad_policy(grid)
     dense = model_state_bytes(stage_p - experts, z, grid["dp"] * grid["cp"], state_bytes, full)
     routed = model_state_bytes(experts, z, expert_dp(grid), state_bytes, full)
@@ -302,9 +311,9 @@ def memory_breakdown(
     per_layer = activation_bytes_per_layer(
         model, s, mb, tp, grid["sp"], cp, grid["rc"], work.flash_attention, work.dropout
     ) + np.where(grid["rc"] == RC_FULL, 0.0, moe_extra)
-    n_layers = layers_per_stage(model, pp, grid["v"])
+    n_first, _, n_last = rank_layers(model, pp, grid["v"])
     inflight = microbatches_in_flight(pp, grid["m"], grid["v"], grid["sched"])
-    act_first = per_layer * n_layers * inflight
+    act_first = per_layer * n_first * inflight
     # Full recompute rebuilds one layer's activations at a time during backward.
     working = moe_extra + activation_bytes_per_layer(
         model, s, mb, tp, grid["sp"], cp, RC_NONE, work.flash_attention, work.dropout
@@ -314,7 +323,7 @@ def memory_breakdown(
     act_last = np.where(
         pp == 1,
         act_first,
-        per_layer * n_layers * inflight_last + np.where(grid["rc"] == 2, working, 0.0),
+        per_layer * n_last * inflight_last + np.where(grid["rc"] == 2, working, 0.0),
     )
     tokens = mb * s / cp
     logits = tokens * model.vocab_size / t * (ACT_BYTES + 4)  # bf16 logits + fp32 softmax/grad
@@ -347,7 +356,11 @@ def memory_breakdown(
 
 
 def _full_model_states(model, work, grid, stage_p, shard, first: bool) -> dict[str, np.ndarray]:
-    return split_state_bytes(model, stage_p, grid, work.state_bytes)
+    n_first, _, n_last = rank_layers(model, grid["pp"], grid["v"])
+    out = split_state_bytes(model, stage_p, grid, work.state_bytes, n_first if first else n_last)
+    if getattr(work, "dualpipe", False):  # DualPipe keeps a second copy of the stage's weights
+        out["params"] = out["params"] * np.where(grid["pp"] > 1, 2.0, 1.0)
+    return out
 
 
 QLORA_BYTES_PER_PARAM = 0.5 + 3 / 64  # INT4 codes + an fp16 scale and a uint8 zero per 64

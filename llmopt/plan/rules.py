@@ -24,7 +24,7 @@ MAX_MICRO_BATCH = 32
 # many tokens (Llama 3 used CP
 # only for its long-context phase; NeMo's Llama-3-70B recipe uses CP=2 at 8192).
 MIN_CP_CHUNK = 4096
-VIRTUAL_STAGES = (2, 3, 4, 6, 8)
+VIRTUAL_STAGES = (2, 3, 4, 5, 6, 8)  # 5: NeMo's Llama 3 70B recipes (80 layers, pp 8 x vp 5)
 KEY_OF_FIELD = {name: key for key, name in GRID_FIELDS.items()}
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 
@@ -59,9 +59,14 @@ def structural_reasons(
             f"tp={{tp}} and num_kv_heads={kv}: one must divide the other",
             (kv % tp != 0) & (tp % kv != 0),
         ),
-        # Uneven splits are allowed (Megatron-Core's first/last-stage layer counts); the busiest
-        # stage holds ceil(L / (pp·v)) layers per chunk.
-        (f"pp*virtual_stages={{pv}} exceeds num_layers={L}", pp * v > L),
+        # Uneven splits are allowed (llmopt.plan.split: Megatron-Core's layouts, torchtitan's
+        # weighted split, the engine's layers_per_stage); a chunk may hold only the embedding
+        # or only the output layer and loss, so pp·v may reach num_layers + 2.
+        (
+            f"pp*virtual_stages={{pv}} exceeds num_layers+2={L + 2} (one chunk per layer, "
+            "plus the embedding's and the loss's)",
+            pp * v > L + 2,
+        ),
         (
             "schedule=interleaved needs num_microbatches={m} divisible by pp={pp}",
             (grid["sched"] == 2) & (grid["m"] % pp != 0),
@@ -119,6 +124,7 @@ def parse_constraints(spec: str) -> dict[str, int]:
     out: dict[str, int] = {}
     if not spec.strip():
         return out
+    given: dict[str, str] = {}
     for part in spec.replace(" ", "").split(","):
         if not part:
             continue
@@ -130,6 +136,11 @@ def parse_constraints(spec: str) -> dict[str, int]:
             raise ConstraintError(
                 f"unknown mapping key {name!r}; valid: {', '.join(sorted(KEY_OF_FIELD))}"
             )
+        if name in given:
+            raise ConstraintError(
+                f"{name} is given twice ({name}={given[name]}, {name}={value}); give it once"
+            )
+        given[name] = value
         key = KEY_OF_FIELD[name]
         if key == "sched":
             if value not in SCHEDULES:

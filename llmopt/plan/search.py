@@ -25,7 +25,7 @@ from llmopt.plan.hardware import GIB, Cluster
 from llmopt.plan.memory import memory_breakdown
 from llmopt.plan.objectives import Requirement, objective_band
 from llmopt.plan.rules import msg_at, structural_reasons
-from llmopt.plan.shortfall import no_candidates_message, nothing_fits_message
+from llmopt.plan.shortfall import NothingFitsError, no_candidates_message, nothing_fits_message
 from llmopt.plan.space import build_grid  # noqa: F401  (re-exported: the search space)
 from llmopt.plan.timing import comm_bytes_per_gpu, step_time
 from llmopt.plan.workload import Workload, model_flops_per_step, recompute_flops_per_step
@@ -49,6 +49,13 @@ class Plan:
     expert_tp: int = 1
     grad_reduce: str = "microbatch"  # ZeRO-2/3 gradient policy (grid.GRAD_REDUCES)
     mfu_bf16_peak: float | None = None  # FP8 runs: MFU against the bf16 peak, labelled so
+    # expert-parallel degree; differs from parallel.ep only when EP is folded over tp·cp·dp
+    # beyond dp·cp (Megatron-Core parallel folding), which ParallelPlan does not hold
+    expert_parallel: int | None = None
+
+    @property
+    def ep(self) -> int:
+        return self.parallel.ep if self.expert_parallel is None else self.expert_parallel
 
     def to_dict(self) -> dict[str, Any]:
         """ParallelPlan's fields, then what the model predicts for them."""
@@ -59,6 +66,7 @@ class Plan:
             "memory_gib": {k: round(v, 3) for k, v in mem.items()},
             "step_time_s": {k: round(v, 6) for k, v in self.step_time_s.items()},
             "tokens_per_s": round(self.tokens_per_s, 1),
+            "ep": self.ep,
             "etp": self.expert_tp,
             "grad_reduce": self.grad_reduce,
             "tokens_per_s_per_gpu": round(self.tokens_per_s / self.parallel.world_size, 1),
@@ -113,6 +121,7 @@ class Evaluation:
             if "gacc" in self.grid
             else "microbatch",
             mfu_bf16_peak=None if self.mfu_bf16 is None else float(self.mfu_bf16[i]),
+            expert_parallel=int(self.grid["ep"][i]) if "ep" in self.grid else None,
         )
 
 
@@ -236,7 +245,8 @@ def search(
     ev = evaluate(model, work, cluster, grid, with_comm=False, **opts)
     order = ranked(ev)
     if len(order) == 0:
-        raise UsageError(nothing_fits_message(model, work, cluster, ev, constraints))
+        message = nothing_fits_message(model, work, cluster, ev, constraints)
+        raise NothingFitsError(message, ev, constraints)
     top = order[:top_k]
     sub = {k: v[top] for k, v in grid.items()}
     top_ev = evaluate(model, work, cluster, sub, with_comm=True, **opts)
@@ -266,16 +276,18 @@ def estimate(
     plan: ParallelPlan,
     etp: int | None = None,
     grad_reduce: str = "microbatch",
+    ep: int | None = None,
 ) -> Plan:
     """Evaluate one fully specified plan (even an invalid one: `rejected` says why). Precision
-    and reduce dtype come from the plan (`workload_for`); `etp` is the expert TP (None: tp)."""
+    and reduce dtype come from the plan (`workload_for`); `etp` is the expert TP (None: tp);
+    `ep` an expert-parallel degree folded beyond dp·cp (None: plan.ep)."""
     if plan.world_size != cluster.num_gpus:
         raise UsageError(
             f"tp*pp*dp*cp={plan.world_size} but the cluster has {cluster.num_gpus} GPUs "
             f"({cluster.nodes} nodes x {cluster.gpus_per_node})"
         )
     work = workload_for(work, plan)
-    ev = evaluate(model, work, cluster, to_grid(plan, etp, grad_reduce))
+    ev = evaluate(model, work, cluster, to_grid(plan, etp, grad_reduce, ep))
     out = plan_at(ev, 0)
     out.parallel = plan  # the grid does not carry fp8_recipe: keep the plan as given
     return out

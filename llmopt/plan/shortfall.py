@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from llmopt.errors import UsageError
 from llmopt.models.config import ModelConfig
 from llmopt.plan.grid import grid_row
 from llmopt.plan.hardware import GIB, Cluster
@@ -64,3 +65,13 @@ def nothing_fits_message(
         f"recompute={p.recompute}, micro_batch={p.micro_batch}) needs {need:.1f} GiB per GPU, "
         f"{need - have:.1f} GiB more than the {have:.1f} GiB usable"
     )
+
+
+class NothingFitsError(UsageError):
+    """A search whose every plan is invalid; carries the evaluation so a caller can say which
+    switch would admit plans (`llmopt.plan.fits.fits_with`)."""
+
+    def __init__(self, message: str, evaluation: Any, constraints: dict[str, int] | None):
+        super().__init__(message)
+        self.evaluation = evaluation
+        self.constraints = dict(constraints or {})

@@ -30,11 +30,9 @@ import numpy as np
 
 from llmopt.models.config import ModelConfig
 from llmopt.models.moe import attention_core_dim, attention_params, mlp_params
-from llmopt.plan import ring
+from llmopt.plan import dispatch, ring
 from llmopt.plan.comm import Collectives, applies, collectives, layout
 from llmopt.plan.experts import (
-    a2a_calls_per_microbatch,
-    a2a_seconds_per_call,
     expert_weight_seconds,
     host_seconds_per_block,
     moe_elementwise,
@@ -46,14 +44,28 @@ from llmopt.plan.memory import (
     ACT_BYTES,
     RC_FULL,
     RC_SELECTIVE,
+    SCHED_INTERLEAVED,
     grad_policy,
     kv_heads_per_rank,
     layers_per_stage,
     split_state_bytes,
     stage_params,
 )
+from llmopt.plan.split import rank_layers
 from llmopt.plan.workload import STATE_BYTES, Workload
 
+# Share of the GPU's comm_overlap_efficiency that each data-parallel sharding implementation
+# reaches for its gradient reduce and weight gathers. "fsdp" (PyTorch FSDP2, Megatron's
+# distributed optimizer and Megatron-FSDP: bucketed, prefetched on side streams) is the
+# reference, 1.0. "deepspeed" (ZeRO-3 parameter fetch from module hooks, prefetch bounded by
+# stage3_prefetch_bucket_size) was fitted on the calibration rows 11-16 (Narayanan et al. 2021
+# Table 2, DeepSpeed ZeRO-3 on 384-2240 A100): 0.6 puts their median error at 3.4 % (1.0: 17 %).
+SHARDING_OVERLAP = {"fsdp": 1.0, "deepspeed": 0.6}
+# Fixed cost of one pipeline step (one model chunk's forward or backward of one micro-batch on
+# a rank): p2p handshake and launch gap. Fitted on the calibration rows: 0.5 ms moves the dense
+# median from 5.2 to 4.8 % and the MoE p90 from 47 to 41 % (0, 0.2, 0.5, 1 and 2 ms tried;
+# above 0.5 ms the NeMo rows with pp 8 x vp 8 turn slow).
+CHUNK_STEP_S = 0.0005
 # Adam step, bytes moved per local parameter: read fp32 master, grad, m, v (16), write master,
 # m, v (12) and the bf16 weight copy (2), plus a read of the gradient for the norm/clip (4).
 ADAM_BYTES_PER_PARAM = 34.0
@@ -124,45 +136,80 @@ def step_time(
     head_fwd = tokens * 2 * h * model.vocab_size / t / gemm_rate
     head_fwd = head_fwd + tokens * model.vocab_size / t * (ACT_BYTES + 3 * 4) / hbm
 
-    n_layers = layers_per_stage(model, pp, v)
-    fwd_mb = n_layers * layer_fwd
-    compute_mb_layers = 3 * fwd_mb + n_layers * expert_w
-    compute_mb_last = compute_mb_layers + 3 * head_fwd
+    # Layers per rank of the most balanced split (llmopt.plan.split): the busiest non-last rank
+    # holds n_mid, the last rank n_last plus the output layer. Per-layer parts first.
+    _, n_mid, n_last = rank_layers(model, pp, v)
+    n_layers = layers_per_stage(model, pp, v)  # = n_mid: what collectives() counts per rank
+    fwd_layer = layer_fwd
+    compute_layer = 3 * layer_fwd + expert_w
     # Selective: Megatron recomputes the attention core; with flash attention (which already
     # recomputes it) selective means op-level recomputation of the memory-bound ops.
     if work.flash_attention:
-        selective = n_layers * (t_elem - t_softmax)
+        selective = t_elem - t_softmax
     else:
-        selective = n_layers * (t_attn + t_softmax)
-    recompute_mb = np.where(rc == RC_FULL, fwd_mb, np.where(rc == RC_SELECTIVE, selective, 0.0))
+        selective = t_attn + t_softmax
+    recompute_layer = np.where(
+        rc == RC_FULL, layer_fwd, np.where(rc == RC_SELECTIVE, selective, 0.0)
+    )
 
     cs = collectives(model, work, cluster, grid)
     tp_hidden = gpu.comm_overlap_efficiency if work.tp_comm_overlap else 0.0
-    tp_all = _sum_time(cs, cluster, group="tp", stage="all") / m
-    tp_last = _sum_time(cs, cluster, group="tp", stage="last") / m
-    tp_exposed_mb = (1 - tp_hidden) * (tp_all + tp_last)
+    tp_layer = (1 - tp_hidden) * _sum_time(cs, cluster, group="tp", stage="all") / m / n_layers
+    tp_last = (1 - tp_hidden) * _sum_time(cs, cluster, group="tp", stage="last") / m
     # CP: ring attention's K/V passes, each hidden behind the previous block's attention
     crosses = layout(cluster, grid)["cp"]
-    exposed = ring.ring_exposed_seconds(model, cluster, grid, s, t_attn, crosses, rc == RC_FULL)
-    cp_exposed_mb = n_layers * exposed
-
-    a2a = a2a_seconds_per_call(model, cluster, grid, tokens)
-    a2a = n_layers * a2a_calls_per_microbatch(model, rc == RC_FULL) * a2a
-    ep_exposed_mb = a2a * (1 - (gpu.comm_overlap_efficiency if work.ep_comm_overlap else 0.0))
+    cp_layer = ring.ring_exposed_seconds(model, cluster, grid, s, t_attn, crosses, rc == RC_FULL)
+    # EP dispatch/combine per dispatcher, hidden behind the paired micro-batch's compute with
+    # A2A overlap or DualPipe (llmopt.plan.dispatch)
+    a2a_layer = dispatch.calls_per_microbatch(model, rc == RC_FULL) * dispatch.seconds_per_call(
+        model, cluster, grid, tokens, work.ep_dispatcher
+    )
+    hidden = work.ep_comm_overlap or work.dualpipe
+    ep_layer = dispatch.exposed_seconds(
+        a2a_layer, compute_layer + recompute_layer, hidden, gpu.comm_overlap_efficiency
+    )
     # MoE blocks cannot run faster than the host launches their per-expert kernels
-    host_mb = n_layers * host_seconds_per_block(model, work, grid, expert_gpu)
-    tau_last = compute_mb_last + recompute_mb + tp_exposed_mb + cp_exposed_mb + ep_exposed_mb
-    tau_last = tau_last + host_mb
-    tau_mean = tau_last - (3 * head_fwd + (1 - tp_hidden) * tp_last) * (1 - 1 / pp)
-    bubble = (pp - 1) / v * tau_mean
+    host_layer = host_seconds_per_block(model, work, grid, expert_gpu)
+    per_layer = compute_layer + recompute_layer + tp_layer + cp_layer + ep_layer + host_layer
+    head_mb = 3 * head_fwd + tp_last
+    # Each model chunk a rank runs per micro-batch (forward and backward) is a pipeline step:
+    # its p2p handshake and the launch gap before its first kernel (CHUNK_STEP_S)
+    chunk_steps = np.where(pp > 1, 2 * v * CHUNK_STEP_S, 0.0)
+    tau_mid = n_mid * per_layer + chunk_steps
+    tau_last = n_last * per_layer + head_mb + chunk_steps
+    last_busiest = tau_last >= tau_mid
+    n_busy = np.where(last_busiest, n_last, n_mid)
+    tau_mean = model.num_layers / pp * per_layer + head_mb / pp
+    stages = np.where(work.dualpipe, np.maximum(pp / 2 - 1, 0), pp - 1)  # DualPipe halves it
+    bubble = stages / v * tau_mean
+    fwd_mb = n_busy * fwd_layer
+    recompute_mb = n_busy * recompute_layer
     p2p = _sum_time(
         cs, cluster, group="pp", op="send", stage=("all", "not_first", "not_last", "last")
     )
+    # Megatron-Core's interleaved schedule posts the next chunk's send/recv before computing
+    # (--overlap-p2p-communication, on by default with virtual stages): the transfers hide
+    # behind the chunk computes; Megatron-LM up to 2022 and 1F1B wait for them.
+    p2p_hidden = (grid["sched"] == SCHED_INTERLEAVED) & (not work.pp_scatter_gather)
+    hide_p2p = gpu.comm_overlap_efficiency * m * tau_mid
+    p2p = np.where(p2p_hidden, np.maximum(0.0, p2p - hide_p2p), p2p)
 
-    # Data parallel / ZeRO collectives and what of them hides behind compute.
-    hide = gpu.comm_overlap_efficiency if work.dp_comm_overlap else 0.0
+    # Data parallel / ZeRO collectives and what of them hides behind compute; DeepSpeed's
+    # ZeRO-3 fetches parameters from module hooks with a bounded prefetch bucket, so less of
+    # its traffic hides than behind FSDP's per-layer prefetch streams (SHARDING_OVERLAP).
+    hide = (
+        gpu.comm_overlap_efficiency * SHARDING_OVERLAP[work.sharding]
+        if work.dp_comm_overlap
+        else 0.0
+    )
     fwd_window = hide * fwd_mb
-    bwd_window = hide * 2 * fwd_mb
+    bwd_window = hide * (2 * fwd_mb + recompute_mb)  # a recomputed forward runs in backward too
+    # Interleaved 1F1B finishes its chunks' last backwards one by one through the cooldown, so
+    # Megatron's bucketed grad reduce (and the next step's param gather, during the warm-up)
+    # also hides behind about half the bubble (--overlap-grad-reduce / --overlap-param-gather).
+    interleaved = grid["sched"] == SCHED_INTERLEAVED
+    step_fwd_window = fwd_window + np.where(interleaved, hide * bubble / 2, 0.0)
+    step_bwd_window = bwd_window + np.where(interleaved, hide * bubble / 2, 0.0)
     grad_once = _sum_time(cs, cluster, group="dp", phase="step", op="all-reduce", stage="last")
     z = grid["zero"]
     rs_total = _sum_time(cs, cluster, group="dp", op="reduce-scatter", stage="last")
@@ -174,8 +221,8 @@ def step_time(
     rs_mb = np.where(once, 0.0, rs_total / m)
     rs_once = np.where(once, rs_total, 0.0)
     first_layer = 1 / n_layers  # the first bucket/layer's gather cannot hide
-    dp01 = np.maximum(0.0, grad_once + rs_total - bwd_window) + np.maximum(
-        0.0, ag_step - fwd_window
+    dp01 = np.maximum(0.0, grad_once + rs_total - step_bwd_window) + np.maximum(
+        0.0, ag_step - step_fwd_window
     )
     dp2 = m * np.maximum(0.0, rs_mb - bwd_window) + np.maximum(0.0, ag_step - fwd_window)
     dp2 = dp2 + np.maximum(0.0, rs_once - bwd_window)
@@ -193,18 +240,19 @@ def step_time(
     opt_params = split_state_bytes(model, np.maximum(first_p, last_p), grid, "zero")
     optimizer = opt_params["optimizer"] / 12 * ADAM_BYTES_PER_PARAM / hbm
 
+    busy_head = np.where(last_busiest, 1.0, 0.0)
     out = {
-        "compute": m * compute_mb_last,
+        "compute": m * (n_busy * compute_layer + busy_head * 3 * head_fwd + chunk_steps),
         "recompute": m * recompute_mb,
-        "tp_comm_exposed": m * tp_exposed_mb,
-        "cp_comm_exposed": m * cp_exposed_mb,
+        "tp_comm_exposed": m * (n_busy * tp_layer + busy_head * tp_last),
+        "cp_comm_exposed": m * n_busy * cp_layer,
         "pp_bubble": bubble,
         "pp_p2p": p2p,
         "dp_comm_exposed": dp_exposed,
         "optimizer": optimizer,
     }
     if model.moe is not None:  # MoE-only parts (dense plans' breakdowns stay as they were)
-        out.update(ep_comm_exposed=m * ep_exposed_mb, moe_host_bound=m * host_mb)
+        out.update(ep_comm_exposed=m * n_busy * ep_layer, moe_host_bound=m * n_busy * host_layer)
     out["total"] = sum(out.values())
     return out
 

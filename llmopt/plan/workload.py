@@ -54,6 +54,15 @@ class Workload:
     # benchmarks run); EP all-to-alls hidden behind compute (DeepEP / 1F1B A2A overlap).
     expert_imbalance: float = 1.0
     ep_comm_overlap: bool = False
+    # MoE token dispatcher (`llmopt.plan.dispatch.DISPATCHERS`): NCCL all-to-all, or DeepEP /
+    # HybridEP, which cross the network once per destination node
+    ep_dispatcher: str = "alltoall"
+    # DeepSeek's DualPipe schedule (bidirectional 1F1B): half the bubble, two copies of the
+    # stage's weights, dispatch/combine hidden behind the paired micro-batch's compute
+    dualpipe: bool = False
+    # Data-parallel sharding implementation (`llmopt.plan.timing.SHARDING_OVERLAP`): "fsdp"
+    # (FSDP2, Megatron's distributed optimizer / Megatron-FSDP) or "deepspeed" (ZeRO-3 hooks)
+    sharding: str = "fsdp"
     # Fine-tuning (llmopt.plan.memory.lora_model_states): LoRA adapters of this rank on every
     # block linear train; the frozen base is bf16, or packed INT4 with qlora.
     lora_rank: int = 0
@@ -76,6 +85,12 @@ class Workload:
             raise UsageError(f"expert_imbalance={imb!r} must be a finite number >= 1")
         if imb < 1:
             raise UsageError(f"expert_imbalance={imb!r} must be >= 1 (busiest over mean load)")
+        if self.ep_dispatcher not in ("alltoall", "deepep", "hybridep"):
+            raise UsageError(
+                f"ep_dispatcher={self.ep_dispatcher!r}; choose from alltoall, deepep, hybridep"
+            )
+        if self.sharding not in ("fsdp", "deepspeed"):
+            raise UsageError(f"sharding={self.sharding!r}; choose fsdp or deepspeed")
         if self.optimizer != "adam":
             raise UsageError(f"optimizer={self.optimizer!r} is not supported; use adam")
         if (

@@ -10,8 +10,13 @@ dequantisation, which is differentiable in its input.
 
 Adapters are saved in PEFT's layout (`adapter_config.json`, `adapter_model.safetensors` with
 peft's key names: `base_model.model.<HF module>.lora_A.weight`), so `peft` loads them onto
-transformers' model; `merged_model` folds them into a plain model (`llmopt merge`). Beside
-them, `llmopt_adapter.json` holds a fingerprint of the base weights the adapter was trained on
+transformers' model; `merged_model` folds them into a plain model (`llmopt merge`). The
+config's `base_model_name_or_path` is what transformers resolves: a HF directory's absolute
+path (so `AutoPeftModelForCausalLM.from_pretrained(adapter)` works from any directory) or a
+Hub id as given; a GGUF base (a packaged name) is written as the file's absolute path, which
+transformers opens with `AutoModelForCausalLM.from_pretrained(dir, gguf_file=name)` before
+`PeftModel.from_pretrained` (AutoPeft cannot pass `gguf_file`). Beside them,
+`llmopt_adapter.json` holds a fingerprint of the base weights the adapter was trained on
 (the tensors LoRA leaves alone), so a merge onto another base of the same shape is refused
 instead of producing a silently wrong model.
 """
@@ -263,6 +268,20 @@ def adapters_or_own(model: nn.Module, adapters: Mapping[str, torch.Tensor] | Non
 
 
 # ---- PEFT layout ----
+def peft_base_reference(base_model: str | None) -> str | None:
+    """`base_model_name_or_path` for a base given as llmopt takes it (see the module doc)."""
+    if base_model is None:
+        return None
+    from llmopt.models.hub_cache import looks_like_hub_id
+    from llmopt.models.loading import resolve_spec
+
+    path = Path(base_model).expanduser()
+    if not path.exists() and looks_like_hub_id(base_model):
+        return base_model  # transformers resolves Hub ids itself (cache or download)
+    _, resolved = resolve_spec(base_model)  # a packaged name -> its GGUF file
+    return str(resolved.resolve())
+
+
 def save_adapter(
     model: nn.Module,
     directory: str | Path,
@@ -296,7 +315,7 @@ def save_adapter(
         "use_rslora": False,
         "use_dora": False,
         "modules_to_save": None,
-        "base_model_name_or_path": base_model,
+        "base_model_name_or_path": peft_base_reference(base_model),
     }
     atomic_write(directory / ADAPTER_FILE, lambda tmp: save_file(state, str(tmp), {"format": "pt"}))
     atomic_write_text(directory / CONFIG_FILE, json.dumps(config, indent=2))

@@ -8,9 +8,12 @@ naming the two values: the flags must match the weights (or be left out).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmopt.train.config import TrainConfigError
+
+if TYPE_CHECKING:
+    from llmopt.models.config import ModelConfig
 
 # TrainConfig's shape flags (all ModelConfig fields of the same name).
 SHAPE_FLAGS = ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads")
@@ -100,8 +103,6 @@ def _model_config(cfg: Any):
     from pathlib import Path
 
     if cfg.init_from is None:
-        from llmopt.train.trainer import model_config
-
         return model_config(cfg)
     path = Path(cfg.init_from)
     if (path / "config.json").is_file() and not (path / "llmopt_quant.json").exists():
@@ -109,3 +110,17 @@ def _model_config(cfg: Any):
 
         return read_config(path)
     return None
+
+
+def model_config(cfg: Any) -> ModelConfig:
+    """The model a run builds from scratch: its preset with the shape flags applied."""
+    from llmopt.models.presets import get_preset
+
+    base = get_preset(cfg.model)
+    changes = {
+        name: getattr(cfg, name)
+        for name in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads")
+        if getattr(cfg, name) is not None
+    }
+    changes["max_seq_len"] = max(base.max_seq_len, cfg.seq_len)
+    return base.replace(**changes)

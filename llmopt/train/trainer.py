@@ -31,9 +31,7 @@ import torch
 import torch.distributed as dist
 
 from llmopt.jsonout import dumps
-from llmopt.models.config import ModelConfig
 from llmopt.models.llama import Transformer, build_model
-from llmopt.models.presets import get_preset
 from llmopt.parallel.comm import CommCounter
 from llmopt.parallel.engine import DTYPES, Engine, Objective, parallelize
 from llmopt.parallel.grid import ParallelDims, RankGrid, init_distributed
@@ -48,7 +46,12 @@ from llmopt.train.finetune_data import build_data, own_tokenizer
 from llmopt.train.nonfinite import NonFiniteGuard
 from llmopt.train.reporting import Progress, Reporter, plot_losses
 from llmopt.train.rundir import prepare_run_dir
-from llmopt.train.shapes import ShapeMismatchError, check_dense_linears, check_shape_flags
+from llmopt.train.shapes import (
+    ShapeMismatchError,
+    check_dense_linears,
+    check_shape_flags,
+    model_config,
+)
 
 FAULT_ENV = "LLMOPT_FAULT"  # "kind:rank:step", kind in raise|kill|kill-in-save (tests)
 
@@ -71,17 +74,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     span = max(cfg.steps - cfg.warmup_steps, 1)
     progress = min((step - cfg.warmup_steps) / span, 1.0)
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
-
-
-def model_config(cfg: TrainConfig) -> ModelConfig:
-    base = get_preset(cfg.model)
-    changes = {
-        name: getattr(cfg, name)
-        for name in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads")
-        if getattr(cfg, name) is not None
-    }
-    changes["max_seq_len"] = max(base.max_seq_len, cfg.seq_len)
-    return base.replace(**changes)
 
 
 def build_initial_model(cfg: TrainConfig, device: torch.device) -> Transformer:

@@ -7,9 +7,14 @@ that got some. Per request: greedy or seeded sampling, EOS (one id or several), 
 stop strings, and speculation — a proposer (prompt lookup, or the engine's draft) guesses the
 tokens that follow, the same pass verifies them (`verify_greedy`: exactly the greedy output;
 `verify_sampled`: exactly the target's distribution), and adaptive speculation grows or
-shrinks each request's number of guesses.
+shrinks each request's number of guesses. Requests that ask for logprobs, prompt logprobs,
+penalties, logit bias, min_p or a grammar are sampled by `llmopt.infer.batch.logits` and do
+not speculate; plain requests never reach it.
 
 Not thread-safe: the server drives it from one thread.
+
+Over 400 lines: the one step every decode path shares (scheduling, the forward, acceptance,
+finishing); what only some requests need lives in `logits` and `speculative_verify`.
 """
 
 from __future__ import annotations
@@ -23,13 +28,19 @@ import torch
 from torch import nn
 
 from llmopt.errors import UsageError
+from llmopt.infer.batch import logits as processing
 from llmopt.infer.batch.blocks import BlockManager
-from llmopt.infer.batch.logits import record_prompt_logprobs, sample_processed
 from llmopt.infer.batch.request import Request, Status, StepOutput
 from llmopt.infer.batch.runner import EagerRunner, Runner
 from llmopt.infer.batch.scheduler import Scheduler
 from llmopt.infer.drafts import Draft, NGramDraft, SpeculativeConfig
-from llmopt.infer.sampling import InvalidRequestError, SamplingParams, logits_to_probs, next_token
+from llmopt.infer.sampling import (
+    InvalidRequestError,
+    SamplingParams,
+    argmax_rows,
+    logits_to_probs,
+    next_token,
+)
 from llmopt.infer.speculative_stats import SpeculativeStats
 from llmopt.infer.speculative_verify import verify_greedy, verify_sampled
 from llmopt.models.attention.paged import PagedKVCache, SeqChunk, StepBatch
@@ -134,17 +145,7 @@ class Engine:
             )
         if params.stop and self.detokenize is None:
             raise InvalidRequestError("stop strings need an engine with a tokenizer")
-        bad = [t for t, _ in params.logit_bias if t >= self.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
-            )
-        grammar = params.grammar
-        if grammar is not None and grammar.vocab_size != self.vocab_size:
-            raise InvalidRequestError(
-                f"the grammar was compiled for {grammar.vocab_size} token ids; the model has "
-                f"{self.vocab_size}"
-            )
+        processing.check(params, self.vocab_size)
 
     def add_request(
         self,
@@ -164,13 +165,7 @@ class Engine:
             seed = params.seed if params.seed is not None else int(torch.seed() % 2**62)
             request.generator = torch.Generator(device=self.cache.k.device).manual_seed(seed)
         if not params.plain:  # logits processed per request: no speculation
-            if draft is not None:
-                raise InvalidRequestError(
-                    "speculative decoding does not combine with logprobs, penalties, logit "
-                    "bias, min_p or a grammar"
-                )
-            if params.grammar is not None:
-                request.matcher = params.grammar.matcher()
+            processing.start(request, draft)
         elif draft is None and params.ngram:
             draft = NGramDraft(max_n=params.ngram)
         elif draft is None and params.speculate and self.draft is not None:
@@ -237,7 +232,7 @@ class Engine:
             tokens = r.tokens[start : start + item.num_tokens] + item.draft
             done_prompt = start + item.num_tokens == r.num_tokens
             logits_from = item.num_tokens - 1 if done_prompt else None
-            if self._wants_prompt_rows(r):
+            if processing.wants_prompt_rows(r):
                 logits_from = 0
             chunks.append(SeqChunk(tokens, start, r.blocks, logits_from))
         batch = StepBatch.build(chunks, self.config.block_size, self.cache.k.device)
@@ -246,6 +241,9 @@ class Engine:
         elapsed = time.perf_counter() - t0
         self.forward_s += elapsed
         self.num_steps += 1
+        # one argmax over every row: per-request argmaxes cost more than the whole 16-row head
+        plain = any(i.request.params.greedy and i.request.params.plain for i in work)
+        greedy = argmax_rows(logits) if plain else None
         outputs = []
         for item, span in zip(work, batch.logits_spans, strict=True):
             r = item.request
@@ -255,33 +253,36 @@ class Engine:
                 self._register(r)
                 continue
             rows = logits[span[0] : span[0] + span[1]]
-            if self._wants_prompt_rows(r):
-                record_prompt_logprobs(r, r.num_computed, rows)
-                if r.num_computed + item.num_tokens < r.num_tokens:  # more prompt to come
-                    r.num_computed += item.num_tokens
+            if processing.wants_prompt_rows(r):
+                rows = processing.prompt_rows(r, item.num_tokens, rows)
+                if rows is None:  # a prefill chunk that does not reach the end yet
                     self._register(r)
                     continue
-                rows = rows[-1:]
-            new = self._accept(r, item.draft, rows, elapsed)
+            plain_greedy = r.params.greedy and r.params.plain
+            argmax = greedy[span[0] : span[0] + span[1]] if plain_greedy else None
+            new = self._accept(r, item.draft, rows, argmax, elapsed)
             r.num_computed += item.num_tokens + len(new) - 1
             outputs.append(self._append(r, new))
         return outputs
 
-    @staticmethod
-    def _wants_prompt_rows(r: Request) -> bool:
-        """Whether this step needs logits for r's prompt positions (prompt_logprobs)."""
-        return r.params.prompt_logprobs is not None and len(r.prompt_logprobs) < len(r.prompt)
-
     def _accept(
-        self, r: Request, draft: list[int], rows: torch.Tensor, elapsed: float
+        self,
+        r: Request,
+        draft: list[int],
+        rows: torch.Tensor,
+        argmax: list[int] | None,
+        elapsed: float,
     ) -> list[int]:
+        """The tokens a request keeps: one sampled (or `argmax`), or verified guesses + one."""
         params = r.params
         if r.spec is None:
-            if params.plain:
-                return [int(next_token(rows[-1:], params, r.generator)[0])]
-            return [sample_processed(r, rows[-1])]
+            if not params.plain:
+                return [processing.sample(r, rows[-1])]
+            if argmax is not None:
+                return [argmax[-1]]
+            return [int(next_token(rows[-1:], params, r.generator)[0])]
         if params.greedy:
-            kept, token = verify_greedy(rows.argmax(-1).tolist(), draft)
+            kept, token = verify_greedy(argmax, draft)
         else:
             q = getattr(r, "proposal", None)
             q = q.probs[: len(draft)] if q is not None and q.probs is not None else None
@@ -340,12 +341,7 @@ class Engine:
             len(r.prompt),
             len(r.output),
         )
-        if not r.params.plain:
-            if r.params.logprobs is not None:
-                out.logprobs = r.logprobs[len(r.output) - len(added) : len(r.output)]
-            if r.params.prompt_logprobs is not None and len(r.output) == len(added):
-                out.prompt_logprobs = r.prompt_logprobs
-        return out
+        return out if r.params.plain else processing.attach_logprobs(out, r, len(added))
 
     def _hit_stop(self, r: Request) -> bool:
         text = self.detokenize(r.output)
@@ -378,8 +374,8 @@ class Engine:
         return [r.output for r in reqs]
 
     def cached_kv(self, request: Request, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [positions, kv_heads, dim] the cache holds for a request's computed
-        tokens (for inspection; a finished request's blocks are read until reused)."""
+        """Cached keys, values [positions, kv_heads, dim] of a request (a finished one's blocks
+        hold them until reused)."""
         table = request.blocks or request.final_blocks
         n = request.num_computed if request.blocks else request.num_tokens - 1
         bs = self.config.block_size

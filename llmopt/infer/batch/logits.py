@@ -9,10 +9,64 @@ from __future__ import annotations
 
 import torch
 
-from llmopt.infer.batch.request import Request, TokenLogprobs
-from llmopt.infer.sampling import apply_penalties, next_token
+from llmopt.infer.batch.request import Request, StepOutput, TokenLogprobs
+from llmopt.infer.sampling import InvalidRequestError, SamplingParams, apply_penalties, next_token
 
 _ROWS_AT_ONCE = 64  # prompt rows turned into log-probabilities per slice (bounds memory)
+
+
+def check(params: SamplingParams, vocab_size: int) -> None:
+    """Refuse (InvalidRequestError) what cannot apply to a model of `vocab_size` ids."""
+    bad = [t for t, _ in params.logit_bias if t >= vocab_size]
+    if bad:
+        raise InvalidRequestError(
+            f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})"
+        )
+    grammar = params.grammar
+    if grammar is not None and grammar.vocab_size != vocab_size:
+        raise InvalidRequestError(
+            f"the grammar was compiled for {grammar.vocab_size} token ids; the model has "
+            f"{vocab_size}"
+        )
+
+
+def start(request: Request, draft: object | None) -> None:
+    """Set up a request that is not plain: its grammar's parse state; no speculation."""
+    if draft is not None:
+        raise InvalidRequestError(
+            "speculative decoding does not combine with logprobs, penalties, logit bias, "
+            "min_p or a grammar"
+        )
+    if request.params.grammar is not None:
+        request.matcher = request.params.grammar.matcher()
+
+
+def wants_prompt_rows(request: Request) -> bool:
+    """Whether this step needs logits for the prompt's positions (prompt_logprobs)."""
+    return request.params.prompt_logprobs is not None and len(request.prompt_logprobs) < len(
+        request.prompt
+    )
+
+
+def attach_logprobs(out: StepOutput, request: Request, added: int) -> StepOutput:
+    """`out` with the logprobs of its `added` new tokens (and the prompt's, on the first)."""
+    n = len(request.output)
+    if request.params.logprobs is not None:
+        out.logprobs = request.logprobs[n - added : n]
+    if request.params.prompt_logprobs is not None and n == added:
+        out.prompt_logprobs = request.prompt_logprobs
+    return out
+
+
+def prompt_rows(request: Request, num_tokens: int, rows: torch.Tensor) -> torch.Tensor | None:
+    """Record the prompt logprobs a step's `rows` (from request.num_computed on) give; the
+    last row for sampling once the chunk reaches the prompt's end, else None (the chunk is
+    counted computed)."""
+    record_prompt_logprobs(request, request.num_computed, rows)
+    if request.num_computed + num_tokens < request.num_tokens:
+        request.num_computed += num_tokens
+        return None
+    return rows[-1:]
 
 
 def _entry(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprobs:
@@ -23,7 +77,7 @@ def _entry(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprobs:
     return float(logprobs[token]), top
 
 
-def sample_processed(request: Request, row: torch.Tensor) -> int:
+def sample(request: Request, row: torch.Tensor) -> int:
     """The next token of `request` from `row`, its [vocab] fp32 logits at the last position;
     records its logprobs and advances its grammar."""
     params = request.params

@@ -108,7 +108,7 @@ class StepBatch:
     def build(
         cls, chunks: Sequence[SeqChunk], block_size: int, device: torch.device | str = "cpu"
     ) -> StepBatch:
-        tokens, positions, slots, starts, lens, rows, spans = [], [], [], [0], [], [], []
+        tokens, positions, starts, lens, rows, spans = [], [], [0], [], [], []
         for c in chunks:
             n = len(c.tokens)
             end = c.start + n
@@ -120,8 +120,6 @@ class StepBatch:
             offset = starts[-1]
             tokens.extend(c.tokens)
             positions.extend(range(c.start, end))
-            slots.extend(c.block_table[p // block_size] * block_size + p % block_size
-                         for p in range(c.start, end))  # fmt: skip
             starts.append(offset + n)
             lens.append(end)
             if c.logits_from is None:
@@ -132,17 +130,22 @@ class StepBatch:
                 spans.append((len(rows), n - c.logits_from))
                 rows.extend(range(offset + c.logits_from, offset + n))
         width = max(len(c.block_table) for c in chunks)
-        tables = torch.zeros(len(chunks), width, dtype=torch.int32)
-        for i, c in enumerate(chunks):
-            tables[i, : len(c.block_table)] = torch.tensor(list(c.block_table), dtype=torch.int32)
+        tables = torch.tensor(
+            [[*c.block_table, *[0] * (width - len(c.block_table))] for c in chunks],
+            dtype=torch.int32,
+        )
+        pos = torch.tensor(positions, dtype=torch.long)
+        counts = torch.tensor(starts, dtype=torch.long).diff()
+        owner = torch.repeat_interleave(torch.arange(len(chunks)), counts)
+        slots = tables[owner, pos // block_size].long() * block_size + pos % block_size
 
         def longs(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=device)
 
         return cls(
             longs(tokens),
-            longs(positions),
-            longs(slots),
+            pos.to(device),
+            slots.to(device),
             longs(starts),
             longs(lens),
             tables.to(device),
@@ -212,23 +215,23 @@ class _Plan:
             if t > SHORT_RUN:
                 rows = torch.arange(first, first + t, device=dev)
                 self.long.append((rows, batch.key_slots(i)))
-        short = [r for r in runs if r[2] <= SHORT_RUN]
+        short = [i for i, _, t, _ in runs if t <= SHORT_RUN]
         self.short = None
-        if short:
-            t_max = max(t for _, _, t, _ in short)
-            s_max = max(end for *_, end in short)
-            q_idx = torch.zeros(len(short), t_max, dtype=torch.long, device=dev)
-            q_pos = torch.zeros(len(short), t_max, dtype=torch.long, device=dev)
-            valid = torch.zeros(len(short), t_max, dtype=torch.bool, device=dev)
-            k_idx = torch.zeros(len(short), s_max, dtype=torch.long, device=dev)
-            k_pos = torch.full((len(short), s_max), -1, dtype=torch.long, device=dev)
-            for b, (i, first, t, end) in enumerate(short):
-                q_idx[b, :t] = torch.arange(first, first + t, device=dev)
-                q_pos[b, :t] = torch.arange(end - t, end, device=dev)
-                valid[b, :t] = True
-                k_idx[b, :end] = batch.key_slots(i)
-                k_pos[b, :end] = torch.arange(end, device=dev)
+        if short:  # one padded [sequences, queries] x [sequences, keys] layout, no per-row loop
+            ids = torch.tensor(short, device=dev)
+            first, ends = batch.query_start[ids], batch.seq_lens[ids]
+            counts = batch.query_start[ids + 1] - first
+            t_max, s_max = int(counts.max()), int(ends.max())
+            q_ar = torch.arange(t_max, device=dev)
+            valid = q_ar < counts[:, None]
+            q_idx = torch.where(valid, first[:, None] + q_ar, 0)
             # padded query rows sit at position 0 and see key 0 (never NaN); they are dropped
+            q_pos = torch.where(valid, (ends - counts)[:, None] + q_ar, 0)
+            k_ar = torch.arange(s_max, device=dev)
+            bs = batch.block_size
+            blocks = batch.block_tables[ids].long().gather(1, (k_ar // bs).expand(len(short), -1))
+            k_pos = torch.where(k_ar < ends[:, None], k_ar, -1)
+            k_idx = torch.where(k_pos >= 0, blocks * bs + k_ar % bs, 0)
             self.short = (q_idx, q_pos, valid, k_idx, k_pos)
 
     def attend(self, core: AttentionCore, q, k_cache, v_cache) -> torch.Tensor:

@@ -26,7 +26,13 @@ from llmopt.plan.frameworks import refusal
 
 def check(run: PlannedRun) -> None:
     """Refuse what DeepSpeed cannot run as planned (rules: `llmopt.plan.frameworks`)."""
-    why = refusal("deepspeed", run.model, run.parallel, run.plan.grad_reduce)
+    if run.model.moe is not None or run.model.mla is not None:  # experts live in model code
+        raise EmitError(
+            f"DeepSpeed cannot express the experts of {run.model.name} in its config "
+            "(deepspeed.moe.layer.MoE is built in the training script); use --emit-format "
+            "megatron or nemo"
+        )
+    why = refusal("deepspeed", run.model, run.parallel, run.plan.grad_reduce, run.work)
     if why:
         raise EmitError(why)
 

@@ -27,7 +27,12 @@ TRAINER_SHAPE_FIELDS = (
 def check(run: PlannedRun) -> None:
     """A run config names a preset plus the trainer's shape overrides, nothing else, and a
     plan the engine runs (`frameworks.ENGINE_RULES`)."""
-    why = refusal("engine", run.model, run.parallel, run.plan.grad_reduce)
+    if run.model.moe is not None or run.model.mla is not None or run.plan.ep > 1:
+        raise EmitError(
+            f"llmopt's trainer builds dense models only, not {run.model.name}'s experts; use "
+            "--emit-format megatron or nemo"
+        )
+    why = refusal("engine", run.model, run.parallel, run.plan.grad_reduce, run.work)
     if why:
         raise EmitError(why)
     if run.model_name not in PRESETS:

@@ -44,7 +44,7 @@ def check(run: PlannedRun) -> None:
             f"model {run.model_name!r} (no llama3 flavor for it)",
             f"use one of {', '.join(FLAVORS)}",
         )
-    why = refusal("torchtitan", run.model, p, run.plan.grad_reduce)
+    why = refusal("torchtitan", run.model, p, run.plan.grad_reduce, run.work)
     if why:
         raise EmitError(why)
     if p.precision == "fp8" and p.fp8_recipe == "delayed":
@@ -52,9 +52,11 @@ def check(run: PlannedRun) -> None:
 
 
 def _layers_per_stage(run: PlannedRun) -> int:
-    """Layers per pipeline stage; `check` has refused splits it cannot reproduce."""
+    """Layers per pipeline stage, the embedding and the output layer weighted as one layer each
+    (torchtitan/distributed/pipeline_parallel.py: ceil((layers + 1 + 1) / layers_per_stage)
+    stages); `check` has refused splits it cannot reproduce."""
     p = run.parallel
-    return math.ceil(run.model.num_layers / (p.pp * p.virtual_stages))
+    return math.ceil((run.model.num_layers + 2) / (p.pp * p.virtual_stages))
 
 
 def job_config(run: PlannedRun) -> dict:
@@ -77,8 +79,8 @@ def job_config(run: PlannedRun) -> dict:
                 "pipeline_parallel_schedule": SCHEDULES[p.schedule],
                 "pipeline_parallel_microbatch_size": p.micro_batch,
                 "pipeline_parallel_layers_per_stage": _layers_per_stage(run),
-                "pipeline_parallel_first_stage_less_layers": 0,
-                "pipeline_parallel_last_stage_less_layers": 0,
+                "pipeline_parallel_first_stage_less_layers": 1,
+                "pipeline_parallel_last_stage_less_layers": 1,
             }
         )
     model: dict = {"name": "llama3", "flavor": FLAVORS[run.model_name]}

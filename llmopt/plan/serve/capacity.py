@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 
 from llmopt.models.config import ModelConfig
+from llmopt.models.moe import num_moe_layers
 from llmopt.plan.hardware import GIB, GPUProfile
 from llmopt.plan.serve.scenario import KV_BYTES, WEIGHT_BYTES, Scenario, ServeInputError
 
@@ -24,11 +25,13 @@ LOGIT_BYTES = 4  # fp32 logits for sampling
 
 @dataclass(frozen=True)
 class MoEShape:
-    """Experts of an MoE model, read defensively (dense models: num_experts = 0)."""
+    """Routed experts of an MoE model (dense models: num_experts = 0), from `ModelConfig.moe`:
+    the planner's one description of experts (`llmopt.models.moe.MoEConfig`)."""
 
     num_experts: int = 0
     experts_per_token: int = 0
     expert_intermediate: int = 0
+    moe_layers: int = 0
 
     @property
     def is_moe(self) -> bool:
@@ -36,21 +39,11 @@ class MoEShape:
 
 
 def moe_shape(model: ModelConfig) -> MoEShape:
-    """The MoE fields of `model` under any of the names configs use; absent means dense."""
-
-    def first(*names: str) -> int:
-        for n in names:
-            v = getattr(model, n, None)
-            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-                return v
-        return 0
-
-    experts = first("num_experts", "num_local_experts", "n_routed_experts")
-    if experts <= 1:
+    """The routed experts of `model`; a dense model (no `moe`) gives MoEShape()."""
+    moe = getattr(model, "moe", None)
+    if moe is None or moe.num_experts <= 1:
         return MoEShape()
-    top_k = first("experts_per_token", "num_experts_per_tok", "moe_top_k", "top_k") or 1
-    inter = first("moe_intermediate_size", "expert_intermediate_size") or model.intermediate_size
-    return MoEShape(experts, top_k, inter)
+    return MoEShape(moe.num_experts, moe.top_k, moe.expert_ffn_hidden, num_moe_layers(model))
 
 
 def kv_heads_per_rank(model: ModelConfig, tp: int) -> int:
@@ -71,7 +64,13 @@ def kv_heads_per_rank(model: ModelConfig, tp: int) -> int:
 
 
 def kv_bytes_per_token(model: ModelConfig, tp: int, kv_dtype: str) -> int:
-    """KV-cache bytes one token costs on one TP rank."""
+    """KV-cache bytes one token costs on one TP rank. Multi-head latent attention (DeepSeek)
+    caches one compressed latent and the decoupled RoPE key per layer, kv_lora_rank +
+    qk_rope_head_dim values, which every TP rank holds whole (vLLM's and SGLang's MLA caches);
+    other models cache K and V of the KV heads the rank holds."""
+    mla = getattr(model, "mla", None)
+    if mla is not None:
+        return model.num_layers * (mla.kv_lora_rank + mla.qk_rope_head_dim) * KV_BYTES[kv_dtype]
     heads = kv_heads_per_rank(model, tp)
     return 2 * model.num_layers * heads * model.head_dim * KV_BYTES[kv_dtype]
 
@@ -82,6 +81,8 @@ def gemm_weights(model: ModelConfig, tp: int) -> float:
     norms = 2 * h * layers + h
     head = 0 if model.tie_embeddings else model.vocab_size * h
     total = model.num_parameters() - model.embedding_parameters() - head - norms
+    if getattr(model, "mla", None) is not None:  # latent projections split over the heads
+        return total / tp
     replicated = (kv_heads_per_rank(model, tp) * tp - model.num_kv_heads) * model.head_dim
     return total / tp + 2.0 * h * replicated * layers / tp
 
@@ -102,9 +103,10 @@ def activation_bytes(model: ModelConfig, sc: Scenario) -> float:
     up-projection (both SwiGLU halves), plus fp32 logits of the sequences sampled."""
     moe = moe_shape(model)
     inter = moe.expert_intermediate * max(moe.experts_per_token, 1) if moe.is_moe else None
-    inter = inter or model.intermediate_size
+    inter = max(inter or 0, model.intermediate_size)
     n_up = 2 if model.mlp_kind == "swiglu" else 1
-    per_token = 3 * model.hidden_size + (model.q_size + 2 * model.kv_size + n_up * inter) / sc.tp
+    kv = 0 if getattr(model, "mla", None) is not None else 2 * model.kv_size
+    per_token = 3 * model.hidden_size + (model.q_size + kv + n_up * inter) / sc.tp
     logits = min(sc.max_num_seqs, sc.max_num_tokens) * model.vocab_size / sc.tp * LOGIT_BYTES
     return sc.max_num_tokens * per_token * ACT_BYTES + logits
 

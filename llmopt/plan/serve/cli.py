@@ -95,9 +95,11 @@ def run_serve(args: argparse.Namespace) -> int:
     from llmopt.plan.serve.render import estimate_lines, search_lines, write
     from llmopt.plan.serve.search import search
 
+    if args.tp is not None and args.tp <= 0:  # `args.tp or 1` would read 0 as "not given"
+        raise ServeInputError(f"--tp={args.tp} must be a positive integer (GPUs per replica)")
     searching = args.max_itl_ms is not None or args.max_ttft_ms is not None
     searching |= args.tp is None and args.num_gpus is not None
-    tp = args.tp or 1
+    tp = 1 if args.tp is None else args.tp
     num_gpus = args.num_gpus if args.num_gpus is not None else tp
     base = Scenario(
         precision=getattr(args, _DEST["precision"]), kv_dtype=args.kv_dtype, tp=tp, ep=args.ep,

@@ -109,9 +109,24 @@ def weights_read(model: ModelConfig, sc: Scenario, tokens: int) -> float:
         return full
     n_mlp = 3 if model.mlp_kind == "swiglu" else 2
     expert = n_mlp * model.hidden_size * moe.expert_intermediate * WEIGHT_BYTES[sc.precision]
-    all_experts = moe.num_experts * expert * model.num_layers / sc.tp
+    # the routed experts of the MoE blocks, spread over the replica's tp GPUs (ep of them hold
+    # whole experts, tp/ep split each one); each rank reads only those some token picked
+    all_experts = moe.num_experts * expert * moe.moe_layers / sc.tp
     touched = moe.num_experts * (1 - (1 - moe.experts_per_token / moe.num_experts) ** tokens)
     return full - all_experts * (1 - touched / moe.num_experts)
+
+
+def dispatch_s(model: ModelConfig, cluster: Cluster, sc: Scenario, tokens: float) -> float:
+    """Expert-parallel dispatch and combine of one step (ep > 1): per MoE block two
+    all-to-alls of the step's top_k token copies, (ep-1)/ep of them to other GPUs of the
+    replica, in place of the MLP's TP all-reduce over the ep ranks."""
+    moe = moe_shape(model)
+    if not moe.is_moe or sc.ep == 1:
+        return 0.0
+    link = cluster.intra_node if sc.tp <= cluster.gpus_per_node else cluster.inter_node
+    nbytes = tokens / sc.tp * moe.experts_per_token * model.hidden_size * ACT_BYTES
+    per_call = link.latency_us * 1e-6 + (sc.ep - 1) / sc.ep * nbytes / link.bytes_per_s
+    return 2 * moe.moe_layers * per_call
 
 
 def step_cost(
@@ -143,6 +158,10 @@ def step_cost(
     attn_peak = gpu.peak_bf16_tflops * 1e12 * gpu.attention_efficiency * gpu.clock_scale
     kv = kv_bytes_per_token(model, sc.tp, sc.kv_dtype)
     comm = 2 * layers * allreduce_s(cluster, sc.tp, tokens * model.hidden_size * ACT_BYTES)
+    if sc.ep > 1:  # the MoE blocks' MLP all-reduce becomes dispatch + combine
+        moe_layers = moe_shape(model).moe_layers
+        comm -= moe_layers * allreduce_s(cluster, sc.tp, tokens * model.hidden_size * ACT_BYTES)
+        comm += dispatch_s(model, cluster, sc, tokens)
     return StepCost(
         gemm_compute_s=gemm / sc.tp / gemm_flops_per_s(cluster, sc.precision),
         weight_read_s=weights_read(model, sc, max(1, round(tokens))) / hbm,

@@ -1,37 +1,44 @@
-"""Free-text cells of the published-runs CSVs, read robustly (validate_planner.py uses these).
+"""Free-text cells of the published-run CSVs, read robustly (training and serving rows).
 
 Sources state numbers loosely ("~2K (4M tokens)", "32000 padded", "FSDP: off", "ZeRO-1-like",
-"not stated"). Each reader returns the value, None when the source left it open (the planner
-then chooses), or raises `RowError` naming the cell when the text cannot be understood: a row is
-never silently misread.
+"not stated", "not verified"). Each reader returns the value, None when the source left it open
+(the planner then chooses, and says so), or raises `RowError` naming the cell when the text
+cannot be understood: a row is never silently misread, and a blank is never a refusal.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
+from llmopt.errors import LlmoptError
 from llmopt.models.config import ModelConfig
 from llmopt.models.moe import MoEConfig
 from llmopt.models.presets import get_preset
 
-NOT_STATED = ("", "-", "?", "n/a", "na", "none given", "not stated", "not reported", "unknown")
+NOT_STATED = (
+    "", "-", "?", "n/a", "na", "none given", "not stated", "not reported", "not verified",
+    "unverified", "unknown",
+)  # fmt: skip
+_OPEN_WORDS = ("not reported", "not stated", "not verified", "unverified")
 _SCALE = {"": 1, "k": 1024, "m": 1024**2, "b": 1024**3}
 _NUMBER = r"~?\s*(\d[\d,]*(?:\.\d+)?)([kmb]?)(?![a-z])"
 
 
-class RowError(ValueError):
+class RowError(LlmoptError, ValueError):
     """A CSV row (or one of its cells) that cannot be understood."""
 
 
 def is_blank(text: str) -> bool:
     """The source left this cell open ("", "not stated", "n/a", ...)."""
     t = (text or "").strip().lower()
-    return t in NOT_STATED or "not reported" in t or "not stated" in t
+    return t in NOT_STATED or any(w in t for w in _OPEN_WORDS)
 
 
-def count(text: str, what: str, seq_len: int | None = None) -> int | None:
+def count(text: str, what: str, seq_len: int | None = None, allow_zero: bool = False) -> int | None:
     """An integer cell: "1024", "1,024", "32000 padded", "2K", "~2K (4M tokens)" (a token
-    count in parentheses wins when `seq_len` converts it), or None if not stated."""
+    count in parentheses wins when `seq_len` converts it), or None if not stated. Zero is a
+    value only where `allow_zero` (e.g. a MoE with no shared expert)."""
     if is_blank(text):
         return None
     t = text.strip().lower()
@@ -50,8 +57,9 @@ def count(text: str, what: str, seq_len: int | None = None) -> int | None:
     if re.search(r"\d", rest) and not re.search(r"tokens", rest):
         raise RowError(f"{what}={text!r} gives more than one number; state one")
     value = float(m.group(1).replace(",", "")) * _SCALE[m.group(2)]
-    if value != int(value) or value <= 0:
-        raise RowError(f"{what}={text!r} is not a positive integer")
+    if value != int(value) or value < 0 or (value == 0 and not allow_zero):
+        kind = "a non-negative" if allow_zero else "a positive"
+        raise RowError(f"{what}={text!r} is not {kind} integer")
     return int(value)
 
 
@@ -114,9 +122,13 @@ def row_preset(row: dict[str, str], notes: list[str]) -> ModelConfig | None:
             "expert_ffn_hidden": moe and moe.expert_ffn_hidden,
             "moe_layers": moe and (moe.moe_layers or model.num_layers)}  # fmt: skip
     for col in MOE_COLUMNS:
-        given = count(row.get(col, ""), col)
+        given = count(row.get(col, ""), col, allow_zero=col == "shared_experts")
         if given is not None and given != (have[col] or 0):
             raise RowError(f"{col}={given} contradicts preset {model.name} ({have[col] or 0})")
+    mtp = count(row.get("mtp_layers", ""), "mtp_layers", allow_zero=True)
+    if mtp is not None and moe is not None and mtp != moe.mtp_layers:  # e.g. "w/o MTP" runs
+        model = model.replace(moe=dataclasses.replace(moe, mtp_layers=mtp))
+        notes.append(f"mtp_layers={mtp}")
     return model
 
 
@@ -130,6 +142,6 @@ def moe_of_columns(row: dict[str, str], layers: int) -> MoEConfig | None:
     )
     if top_k is None or ffn is None:
         raise RowError(f"experts={experts} needs top_k and expert_ffn_hidden")
-    shared = count(row.get("shared_experts", ""), "shared_experts") or 0
+    shared = count(row.get("shared_experts", ""), "shared_experts", allow_zero=True) or 0
     n_moe = count(row.get("moe_layers", ""), "moe_layers") or layers
     return MoEConfig(experts, top_k, ffn, moe_layers=n_moe, shared_experts=shared)
