@@ -117,3 +117,16 @@ def test_a_parser_failure_ends_the_request_not_the_engine(tok, compiler):
     allowed = matcher.allowed()  # nothing would be allowed: EOS only, which ends the request
     assert allowed.nonzero().flatten().tolist() == [tok.eos_token_id]
     assert torch.is_tensor(allowed)
+
+
+def test_properties_come_in_the_schemas_order(tok, compiler, engine):
+    schema = {
+        "type": "object",
+        "properties": {"zeta": {"type": "boolean"}, "alpha": {"type": "boolean"}},
+        "required": ["zeta", "alpha"],
+        "additionalProperties": False,
+    }
+    [out] = engine.generate(
+        [tok.encode("x")], SamplingParams(max_tokens=60, grammar=compiler.json_schema(schema))
+    )
+    assert list(json.loads(tok.decode(out, skip_special_tokens=True))) == ["zeta", "alpha"]

@@ -133,8 +133,9 @@ class GrammarCompiler:
             return self._lltok
 
     def json_schema(self, schema: dict[str, Any] | None) -> Grammar:
-        """JSON valid against `schema`; None: any JSON object (response_format json_object)."""
-        text = json.dumps({"type": "object"} if schema is None else schema, sort_keys=True)
+        """JSON valid against `schema`; None: any JSON object (response_format json_object).
+        Properties come in the schema's order (not sorted): the output follows it."""
+        text = json.dumps({"type": "object"} if schema is None else schema)
         return self._compile("json_schema", text)
 
     def regex(self, pattern: str) -> Grammar:
