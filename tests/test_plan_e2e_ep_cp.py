@@ -12,9 +12,10 @@ micro-batch, which at cp=2 is exactly the payload the planner's table lists.
 
 EP: the run config's trainer side (the planner's run-config emitter refuses MoE models, see
 `llmopt.plan.emit.runconfig`) with ep=4 over dp=8 and round-robin routing (every expert the
-same tokens, the planner's "force-balanced benchmark" case): the engine's all-to-all bytes on
-the wire equal the planner's dispatch/combine bytes (`llmopt.plan.dispatch.call_bytes`) times
-its calls per micro-batch (`calls_per_microbatch`).
+same tokens, the planner's "force-balanced benchmark" case): dense ("dp") and expert ("edp")
+gradient bytes equal the planner's table exactly, and the engine's all-to-all bytes on the
+wire equal the planner's dispatch/combine bytes (`llmopt.plan.dispatch.call_bytes`) times its
+calls per micro-batch (`calls_per_microbatch`): its table has no all-to-all rows yet.
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ def test_ep_run_config_trains_and_its_all_to_all_bytes_match_the_planners(tmp_pa
     from llmopt.plan.dispatch import call_bytes, calls_per_microbatch
     from llmopt.plan.grid import to_grid
     from llmopt.plan.hardware import get_cluster
+    from llmopt.plan.predict import predicted_comm
     from llmopt.train.config import TrainConfig
     from llmopt.train.shapes import model_config
 
@@ -116,6 +118,13 @@ def test_ep_run_config_trains_and_its_all_to_all_bytes_match_the_planners(tmp_pa
     assert record["moe_imbalance"] == 1.0  # round robin: every expert the same tokens
 
     model = model_config(TrainConfig.from_file(run_toml))
+    # dense gradients over dp, expert gradients over edp: the planner's bytes exactly (calls
+    # are not compared: the engine reduces per block unit, the planner counts one call)
+    predicted = predicted_comm(model, data["seq_len"], data["global_batch"], par, "first")
+    for group in ("dp", "edp"):
+        got = {op: v["bytes"] for op, v in record["comm"][group].items()}
+        assert got == {op: v["bytes"] for op, v in predicted[group].items()}, group
+    assert "ep" not in predicted  # the planner's table has no all-to-all rows yet
     cluster = get_cluster("dgx-h100", nodes=1, gpus_per_node=8)
     intra, inter = call_bytes(model, cluster, to_grid(par), data["seq_len"] * par.micro_batch,
                               "alltoall")  # fmt: skip
