@@ -20,8 +20,10 @@ from llmopt.compress.quant.apply import quant_linears, quantize_model
 from llmopt.compress.quant.linear import QuantLinear
 from llmopt.infer.drafts import EarlyExitModel
 from llmopt.models import ConfigError, ModelConfig, build_model, get_spec, spec_for
+from llmopt.models.experts import MoE
 from llmopt.models.llama import KVCache
 from llmopt.models.loading import load_model, save_pretrained
+from llmopt.models.moe import MLAConfig, MoEConfig
 from llmopt.models.spec import registered_architectures
 from llmopt.parallel.pipeline.stage import split_model
 from llmopt.precision.fp8 import convert_to_fp8, fp8_modules, fp8_targets
@@ -65,8 +67,66 @@ CONFIGS = {
         query_pre_attn_scalar=24,
         architecture="gemma2",
     ),
+    # MoE: 4 experts, top 2; Qwen2-MoE with a dense first block and a gated shared expert
+    "mixtral": ModelConfig(
+        name="tiny-mixtral", **BASE, architecture="mixtral", moe=MoEConfig(4, 2, 128)
+    ),
+    "qwen2_moe": ModelConfig(
+        name="tiny-qwen2-moe",
+        **BASE,
+        attention_bias=True,
+        architecture="qwen2_moe",
+        moe=MoEConfig(
+            4,
+            2,
+            32,
+            moe_layers=1,
+            shared_experts=1,
+            shared_ffn_hidden=64,
+            shared_gate=True,
+            norm_topk=False,
+        ),  # fmt: skip
+    ),
+    "qwen3_moe": ModelConfig(
+        name="tiny-qwen3-moe",
+        **BASE,
+        head_dim=32,
+        architecture="qwen3_moe",
+        moe=MoEConfig(4, 2, 32),
+    ),  # fmt: skip
+    # DeepSeek-V3: latent attention (q through a rank-32 bottleneck, 16-dim interleaved RoPE),
+    # a dense first block, then 8 experts in 4 groups with a shared expert and biased sigmoid
+    "deepseek_v3": ModelConfig(
+        name="tiny-deepseek-v3",
+        **{**BASE, "num_kv_heads": 4},
+        head_dim=16,
+        architecture="deepseek_v3",
+        mla=MLAConfig(32, 16, 16, 16, q_lora_rank=32),
+        moe=MoEConfig(
+            8,
+            2,
+            32,
+            moe_layers=1,
+            shared_experts=1,
+            score="sigmoid",
+            expert_bias=True,
+            num_groups=4,
+            topk_groups=2,
+            route_scale=2.5,
+        ),  # fmt: skip
+    ),
 }
 ARCHS = sorted(CONFIGS)
+
+
+def block_linear_names(model: nn.Module) -> list[str]:
+    """Every linear the spec names in the model's blocks (experts expanded)."""
+    spec = spec_for(model)
+    return [
+        f"{block_name}.{n}"
+        for block_name, block in spec.named_blocks(model)
+        for n, _ in spec.named_block_modules(block, spec.block_linears)
+    ]
 
 
 def tiny(arch: str, dtype: torch.dtype = torch.float32, num_layers: int = 2) -> nn.Module:
@@ -158,6 +218,10 @@ def _tp_worker(rank: int, world: int) -> dict[str, float]:
     grid = RankGrid.create(ParallelDims(world, tp=world))
     errors = {}
     for arch in ARCHS:
+        if CONFIGS[arch].mla is not None:  # refused with a reason (its down projections)
+            with pytest.raises(ValueError, match="latent attention \\(MLA\\) is not supported"):
+                apply_tensor_parallel(tiny(arch), grid.tp)
+            continue
         for sp in (False, True):
             model = tiny(arch)
             ids = tokens()
@@ -173,7 +237,8 @@ def _tp_worker(rank: int, world: int) -> dict[str, float]:
 
 def test_tensor_parallel_logits_equal_the_unsharded_model():
     for errors in run_distributed(_tp_worker, 2, timeout_s=180):
-        assert set(errors) == {f"{a} sp={sp}" for a in ARCHS for sp in (False, True)}
+        tp_archs = [a for a in ARCHS if CONFIGS[a].mla is None]
+        assert set(errors) == {f"{a} sp={sp}" for a in tp_archs for sp in (False, True)}
         assert max(errors.values()) < 1e-5, errors
 
 
@@ -204,7 +269,8 @@ def test_fp8_conversion_runs_close_to_bf16(arch):
     model = convert_to_fp8(copy.deepcopy(ref), "current", amax_group=None, fallback="emulate")
     spec = get_spec(arch)
     assert sorted(fp8_modules(model)) == sorted(fp8_targets(ref))
-    assert len(fp8_modules(model)) == CONFIGS[arch].num_layers * len(spec.block_linears)
+    assert sorted(fp8_modules(model)) == sorted(block_linear_names(ref))
+    assert spec  # experts included: their linears are FP8 GEMMs too
     ids = tokens()
     with torch.no_grad():
         err = rel(model(ids), ref(ids))
@@ -223,17 +289,22 @@ def test_quantized_logits_close(arch, method):
     qmodel = quantize_model(model, method, bits=8, group_size=32, calib_tokens=calib, **options)
     spec = get_spec(arch)
     names = sorted(quant_linears(qmodel))
-    assert names == sorted(
-        f"{block}.{n}" for block, _ in spec.named_blocks(model) for n in spec.block_linears
-    )
+    assert names == sorted(block_linear_names(model))  # experts included
     if CONFIGS[arch].attention_bias:  # biases ride along, unquantized
         q = qmodel.get_submodule(spec.named_blocks(qmodel)[0][0] + "." + spec.column_parallel[0])
         assert isinstance(q, QuantLinear) and q.bias is not None and q.bias.abs().sum() > 0
     if method == "awq":
         prevs = [g["prev"] for layer in qmodel.quant_report["layers"] for g in layer["groups"]]
-        # MHA (qwen2 here) folds v -> o too; GQA skips it
-        expected = 4 if CONFIGS[arch].num_kv_heads == CONFIGS[arch].num_heads else 3
-        assert len(prevs) == expected * CONFIGS[arch].num_layers
+        # MHA (qwen2 here) folds v -> o too; GQA skips it; latent attention folds into its two
+        # down projections and the two up projections after their norms. A MoE block folds
+        # nothing into its experts (each reads the norm through the router's permutation)
+        mha = CONFIGS[arch].num_kv_heads == CONFIGS[arch].num_heads
+        attention = 3 if CONFIGS[arch].mla is not None else (2 if mha else 1)
+        expected = sum(
+            attention + (0 if isinstance(block.mlp, MoE) else 2)
+            for _, block in spec.named_blocks(model)
+        )
+        assert len(prevs) == expected
     ids = tokens()
     with torch.no_grad():
         err = rel(qmodel(ids), model(ids))
@@ -249,10 +320,15 @@ def test_quantized_logits_close(arch, method):
 def test_early_exit_draft_equals_the_truncated_model(arch):
     target = tiny(arch)
     draft = EarlyExitModel(target, 1)
-    truncated = build_model(CONFIGS[arch].replace(num_layers=1), seed=None)
-    truncated.load_state_dict(
-        {k: v for k, v in target.state_dict().items() if not k.startswith("layers.1.")}
-    )
+    moe = CONFIGS[arch].moe
+    if moe is not None and moe.moe_layers is not None:  # a dense first block: keep it dense
+        truncated = copy.deepcopy(target)
+        truncated.layers = truncated.layers[:1]
+    else:
+        truncated = build_model(CONFIGS[arch].replace(num_layers=1), seed=None)
+        truncated.load_state_dict(
+            {k: v for k, v in target.state_dict().items() if not k.startswith("layers.1.")}
+        )
     ids = tokens()
     with torch.no_grad():
         assert torch.equal(draft(ids), truncated.eval()(ids))

@@ -119,7 +119,7 @@ def validate(command: str, prefix: tuple[str, ...], parser, argv: list[str], cap
     try:
         cli.check_arguments(command, args)
         if command == "train":
-            from llmopt.train.config import config_from_args
+            from llmopt.train.flags import config_from_args
 
             config_from_args(args)
     except Exception as exc:  # noqa: BLE001 - the property: only input errors come out

@@ -27,7 +27,8 @@ def test_layout_tp_innermost_pp_outermost():
         (dict(world_size=8, tp=3), r"tp\*pp\*cp=3 .* does not divide world_size=8"),
         (dict(world_size=4, tp=2, dp=3), "does not equal world_size=4"),
         (dict(world_size=4, tp=0), "tp=0 must be a positive integer"),
-        (dict(world_size=4, cp=2), "cp=2: context parallelism is reserved"),
+        (dict(world_size=4, ep=3), r"expert_tp\*ep = 1\*3 does not divide"),
+        (dict(world_size=4, tp=2, expert_tp=3), "expert_tp=3 must be 1 or tp=2"),
     ],
 )
 def test_bad_dims_are_rejected(kwargs, message):

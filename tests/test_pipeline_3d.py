@@ -157,8 +157,8 @@ def test_bad_pipeline_configs_are_rejected_clearly():
     grid = RankGrid(ParallelDims(4, pp=4), 0, groups, counter)
     model = build_model(_config(False), seed=0)
     pp4 = ParallelPlan(pp=4, num_microbatches=4)
-    with pytest.raises(EngineError, match="zero_stage=3 with pp=4 > 2 is not supported"):
-        parallelize(model, grid, pp4.replace(zero_stage=3))
+    with pytest.raises(ScheduleError, match=r"layers_per_stage=\[1, 1, 1, 2\] must be"):
+        parallelize(model, grid, pp4.replace(layers_per_stage=(1, 1, 1, 2)))
     with pytest.raises(EngineError, match="plan tp=2 but the rank grid has tp=1"):
         parallelize(model, grid, pp4.replace(tp=2))
     with pytest.raises(ScheduleError, match="interleaved needs num_microbatches >= pp"):

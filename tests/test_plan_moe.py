@@ -40,9 +40,8 @@ def test_mixtral_config_json_is_planned_as_moe(tmp_path):
     assert counts["total"] == pytest.approx(46.7e9, rel=0.005)
     assert counts["active"] == pytest.approx(12.9e9, rel=0.005)
     assert model.num_parameters() == counts["total"]
-    # the trainer's reader refuses it instead of building a dense 7B
-    with pytest.raises(ConfigError, match="MixtralForCausalLM"):
-        ModelConfig.from_hf_config(MIXTRAL)
+    # the trainer's reader builds the same experts (never a dense 7B)
+    assert ModelConfig.from_hf_config(MIXTRAL).moe == model.moe
 
 
 def test_expert_memory_is_sharded_by_ep():
@@ -141,10 +140,13 @@ def test_small_experts_at_micro_batch_1_are_host_bound(monkeypatch):
     assert "moe_host_bound" not in dense.step_time_s  # dense breakdowns carry no MoE parts
 
 
-def test_the_dense_engine_refuses_moe_shapes():
+def test_the_engine_builds_moe_presets_as_moe():
+    from llmopt.models.experts import MoE
     from llmopt.models.llama import Transformer
 
-    with pytest.raises(ConfigError, match="mixtral-8x7b: experts/latent attention are planned"):
-        Transformer(get_preset("mixtral-8x7b").replace(num_layers=1, hidden_size=64,
-                                                       intermediate_size=64, num_heads=4,
-                                                       num_kv_heads=2, vocab_size=32))  # fmt: skip
+    small = dict(num_layers=1, hidden_size=64, intermediate_size=64, num_heads=4, num_kv_heads=2,
+                 vocab_size=32)  # fmt: skip
+    mixtral = Transformer(get_preset("mixtral-8x7b").replace(**small))
+    assert isinstance(mixtral.layers[0].mlp, MoE) and len(mixtral.layers[0].mlp.experts) == 8
+    with pytest.raises(ConfigError, match="gpt-oss-120b: architecture 'llama' has no MoE block"):
+        Transformer(get_preset("gpt-oss-120b").replace(**small))

@@ -87,7 +87,7 @@ def test_rows_as_people_write_them_are_read():
 
 
 def test_cluster_of_an_h800_row_is_the_h800_profile():
-    from llmopt.validate.planner_runs import setup_row
+    from llmopt.validate.run_rows import setup_row
 
     base = next(r for r in load_rows(MOE_CSV) if r["row_id"] == "110")
     setup = setup_row(dict(base, gpu_type="H800"))

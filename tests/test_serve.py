@@ -2,13 +2,9 @@
 over HTTP (completions, chat, SSE streaming, errors, 429, disconnect, SIGTERM drain)."""
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -16,8 +12,7 @@ import pytest
 from llmopt.infer.generate import generate
 from llmopt.models import ModelConfig, build_model
 from llmopt.models.loading import load_model, load_tokenizer, save_pretrained
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.serve_fixtures import Server
 
 
 @pytest.fixture(scope="module")
@@ -38,44 +33,6 @@ def model_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("serve-model")
     save_pretrained(build_model(cfg, seed=0), out, tokenizer=load_tokenizer("smollm2-135m"))
     return out
-
-
-class Server:
-    def __init__(self, model_dir: Path, *args: str) -> None:
-        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-        cmd = [sys.executable, "-m", "llmopt", "serve", "--model", str(model_dir), "--port", "0"]
-        self.proc = subprocess.Popen(
-            [*cmd, "--served-model-name", "tiny", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        line = self.proc.stdout.readline()
-        if " on http://" not in line:
-            self.proc.kill()
-            raise RuntimeError(f"server did not start: {line!r} {self.proc.stderr.read()}")
-        self.url = line.split(" on ")[1].split()[0]
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
-
-    def metric(self, name: str) -> float:
-        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-        raise KeyError(name)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +161,8 @@ def test_stop_string_cuts_the_text(server):
         ({"prompt": "hi", "top_p": 0}, "top_p=0.0 must be in (0, 1]"),
         ({"prompt": "hi", "top_k": "many"}, "'top_k' must be int, got 'many'"),
         ({"prompt": "hi", "max_tokens": 0}, "max_tokens=0 must be >= 1"),
-        ({"prompt": "hi", "n": 2}, "only n=1 is supported"),
+        ({"prompt": "hi", "n": 0}, "'n' must be in [1, 128], got 0"),
+        ({"prompt": "hi", "suffix": "!"}, "'suffix' is not supported for completions"),
         ({"prompt": 3}, "'prompt' must be a string"),
         ({"messages": []}, "'messages' must be a non-empty list"),
     ],
@@ -325,7 +283,7 @@ def test_bench_serve_accepts_loopback_names():
 
 
 def test_stream_safe_holds_back_partial_stops_and_utf8():
-    from llmopt.serve.protocol import stream_safe
+    from llmopt.serve.responses import stream_safe
 
     assert stream_safe("hello wor", ("world",)) == "hello "
     assert stream_safe("hello wor", ("xyz", "rld")) == "hello wo"

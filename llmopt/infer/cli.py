@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         prompt_text = args.prompt
     prompt_ids = tokenizer.encode(prompt_text, add_bos=tokenizer.add_bos)
-    eos = None if args.ignore_eos else tokenizer.eos_token_id
+    eos = None if args.ignore_eos else tokenizer.eos_token_ids  # generation_config's list
     speculative = getattr(args, "draft", None)
     stream = None if args.json or args.no_stream or speculative else TextStream(tokenizer)
     t0 = time.perf_counter()
@@ -185,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
         )
     seconds = time.perf_counter() - t0
     text = tokenizer.decode(ids, skip_special_tokens=True)
-    stopped = "eos" if eos is not None and ids and ids[-1] == eos else "length"
+    stopped = "eos" if eos and ids and ids[-1] in eos else "length"
     if args.json:
         result: dict[str, Any] = {
             "model": args.model,

@@ -1,4 +1,5 @@
-"""Sampling parameters and turning logits into next tokens: temperature, top-k, top-p, greedy.
+"""Sampling parameters and turning logits into next tokens: temperature, top-k, top-p, min-p,
+greedy, and the penalties and logit bias applied before them.
 
 `SamplingParams` is the one sampling-parameter type of every decode path (`generate`, the
 serving engine, speculative decoding, the server, lm-eval): it validates everything a client
@@ -10,11 +11,14 @@ are processed by the very same function.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from llmopt.errors import LlmoptError
+
+MAX_LOGPROBS = 20  # alternatives per position a request may ask for (vLLM's default limit)
 
 
 class InvalidRequestError(LlmoptError, ValueError):
@@ -46,6 +50,15 @@ class SamplingParams:
     run to max_tokens. `seed` makes sampling reproducible. Speculation per request: `ngram`
     > 0 proposes by prompt lookup (n-grams up to that size), `speculate=False` turns off the
     engine's draft for this request; `num_speculative` guesses per step at most.
+
+    As vLLM applies them: `repetition_penalty` (> 1 discourages every token of the prompt and
+    output so far), `frequency_penalty` and `presence_penalty` (subtracted per occurrence / once
+    for tokens of the output), `logit_bias` ((token id, bias) pairs added to the logits), then
+    temperature, `min_p` (drop tokens below min_p x the top probability), top-k, top-p.
+    `logprobs`: report each generated token's log-probability with that many alternatives;
+    `prompt_logprobs`: the same for the prompt's tokens (the prompt is then computed whole, not
+    read from the prefix cache). `grammar`: constrained decoding (`llmopt.infer.guided`).
+    Requests that use any of these do not speculate (`plain` is False).
     """
 
     temperature: float = 0.0
@@ -58,6 +71,14 @@ class SamplingParams:
     ngram: int = 0
     num_speculative: int = 4
     speculate: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    grammar: object | None = None  # a compiled llmopt.infer.guided.Grammar
 
     def __post_init__(self) -> None:
         temperature = _finite("temperature", self.temperature)
@@ -79,14 +100,55 @@ class SamplingParams:
         for name in ("ignore_eos", "speculate"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name}={getattr(self, name)!r} must be true or false")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= _finite(name, getattr(self, name)) <= 2.0:
+                raise InvalidRequestError(f"{name}={getattr(self, name)} must be in [-2, 2]")
+        if not 0.0 < _finite("repetition_penalty", self.repetition_penalty) <= 2.0:
+            raise InvalidRequestError(
+                f"repetition_penalty={self.repetition_penalty} must be in (0, 2]"
+            )
+        if not 0.0 <= _finite("min_p", self.min_p) <= 1.0:
+            raise InvalidRequestError(f"min_p={self.min_p} must be in [0, 1]")
+        if isinstance(self.logit_bias, (str, dict)):
+            raise InvalidRequestError("logit_bias must be (token id, bias) pairs")
+        for pair in self.logit_bias:
+            if not isinstance(pair, tuple) or len(pair) != 2:
+                raise InvalidRequestError(f"logit_bias entry {pair!r} must be (token id, bias)")
+            _integer("logit_bias token id", pair[0], 0)
+            if not -100.0 <= _finite(f"logit_bias[{pair[0]}]", pair[1]) <= 100.0:
+                raise InvalidRequestError(f"logit_bias[{pair[0]}]={pair[1]} must be in [-100, 100]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and _integer(name, value, 0) > MAX_LOGPROBS:
+                raise InvalidRequestError(f"{name}={value} must be in [0, {MAX_LOGPROBS}]")
+        if self.grammar is not None and not callable(getattr(self.grammar, "matcher", None)):
+            raise InvalidRequestError(f"grammar={self.grammar!r} is not a compiled Grammar")
+        plain = (
+            self.grammar is None
+            and self.logprobs is None
+            and self.prompt_logprobs is None
+            and not self.logit_bias
+            and self.min_p == 0.0
+            and self.presence_penalty == 0.0
+            and self.frequency_penalty == 0.0
+            and self.repetition_penalty == 1.0
+        )
+        object.__setattr__(self, "_plain", plain)  # read per token by the engine: computed once
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def plain(self) -> bool:
+        """True when sampling needs nothing but temperature/top-k/top-p (no penalty, bias,
+        min-p, logprobs or grammar): such requests cost no per-token work beyond sampling and
+        may speculate."""
+        return self._plain
+
 
 def logits_to_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
-    """Probabilities over the vocabulary (last dim) after temperature, top-k and top-p.
+    """Probabilities over the vocabulary (last dim) after temperature, min-p, top-k and top-p.
 
     Greedy returns a one-hot distribution on the argmax, so the same code path serves both.
     """
@@ -95,6 +157,10 @@ def logits_to_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Ten
         probs = torch.zeros_like(logits)
         return probs.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     logits = logits / sampling.temperature
+    if sampling.min_p > 0.0:
+        probs = logits.softmax(-1)
+        floor = sampling.min_p * probs.amax(-1, keepdim=True)
+        logits = logits.masked_fill(probs < floor, float("-inf"))
     if sampling.top_k and sampling.top_k < logits.shape[-1]:
         kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -132,3 +198,29 @@ def next_token(
             logits.shape[:-1]
         )
     return sample(logits_to_probs(logits, sampling), generator)
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    sampling: SamplingParams,
+    prompt: Sequence[int],
+    output: Sequence[int],
+) -> torch.Tensor:
+    """[vocab] logits after logit bias and the repetition, frequency and presence penalties
+    (vLLM's definitions: repetition over prompt + output, the other two over the output)."""
+    vocab, device = logits.shape[-1], logits.device
+    if sampling.logit_bias:
+        ids, bias = zip(*sampling.logit_bias, strict=True)
+        values = torch.tensor(bias, dtype=logits.dtype, device=device)
+        logits = logits.index_add(-1, torch.tensor(ids, device=device), values)
+    if sampling.repetition_penalty != 1.0:
+        seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+        seen[torch.tensor([*prompt, *output], dtype=torch.long, device=device)] = True
+        rp = sampling.repetition_penalty
+        logits = torch.where(seen, torch.where(logits > 0, logits / rp, logits * rp), logits)
+    if output and (sampling.frequency_penalty or sampling.presence_penalty):
+        out = torch.tensor(output, dtype=torch.long, device=device)
+        counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
+        logits = logits - sampling.frequency_penalty * counts
+        logits = logits - sampling.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits

@@ -58,7 +58,7 @@ def run_speculative_from_args(
         gamma=args.gamma, adaptive=args.adaptive_gamma, gamma_max=max(12, args.gamma)
     )
     draft = make_draft(args.draft, model, tokenizer)
-    eos = None if getattr(args, "ignore_eos", False) else getattr(tokenizer, "eos_token_id", None)
+    eos = None if getattr(args, "ignore_eos", False) else getattr(tokenizer, "eos_token_ids", None)
     run = {
         "max_new_tokens": args.max_new_tokens,
         "sampling": sampling,

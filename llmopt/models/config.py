@@ -45,7 +45,8 @@ class ModelConfig:
     reads); `sliding_window` (Mistral) limits each query to the last that many keys.
     `eos_token_ids` lists every id that ends generation when there are several (Llama 3's
     generation_config.json); `stop_token_ids` is what decoding loops should read. `moe`/`mla`
-    (planner only: llmopt's model is dense) describe routed experts and latent attention.
+    describe routed experts and latent attention (the model builds experts for the MoE
+    architectures; the planner counts any).
     Gemma 2's fields: `attn_softcap`/`final_softcap` (cap * tanh(x / cap) on attention scores
     / logits), `query_pre_attn_scalar` (scores scaled by its -1/2 power, not head_dim's) and
     `full_attention_every` (with a window: layers n-1, 2n-1, ... see every key).
@@ -215,6 +216,9 @@ class ModelConfig:
         unknown = set(data) - known
         if unknown:
             raise ConfigError(f"unknown config keys {sorted(unknown)}; valid keys: {sorted(known)}")
+        nested = {"moe": MoEConfig, "mla": MLAConfig}  # to_dict() wrote them as tables
+        data = {k: nested[k](**v) if k in nested and isinstance(v, dict) else v
+                for k, v in data.items()}  # fmt: skip
         return cls(**data)
 
     @classmethod

@@ -42,6 +42,10 @@ def decoder_features(config: Any, windows: bool = False) -> tuple[str, ...]:
         found.append("query_pre_attn_scalar")
     if config.full_attention_every is not None:
         found.append("per-layer sliding windows")
+    if getattr(config, "moe", None) is not None:
+        found.append("mixture-of-experts feed-forward")
+    if getattr(config, "mla", None) is not None:
+        found.append("multi-head latent attention")
     return tuple(found)
 
 

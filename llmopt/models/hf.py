@@ -7,6 +7,7 @@ directory we write loads in transformers and vice versa. Only safetensors: never
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -127,15 +128,30 @@ def _split_name(name: str, spec: ModelSpec) -> tuple[str, str, str] | None:
     return ".".join(parts[:2]), ".".join(parts[2:-1]), parts[-1]
 
 
+def _renamed(name: str, spec: ModelSpec, to_hf: bool) -> str:
+    """`name` with the spec's block-level module renames applied (Mixtral's expert names)."""
+    parts = name.split(".")
+    if not spec.hf_renames or parts[0] != spec.blocks or len(parts) < 3:
+        return name
+    inner = ".".join(parts[2:])
+    for ours, hf in spec.hf_renames:
+        src, dst = (ours, hf) if to_hf else (hf, ours)
+        pattern = "^" + re.escape(src).replace(r"\*", r"(\d+)") + r"\."
+        inner = re.sub(pattern, dst.replace("*", r"\1") + ".", inner)
+    return ".".join([*parts[:2], inner])
+
+
 def from_hf_layout(
     tensors: Iterable[tuple[str, torch.Tensor]], config: ModelConfig
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Checkpoint tensors in our layout: fused tensors (Phi-3's qkv_proj, gate_up_proj) split
-    into their parts along rows, norm weights shifted by the spec's offset (Gemma's 1 + w)."""
+    """Checkpoint tensors in our layout: names renamed (Mixtral's block_sparse_moe), fused
+    tensors (Phi-3's qkv_proj, gate_up_proj) split into their parts along rows, norm weights
+    shifted by the spec's offset (Gemma's 1 + w)."""
     spec = get_spec(config.architecture)
     fused = {g.name: g.parts for g in spec.hf_fused}
     rows = _part_rows(config) if fused else {}
     for name, tensor in tensors:
+        name = _renamed(name, spec, to_hf=False)
         split = _split_name(name, spec)
         if split is not None and split[1] in fused and split[2] in ("weight", "bias"):
             prefix, module, leaf = split
@@ -183,7 +199,7 @@ def to_hf_layout(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[st
             continue  # written with the group's first part
         if spec.norm_weight_offset and _norm_weight(name, spec):
             tensor = tensor - spec.norm_weight_offset
-        out[ours_to_hf(name)] = tensor.contiguous()
+        out[ours_to_hf(_renamed(name, spec, to_hf=True))] = tensor.contiguous()
     return out
 
 

@@ -3,7 +3,8 @@
 `ModelConfig.from_hf_config` reads the Llama keys itself; this module refuses math-changing
 keys an architecture does not implement (reading past them would give a wrong model) and maps
 the ones it does implement (Gemma 2's soft-capping, query scale and alternating sliding
-windows) to `ModelConfig` fields and back. It imports no torch and no `ModelConfig`.
+windows; the experts and routing of the MoE architectures) to `ModelConfig` fields and back.
+It imports no torch and no `ModelConfig`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import math
 from typing import Any
 
 from llmopt.models.errors import ConfigError
+from llmopt.models.hf_experts import check_moe, moe_config, moe_hf_keys, refuse_moe_keys
 from llmopt.models.moe import moe_keys
 from llmopt.models.spec import ModelSpec
 
@@ -44,11 +46,15 @@ _DEFAULT_FULL_EVERY = 2  # transformers 4's Gemma 2 (no layer_types): layers 0, 
 def refuse_math_keys(hf: dict[str, Any], spec: ModelSpec) -> None:
     """Raise on settings llmopt's model does not implement for this architecture."""
     name = spec.hf_architectures[0]
-    if moe := moe_keys(hf):  # whatever `architectures` says: never read experts as a dense MLP
+    moe = moe_keys(hf)
+    if moe and not spec.experts:  # whatever `architectures` says: never read experts as dense
         raise ConfigError(
-            f"mixture-of-experts keys {moe} in a {name} config: llmopt's model is dense "
-            "(`llmopt plan` reads MoE configs)"
+            f"mixture-of-experts keys {moe} in a {name} config, which has no MoE block "
+            "(llmopt builds Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3; `llmopt plan` reads "
+            "any MoE config)"
         )
+    if spec.experts:
+        refuse_moe_keys(hf, spec)
     read = {_FIELD_KEYS[f] for f in spec.config_fields if f in _FIELD_KEYS}
     for key, allowed in _MATH_KEYS.items():
         if key in hf and key not in read and hf[key] not in allowed:
@@ -118,6 +124,8 @@ def layer_kind(index: int, every: int | None) -> str:
 def hf_fields(hf: dict[str, Any], spec: ModelSpec) -> dict[str, Any]:
     """The ModelConfig fields beyond Llama's that this architecture reads from `hf`."""
     fields: dict[str, Any] = {}
+    if spec.experts:
+        fields["moe"], fields["mla"] = moe_config(hf, spec)
     for field, key in _FIELD_KEYS.items():
         if field in spec.config_fields:
             fields[field] = _positive(hf.get(key), key)
@@ -146,11 +154,15 @@ def hf_keys(config: Any, spec: ModelSpec) -> dict[str, Any]:
     if "full_attention_every" in spec.config_fields:
         every = config.full_attention_every if config.sliding_window else 1
         keys["layer_types"] = [layer_kind(i, every) for i in range(config.num_layers)]
+    if spec.experts:
+        keys.update(moe_hf_keys(config, spec))
     return keys
 
 
 def check_fields(config: Any, spec: ModelSpec) -> None:
     """Refuse architecture fields set on an architecture without them, or with bad values."""
+    if spec.experts:
+        check_moe(config, spec)
     for field in ("attn_softcap", "final_softcap", "query_pre_attn_scalar"):
         value = getattr(config, field)
         if value is not None and field not in spec.config_fields:

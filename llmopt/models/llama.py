@@ -35,7 +35,8 @@ from torch import nn
 
 from llmopt.models.attention.backend import AttentionBackend
 from llmopt.models.attention.static import KVCache, kv_layout
-from llmopt.models.config import ConfigError, ModelConfig
+from llmopt.models.config import ModelConfig
+from llmopt.models.experts import feed_forward
 from llmopt.models.gemma2 import SandwichBlock
 from llmopt.models.layers import (
     MLP,
@@ -47,6 +48,7 @@ from llmopt.models.layers import (
     apply_rope,
     rope_frequencies,
 )
+from llmopt.models.mla import attention
 from llmopt.models.spec import get_spec
 
 __all__ = [  # the layers are re-exported: callers import them from here
@@ -68,9 +70,9 @@ class Block(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_idx)
+        self.self_attn = attention(config, layer_idx)  # grouped-query, or latent (MLA)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = feed_forward(config, layer_idx)  # MLP, or MoE where the config has experts
 
     def forward(self, x, cos, sin, attn: AttentionBackend | None = None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
@@ -82,9 +84,6 @@ class Transformer(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        if config.moe is not None or config.mla is not None:  # planner-only shapes
-            raise ConfigError(f"{config.name}: experts/latent attention are planned, not built; "
-                              "llmopt's model is dense")  # fmt: skip
         self.config = config
         spec = get_spec(config.architecture)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)

@@ -1,16 +1,18 @@
 """Mixture-of-experts and multi-head-latent-attention shapes, and the HF config keys that
 announce them.
 
-llmopt's own model (`llmopt.models.llama`) is dense; these shapes exist so the planner can count
-parameters and FLOPs of Mixtral, Qwen3-MoE, DeepSeek-V3 and GPT-OSS without building them, and
-so a MoE `config.json` is never read as a dense model (`moe_keys` finds the keys, whatever the
-`architectures` entry claims). Pure data: no torch, and no import of `llmopt.models.config`
-(which imports this module), so the counting functions take any object with ModelConfig's
-shape fields.
+The planner counts parameters and FLOPs of Mixtral, Qwen3-MoE, DeepSeek-V3 and GPT-OSS from
+these shapes without building anything; llmopt's model builds the MoE block they describe
+(`llmopt.models.experts`) for the architectures whose spec names experts. `moe_keys` finds the
+MoE keys of a `config.json` whatever its `architectures` entry claims, so a MoE model is never
+read as a dense one. Pure data: no torch, and no import of `llmopt.models.config` (which
+imports this module), so the counting functions take any object with ModelConfig's shape
+fields.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +59,21 @@ class MoEConfig:
     plus `shared_experts` always-on experts of `shared_ffn_hidden` each (DeepSeek, Qwen2-MoE).
     `mtp_layers` are DeepSeek-V3's multi-token-prediction modules (each one more MoE block and
     one more output layer per token).
+
+    The routing fields are what llmopt's MoE block (`llmopt.models.experts`) computes; the
+    planner reads none of them. `score`: softmax (Mixtral, Qwen) or sigmoid (DeepSeek-V3) of the
+    router logits; `norm_topk`: the top-k weights renormalised to sum 1; `route_scale`: the
+    routed output's factor (DeepSeek-V3's routed_scaling_factor). `num_groups`/`topk_groups`:
+    DeepSeek's group-limited routing (each token picks among the experts of its best
+    `topk_groups` groups, groups scored by their two best experts). `expert_bias`: the
+    aux-loss-free balancing bias (added to the scores for the choice only), moved by
+    `bias_update_rate` per optimizer step against each expert's load. `shared_gate`: Qwen2-MoE's
+    sigmoid gate on the shared expert. `aux_loss_coef` / `z_loss_coef`: the Switch/GShard
+    load-balancing loss and the router z-loss. `capacity_factor`: None routes dropless; a factor
+    c caps every expert at ceil(c * tokens * top_k / num_experts) tokens per micro-batch and
+    rank, dropping the lowest-scored assignments beyond it. `force_balance` (benchmarks only,
+    Megatron's --moe-router-force-load-balancing): token t's k-th choice is expert
+    (t * top_k + k) mod num_experts, so every expert gets the same tokens whatever the scores.
     """
 
     num_experts: int
@@ -66,6 +83,18 @@ class MoEConfig:
     shared_experts: int = 0
     shared_ffn_hidden: int | None = None
     mtp_layers: int = 0
+    score: str = "softmax"
+    norm_topk: bool = True
+    route_scale: float = 1.0
+    num_groups: int = 1
+    topk_groups: int = 1
+    expert_bias: bool = False
+    shared_gate: bool = False
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+    capacity_factor: float | None = None
+    bias_update_rate: float = 0.0
+    force_balance: bool = False
 
     def __post_init__(self) -> None:
         _positive(self, "num_experts", "top_k", "expert_ffn_hidden", "moe_layers")
@@ -76,23 +105,73 @@ class MoEConfig:
             raise MoEConfigError(f"num_experts={self.num_experts} must be at least 2")
         if self.top_k > self.num_experts:
             raise MoEConfigError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}")
+        check_routing(self)
 
     @property
     def shared_hidden(self) -> int:
         return self.expert_ffn_hidden if self.shared_ffn_hidden is None else self.shared_ffn_hidden
 
 
+SCORES = ("softmax", "sigmoid")
+
+
+def _number(obj: object, name: str, low: float, inclusive: bool = True) -> None:
+    v = getattr(obj, name)
+    ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    if not ok or v < low or (v == low and not inclusive):
+        bound = f">= {low:g}" if inclusive else f"> {low:g}"
+        raise MoEConfigError(f"{name}={v!r} must be a finite number {bound}")
+
+
+def check_routing(m: MoEConfig) -> None:
+    """Refuse routing settings the MoE block cannot run, naming the value and the valid ones."""
+    if m.score not in SCORES:
+        raise MoEConfigError(f"score={m.score!r} is not a router scoring; choose {SCORES}")
+    for name in ("norm_topk", "expert_bias", "shared_gate", "force_balance"):
+        if not isinstance(getattr(m, name), bool):
+            raise MoEConfigError(f"{name}={getattr(m, name)!r} must be true or false")
+    _positive(m, "num_groups", "topk_groups")
+    if m.num_experts % m.num_groups:
+        raise MoEConfigError(
+            f"num_groups={m.num_groups} does not divide num_experts={m.num_experts}"
+        )
+    if m.topk_groups > m.num_groups:
+        raise MoEConfigError(f"topk_groups={m.topk_groups} exceeds num_groups={m.num_groups}")
+    per_group = m.num_experts // m.num_groups
+    if m.num_groups > 1 and (per_group < 2 or m.top_k > m.topk_groups * per_group):
+        raise MoEConfigError(
+            f"group-limited routing needs >= 2 experts per group and top_k={m.top_k} <= "
+            f"topk_groups*experts per group = {m.topk_groups * per_group}"
+        )
+    _number(m, "route_scale", 0.0, inclusive=False)
+    for name in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
+        _number(m, name, 0.0)
+    if m.capacity_factor is not None:
+        _number(m, "capacity_factor", 0.0, inclusive=False)
+    if m.bias_update_rate and not m.expert_bias:
+        raise MoEConfigError(
+            f"bias_update_rate={m.bias_update_rate} needs expert_bias=true (the balancing bias)"
+        )
+
+
+def is_moe_layer(m: Any, layer_idx: int) -> bool:
+    """Whether block `layer_idx` of model config `m` has experts (the last `moe_layers`)."""
+    return getattr(m, "moe", None) is not None and layer_idx >= m.num_layers - num_moe_layers(m)
+
+
 @dataclass(frozen=True)
 class MLAConfig:
     """DeepSeek's multi-head latent attention: queries through a rank-`q_lora_rank` bottleneck
     (None: a plain projection), keys and values through a shared rank-`kv_lora_rank` latent,
-    a decoupled RoPE part of `qk_rope_head_dim` per head."""
+    a decoupled RoPE part of `qk_rope_head_dim` per head (`rope_interleave`: its pairs stored
+    interleaved, as DeepSeek's checkpoints do; llmopt's model reads it, the planner does not)."""
 
     kv_lora_rank: int
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
     q_lora_rank: int | None = None
+    rope_interleave: bool = True
 
     def __post_init__(self) -> None:
         _positive(

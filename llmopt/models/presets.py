@@ -73,9 +73,10 @@ def _qwen25(name, hidden, ffn, layers, heads, kv, vocab, tied):
     )
 
 
-def _moe(name, hidden, ffn, layers, heads, kv, vocab, ctx, moe, head_dim=None, mla=None):
-    """A MoE shape for the planner (llmopt's model does not build experts)."""
+def _moe(name, hidden, ffn, layers, heads, kv, vocab, ctx, moe, head_dim=None, mla=None, arch="llama"):  # fmt: skip
+    """A MoE shape; the model builds it where `arch` has a MoE block (the planner reads any)."""
     return ModelConfig(
+        architecture=arch,
         name=name,
         vocab_size=vocab,
         hidden_size=hidden,
@@ -93,8 +94,21 @@ def _moe(name, hidden, ffn, layers, heads, kv, vocab, ctx, moe, head_dim=None, m
 # From each model's released config.json: Mixtral-8x7B/8x22B-v0.1, DeepSeek-V3, Qwen3-30B-A3B,
 # Qwen3-235B-A22B, gpt-oss-120b.
 MOE_PRESETS = [
-    _moe("mixtral-8x7b", 4096, 14336, 32, 32, 8, 32000, 32768, MoEConfig(8, 2, 14336)),
-    _moe("mixtral-8x22b", 6144, 16384, 56, 48, 8, 32768, 65536, MoEConfig(8, 2, 16384)),
+    _moe(
+        "mixtral-8x7b", 4096, 14336, 32, 32, 8, 32000, 32768, MoEConfig(8, 2, 14336), arch="mixtral"
+    ),
+    _moe(
+        "mixtral-8x22b",
+        6144,
+        16384,
+        56,
+        48,
+        8,
+        32768,
+        65536,
+        MoEConfig(8, 2, 16384),
+        arch="mixtral",
+    ),
     _moe(
         "deepseek-v3",
         7168,
@@ -107,8 +121,32 @@ MOE_PRESETS = [
         MoEConfig(256, 8, 2048, moe_layers=58, shared_experts=1, mtp_layers=1),
         mla=MLAConfig(512, 128, 64, 128, q_lora_rank=1536),
     ),  # fmt: skip
-    _moe("qwen3-30b-a3b", 2048, 6144, 48, 32, 4, 151936, 40960, MoEConfig(128, 8, 768), 128),
-    _moe("qwen3-235b-a22b", 4096, 12288, 94, 64, 4, 151936, 40960, MoEConfig(128, 8, 1536), 128),
+    _moe(
+        "qwen3-30b-a3b",
+        2048,
+        6144,
+        48,
+        32,
+        4,
+        151936,
+        40960,
+        MoEConfig(128, 8, 768),
+        128,
+        arch="qwen3_moe",
+    ),
+    _moe(
+        "qwen3-235b-a22b",
+        4096,
+        12288,
+        94,
+        64,
+        4,
+        151936,
+        40960,
+        MoEConfig(128, 8, 1536),
+        128,
+        arch="qwen3_moe",
+    ),
     _moe("gpt-oss-120b", 2880, 2880, 36, 64, 8, 201088, 131072, MoEConfig(128, 4, 2880), 64),
 ]
 

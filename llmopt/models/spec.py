@@ -71,6 +71,9 @@ class ModelSpec:
     # checkpoint tensors that fuse our linears along output rows (Phi-3's qkv_proj), split at
     # load and fused again at save; names are block-level, parts in concatenation order
     hf_fused: tuple[FusedGroup, ...] = ()
+    # block-level modules the HF checkpoint names differently: (ours, HF's), `*` an index
+    # (Mixtral's block_sparse_moe.experts.*.w1 is our mlp.experts.*.gate_proj)
+    hf_renames: tuple[tuple[str, str], ...] = ()
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
     gate_activation: str = "silu"  # of the gated MLP: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
     # ModelConfig fields beyond the Llama ones that this architecture may set
@@ -83,7 +86,12 @@ class ModelSpec:
     # inside one block
     attention: str = "self_attn"  # has num_heads / num_kv_heads that TP divides
     attention_core: str = "self_attn.core"  # softmax(QK^T)V alone: selective recompute wraps it
-    feed_forward: str = "mlp"  # the block's MLP module
+    feed_forward: str = "mlp"  # the block's MLP module (a MoE block where the config has experts)
+    feed_forward_norm: str = "post_attention_layernorm"  # the norm whose output it reads
+    # mixture of experts (`llmopt.models.experts`): where the routed experts and the router
+    # live in a MoE block (empty: the architecture has no MoE blocks)
+    experts: str = ""
+    router: str = ""
     column_parallel: tuple[str, ...] = (
         "self_attn.q_proj",
         "self_attn.k_proj",
@@ -92,6 +100,8 @@ class ModelSpec:
         "mlp.up_proj",
     )
     row_parallel: tuple[str, ...] = ("self_attn.o_proj", "mlp.down_proj")
+    replicated_linears: tuple[str, ...] = ()  # whole on every TP rank (MLA's down projections)
+    latent_attention: bool = False  # DeepSeek's multi-head latent attention (`config.mla`)
     block_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
     # block norms applied to a branch's output before the residual add (Gemma 2's post-norms):
     # they read the reduced row-parallel output and feed no column-parallel linear
@@ -131,7 +141,7 @@ class ModelSpec:
     @property
     def block_linears(self) -> tuple[str, ...]:
         """Every linear of a block (FP8 and quantization targets), column-parallel first."""
-        return self.column_parallel + self.row_parallel
+        return self.column_parallel + self.row_parallel + self.replicated_linears
 
     # ---- access by name ----
     def blocks_of(self, model: nn.Module) -> nn.ModuleList:
@@ -149,13 +159,27 @@ class ModelSpec:
     def named_block_modules(
         self, block: nn.Module, names: tuple[str, ...]
     ) -> list[tuple[str, nn.Module]]:
-        """(name, module) for each of `names` the block has, in the given order."""
+        """(name, module) for each of `names` the block has, in the given order. A `*` part
+        (`mlp.experts.*.gate_proj`) stands for every child of the container before it, in
+        index order: the experts a block (or, under expert parallelism, a rank) holds."""
         found = []
         for name in names:
-            module = self.block_module(block, name)
-            if module is not None:
-                found.append((name, module))
+            for full in self.expand(block, name):
+                module = self.block_module(block, full)
+                if module is not None:
+                    found.append((full, module))
         return found
+
+    def expand(self, block: nn.Module, name: str) -> list[str]:
+        """The concrete names a (possibly `*`) block-level name stands for in this block."""
+        head, star, tail = name.partition(".*.")
+        if not star:
+            return [name]
+        container = self.block_module(block, head)
+        if container is None:
+            return []
+        keys = sorted((k for k, _ in container.named_children()), key=int)
+        return [f"{head}.{k}.{tail}" for k in keys]
 
     def block_module(self, block: nn.Module, name: str) -> nn.Module | None:
         """The submodule `name` of a block, or None where this block has none."""
@@ -289,6 +313,7 @@ register_spec(
         scaled_embedding=True,
         norm_weight_offset=1.0,
         block_norms=_SANDWICH_NORMS,
+        feed_forward_norm="pre_feedforward_layernorm",
         branch_norms=("post_attention_layernorm", "post_feedforward_layernorm"),
         awq_groups=(  # the MLP reads pre_feedforward_layernorm (post_attention's is on the branch)
             ScalingGroup(
@@ -309,3 +334,48 @@ register_spec(
         ),
     )
 )
+
+
+# Mixture-of-experts architectures: the Llama-family attention (DeepSeek: latent attention)
+# with a MoE block (`llmopt.models.experts.MoE`) as the feed-forward of the blocks the config
+# makes sparse; the dense names stay listed (DeepSeek's first blocks are dense MLPs).
+_FF_IN = ("mlp.gate_proj", "mlp.up_proj", "mlp.experts.*.gate_proj", "mlp.experts.*.up_proj",
+          "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj")  # fmt: skip
+_FF_OUT = ("mlp.down_proj", "mlp.experts.*.down_proj", "mlp.shared_experts.down_proj")
+
+
+def _moe(attn_in: tuple[str, ...], **fields) -> ModelSpec:
+    """A MoE architecture's spec: `attn_in` its attention's column-parallel linears."""
+    names = {
+        "experts": "mlp.experts",
+        "router": "mlp.gate",
+        "column_parallel": (*attn_in, *_FF_IN),
+        "row_parallel": ("self_attn.o_proj", *_FF_OUT),
+        "gptq_order": (attn_in, ("self_attn.o_proj",), _FF_IN, _FF_OUT),
+    }
+    return register_spec(ModelSpec(**{**names, **fields}))
+
+
+_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+_MIXTRAL = (("gate", "w1"), ("up", "w3"), ("down", "w2"))
+_moe(_QKV, architecture="mixtral", hf_architectures=("MixtralForCausalLM",), sliding_window=True,
+     hf_renames=(("mlp.gate", "block_sparse_moe.gate"),
+                 *((f"mlp.experts.*.{a}_proj", f"block_sparse_moe.experts.*.{b}") for a, b in _MIXTRAL)))  # fmt: skip
+_moe(_QKV, architecture="qwen2_moe", hf_architectures=("Qwen2MoeForCausalLM",),
+     attention_bias=True, gguf_permuted_qk=False,
+     hf_renames=(("mlp.shared_experts", "mlp.shared_expert"),))  # fmt: skip
+_moe(_QKV, architecture="qwen3_moe", hf_architectures=("Qwen3MoeForCausalLM",),
+     gguf_permuted_qk=False, qk_norm=True, head_norms=("self_attn.q_norm", "self_attn.k_norm"))  # fmt: skip
+# DeepSeek-V3: the low-rank down projections are whole on every TP rank (Megatron's MLA)
+_moe(("self_attn.q_proj", "self_attn.q_b_proj", "self_attn.kv_b_proj"),
+     architecture="deepseek_v3", hf_architectures=("DeepseekV3ForCausalLM",),
+     gguf_permuted_qk=False, latent_attention=True,
+     replicated_linears=("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"),
+     awq_groups=(
+         ScalingGroup("input_layernorm", ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa",
+                                          "self_attn.q_proj"), "self_attn"),
+         ScalingGroup("self_attn.q_a_layernorm", ("self_attn.q_b_proj",)),
+         ScalingGroup("self_attn.kv_a_layernorm", ("self_attn.kv_b_proj",)),
+         ScalingGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
+         ScalingGroup("mlp.up_proj", ("mlp.down_proj",), needs=("mlp.gate_proj",)),
+     ))  # fmt: skip

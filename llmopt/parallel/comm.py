@@ -12,6 +12,9 @@ Byte convention (what the planner predicts, per rank, per call):
 - ``broadcast``: bytes of the tensor.
 - ``send`` / ``recv``: bytes of the tensor sent / received, counted on the sending / receiving
   rank only.
+- ``all_to_all``: bytes of this rank's *input* (everything it hands the collective, its own
+  chunk included). For a MoE dispatch that is top_k copies of each local token's hidden state,
+  whatever the routing; the combine's input is what this rank's experts received.
 
 So for the three collectives the count is always "the unsharded tensor", independent of the
 algorithm (ring, tree) that moves it; the wire traffic of a ring is 2(n-1)/n of it for
@@ -32,7 +35,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv", "all_to_all")
 ReduceOp = Literal["sum", "max", "min", "avg"]
 
 _REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN", "avg": "AVG"}
@@ -199,6 +202,24 @@ class Group:
         )
         self.reduce_scatter_into(out, moved)
         return out.movedim(0, dim)
+
+    def all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_splits: Sequence[int],
+        input_splits: Sequence[int],
+    ) -> None:
+        """Rows input[sum(input_splits[:j]) ...][: input_splits[j]] go to rank j; output
+        receives input_splits-sized chunks from every rank, output_splits[j] rows from rank j
+        (dim 0)."""
+        if not self._active():
+            output.copy_(input)
+            return
+        self.counter.record(self.name, "all_to_all", tensor_bytes(input))
+        dist.all_to_all_single(
+            output, input, list(output_splits), list(input_splits), group=self.pg
+        )
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """In-place broadcast from group-local rank `src`."""

@@ -14,6 +14,11 @@ ZeRO-2/3 ignore `no_sync()` (as DeepSpeed does): every micro-batch reduce-scatte
 a *held* root unit (`hold_root=True`: tied embeddings split over pipeline stages) is reduced
 only in `finish_grad_sync()`, because its gradient must first be summed across stages by the
 caller, on `grad_buffer(param)`.
+
+Groups: dense units are reduced over the grid's `dp_cp` group (dp x cp ranks). Parameters
+marked `expert=True` (routed experts under expert parallelism) form their own units per block
+(`layers.<i>.experts`), reduced and ZeRO-sharded over the expert-data-parallel group `edp`;
+both average by dp x cp, the model replicas whose tokens reached them.
 """
 
 from __future__ import annotations
@@ -29,7 +34,15 @@ from llmopt.parallel.comm import Group
 from llmopt.parallel.grid import RankGrid
 from llmopt.parallel.tensor_parallel import gather_tp_tensor
 from llmopt.parallel.zero3 import ZeroStage3
-from llmopt.parallel.zero_buffers import ROOT, Slot, Unit, build_unit, group_parameters, overlap
+from llmopt.parallel.zero_buffers import (
+    EXPERTS,
+    ROOT,
+    Slot,
+    Unit,
+    build_unit,
+    group_parameters,
+    overlap,
+)
 from llmopt.parallel.zero_stages import ZERO_STAGES, ZeroStage, ZeroStage1, ZeroStage2
 
 __all__ = ["ZERO_STAGES", "DataParallel", "make_stage"]
@@ -44,13 +57,15 @@ def make_stage(
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
     prefetch: bool = True,
+    divisor: int | None = None,
 ) -> ZeroStage:
-    """The strategy object of ZeRO stage `zero` over the DP group `dp`."""
+    """The strategy object of ZeRO stage `zero` over the DP group `dp` (gradients averaged
+    by `divisor`, default the group's size)."""
     if isinstance(zero, bool) or zero not in ZERO_STAGES:
         raise ValueError(f"zero={zero!r} is not a ZeRO stage; choose one of 0, 1, 2, 3")
     if zero == 3:
-        return ZeroStage3(dp, param_dtype, reduce_dtype, prefetch=prefetch)
-    return STAGE_CLASSES[zero](dp, param_dtype, reduce_dtype)
+        return ZeroStage3(dp, param_dtype, reduce_dtype, prefetch=prefetch, divisor=divisor)
+    return STAGE_CLASSES[zero](dp, param_dtype, reduce_dtype, divisor=divisor)
 
 
 class DataParallel:
@@ -77,23 +92,37 @@ class DataParallel:
             raise ValueError(f"param_dtype={param_dtype} must be float32, bfloat16 or float16")
         self.model = model
         self.grid = grid
-        self.dp = grid.dp
-        self.stage: ZeroStage = make_stage(zero, grid.dp, param_dtype, reduce_dtype, prefetch)
+        self.dp = grid.dp_cp
+        replicas = grid.dp_cp.size  # the model replicas every gradient averages over
+        self.stage: ZeroStage = make_stage(zero, self.dp, param_dtype, reduce_dtype, prefetch)
+        self.expert_stage: ZeroStage = make_stage(
+            zero, grid.edp, param_dtype, reduce_dtype, prefetch, divisor=replicas
+        )
         self._sync = True
         blocks = list(_default_blocks(model) if blocks is None else blocks)
         self.units: list[Unit] = []
-        for name, params in group_parameters(model, blocks):
-            unit, full32 = build_unit(name, params, self.dp.size, param_dtype)
-            self.stage.init_unit(unit, full32)
+        placed: dict[int, list[tuple[Unit, nn.Module]]] = {
+            id(self.stage): [],
+            id(self.expert_stage): [],
+        }
+        for name, params, block in group_parameters(model, blocks):
+            stage = self.expert_stage if name.endswith(EXPERTS) else self.stage
+            unit, full32 = build_unit(name, params, stage.dp.size, param_dtype)
+            unit.stage = stage
+            stage.init_unit(unit, full32)
             self.units.append(unit)
-        for i, unit in enumerate(u for u in self.units if not u.is_root):
-            unit.index = i
+            if block is not None:
+                placed[id(stage)].append((unit, blocks[block]))
         self._held = {ROOT} if hold_root else set()
         self._unit_of = {id(s.param): (u, s) for u in self.units for s in u.slots}
         for unit in self.units:
             for slot in unit.slots:
                 slot.param.register_post_accumulate_grad_hook(self._on_grad_ready)
-        self.stage.attach(self, model, blocks)
+        root = next((u for u in self.units if u.is_root), None)
+        for stage in (self.stage, self.expert_stage):
+            for i, (unit, _) in enumerate(placed[id(stage)]):
+                unit.index = i
+            stage.attach(model, placed[id(stage)], root if stage is self.stage else None)
         self.zero_grad()
 
     # ---- what the stage is ----
@@ -134,18 +163,18 @@ class DataParallel:
         target = unit.grad[slot.start : slot.start + slot.numel]
         if param.grad.data_ptr() != target.data_ptr():  # not (or no longer) a bucket view
             target.add_(param.grad.reshape(-1))
-            param.grad = target.view(slot.shape) if self.stage.grad_views else None
+            param.grad = target.view(slot.shape) if unit.stage.grad_views else None
         unit.ready += 1
         if unit.ready == len(unit.slots):
             unit.ready = 0
-            every = self.stage.reduce_every_microbatch and unit.name not in self._held
+            every = unit.stage.reduce_every_microbatch and unit.name not in self._held
             if self._sync or every:
                 self._launch(unit)
 
     def _launch(self, unit: Unit) -> None:
         if unit.grad is None:
             unit.grad = unit.new_grad(self.reduce_dtype)
-        self.stage.launch(unit)
+        unit.stage.launch(unit)
         unit.launched = True
 
     def grad_buffer(self, param: nn.Parameter) -> torch.Tensor:
@@ -159,7 +188,7 @@ class DataParallel:
     def local_grad(self, param: nn.Parameter) -> torch.Tensor | None:
         """This rank's part of `param`'s reduced gradient (after `finish_grad_sync`)."""
         unit, slot = self._unit_of[id(param)]
-        part = overlap(slot, *self.stage.local_range(unit))
+        part = overlap(slot, *unit.stage.local_range(unit))
         if part is None or unit.master.grad is None:
             return None
         return unit.master.grad[part[0] : part[1]]
@@ -169,44 +198,52 @@ class DataParallel:
         for unit in self.units:
             # The last micro-batch's buckets (ZeRO-0/1), held units, and any unit whose
             # backward did not run this step (zero gradient, so the collectives still match).
-            pending = unit.grad is not None and self.stage.reduce_every_microbatch
+            pending = unit.grad is not None and unit.stage.reduce_every_microbatch
             if not unit.launched or pending:
                 unit.ready = 0
                 self._launch(unit)
         for unit in self.units:
             unit.launched = False
-            unit.master.grad = self.stage.collect(unit)
+            unit.master.grad = unit.stage.collect(unit)
+
+    def _owned(self, unit: Unit) -> bool:
+        """Whether this rank counts its part of `unit` in global sums: a ZeRO shard is its
+        own; a replicated unit counts on the first rank of its reduction group."""
+        return unit.stage.sharded or unit.stage.dp.rank == 0
 
     def _counted(self, slot: Slot) -> bool:
-        # Parameters replicated across TP count on TP rank 0 only.
-        return self.grid.tp.rank == 0 or hasattr(slot.param, "tp_dim")
+        # Parameters replicated across TP count on TP rank 0 only; experts are never
+        # TP-replicated (they are TP-sharded, or whole and owned by one EP rank).
+        return (
+            self.grid.tp.rank == 0
+            or hasattr(slot.param, "tp_dim")
+            or getattr(slot.param, "expert", False)
+        )
 
     @torch.no_grad()
-    def local_sumsq(self) -> torch.Tensor:
-        """Sum of squares of this rank's share of the global gradient (fp64, not reduced)."""
+    def local_sumsq(self, skip: nn.Parameter | None = None) -> torch.Tensor:
+        """This rank's counted share of the global gradient's sum of squares (fp64, not
+        reduced): summed over the world it counts every element once. `skip`: a parameter
+        left out (the second copy of a tied weight)."""
         # On the parameters' device: NCCL reduces only CUDA tensors.
         sumsq = torch.zeros((), dtype=torch.float64, device=self.units[0].master.device)
         for unit in self.units:
             g = unit.master.grad
-            if g is None:
+            if g is None or not self._owned(unit):
                 continue
-            if self.grid.tp.rank == 0:  # everything local counts (padding is zero)
-                sumsq += torch.linalg.vector_norm(g).double() ** 2
-                continue
-            lo, hi = self.stage.local_range(unit)
+            lo, hi = unit.stage.local_range(unit)
             for slot in unit.slots:
-                part = overlap(slot, lo, hi) if self._counted(slot) else None
+                if slot.param is skip or not self._counted(slot):
+                    continue
+                part = overlap(slot, lo, hi)
                 if part is not None:
                     sumsq += torch.linalg.vector_norm(g[part[0] : part[1]]).double() ** 2
         return sumsq
 
     def reduce_sumsq(self, sumsq: torch.Tensor) -> float:
-        """Sum per-rank squares over DP (if sharded), TP and PP; uncounted (not training data)."""
+        """Sum the per-rank shares over the world; uncounted (not training data)."""
         with self.grid.counter.paused():
-            if self.stage.sharded:
-                self.dp.all_reduce(sumsq)
-            self.grid.tp.all_reduce(sumsq)
-            self.grid.pp.all_reduce(sumsq)
+            self.grid.world.all_reduce(sumsq)
         return sumsq.item()
 
     def grad_norm(self) -> float:
@@ -229,13 +266,13 @@ class DataParallel:
     def update_params(self) -> None:
         """Copy the updated masters into the compute-dtype parameters (all-gather if sharded)."""
         for unit in self.units:
-            self.stage.update(unit)
+            unit.stage.update(unit)
 
     def zero_grad(self) -> None:
         for unit in self.units:
             unit.master.grad = None
             unit.ready = 0
-            if not self.stage.grad_views:
+            if not unit.stage.grad_views:
                 unit.grad = None
                 continue
             if unit.grad is None:
@@ -266,7 +303,7 @@ class DataParallel:
             for unit, local in zip(self.units, locals_):
                 if local is None:
                     continue
-                full = self.stage.gather_full(unit, local)
+                full = unit.stage.gather_full(unit, local)
                 for s in unit.slots:
                     t = full[s.start : s.start + s.numel].view(s.shape)
                     if hasattr(s.param, "tp_dim"):
@@ -301,7 +338,7 @@ class DataParallel:
                         f"layout's {tuple(s.shape)}"
                     )
                 flat[s.start : s.start + s.numel] = t.reshape(-1).to(flat)
-            lo, hi = self.stage.local_range(unit)
+            lo, hi = unit.stage.local_range(unit)
             out.append(flat[lo:hi].clone())
         return out
 

@@ -5,6 +5,13 @@ It is pure data (no torch), so `llmopt plan` can build and print plans without i
 engine. One name per concept everywhere (planner, engine, trainer, CLI flags, TOML/JSON):
 
     tp, pp, dp, cp, ep          parallel degrees (Megatron rank order: tp, cp, ep, dp, pp)
+    expert_tp                   TP degree of the routed experts: 1 or tp (0: tp, Megatron's
+                                default)
+    layers_per_stage            layers of each of the pp*v model chunks, in stage order (empty:
+                                even, or the split the two flags below give)
+    account_for_embedding       Megatron's --account-for-embedding-in-pipeline-split: the
+                                embedding counts as one layer of the first chunk
+    account_for_loss            ... and the output layer + loss as one layer of the last chunk
     sequence_parallel           Megatron-style SP over the TP group (needs tp > 1)
     zero_stage                  0 (DDP), 1 (optimizer states), 2 (+ gradients), 3 (+ parameters)
     micro_batch                 sequences per forward/backward on one DP rank
@@ -82,6 +89,10 @@ class ParallelPlan:
     precision: Precision = "bf16"
     fp8_recipe: str = "current"
     reduce_dtype: str = "fp32"
+    expert_tp: int = 0
+    layers_per_stage: tuple[int, ...] = ()
+    account_for_embedding: bool = False
+    account_for_loss: bool = False
 
     def __post_init__(self) -> None:
         for name in (*DEGREES, "micro_batch", "num_microbatches", "virtual_stages"):
@@ -114,6 +125,62 @@ class ParallelPlan:
             )
         if self.sequence_parallel and self.tp == 1:
             raise PlanError("sequence_parallel=true needs tp>1 (it splits activations over TP)")
+        for name in ("account_for_embedding", "account_for_loss"):
+            if not isinstance(getattr(self, name), bool):
+                raise PlanError(f"{name}={getattr(self, name)!r} must be true or false")
+        if self.layers_per_stage is None:  # an unset value read from JSON
+            object.__setattr__(self, "layers_per_stage", ())
+        if isinstance(self.layers_per_stage, list) and not self.layers_per_stage:
+            object.__setattr__(self, "layers_per_stage", ())  # TOML/JSON give a list
+        if self.layers_per_stage:
+            counts = self.layers_per_stage
+            stages = self.pp * self.virtual_stages
+            if not isinstance(counts, list | tuple) or len(counts) != stages:
+                raise PlanError(
+                    f"layers_per_stage={counts!r} must list the layers of each of the "
+                    f"pp*virtual_stages={stages} model chunks"
+                )
+            if any(isinstance(c, bool) or not hasattr(c, "__index__") or c < 0 for c in counts):
+                raise PlanError(f"layers_per_stage={list(counts)} must be non-negative integers")
+            object.__setattr__(self, "layers_per_stage", tuple(int(c) for c in counts))
+            if self.account_for_embedding or self.account_for_loss:
+                raise PlanError(
+                    "layers_per_stage gives the split itself; account_for_embedding/"
+                    "account_for_loss only shape the default split"
+                )
+        if isinstance(self.expert_tp, bool) or not hasattr(self.expert_tp, "__index__"):
+            raise PlanError(f"expert_tp={self.expert_tp!r} must be 0 (tp), 1 or tp={self.tp}")
+        object.__setattr__(self, "expert_tp", int(self.expert_tp))
+        if self.expert_tp not in (0, 1, self.tp):
+            raise PlanError(f"expert_tp={self.expert_tp} must be 0 (tp), 1 or tp={self.tp}")
+
+    def stage_split(self, num_layers: int) -> tuple[int, ...] | None:
+        """Layers of each of the pp*v chunks (None: the engine's even default): the explicit
+        split, or Megatron's split with the embedding and/or the loss counted as a layer
+        (they must then divide evenly over the chunks, as Megatron asserts)."""
+        if self.layers_per_stage:
+            return self.layers_per_stage
+        extra = int(self.account_for_embedding) + int(self.account_for_loss)
+        if not extra:
+            return None
+        stages = self.pp * self.virtual_stages
+        units = num_layers + extra
+        if units % stages:
+            raise PlanError(
+                f"num_layers={num_layers} + {extra} (embedding/loss counted as layers) = "
+                f"{units} does not divide over pp*virtual_stages={stages} chunks"
+            )
+        counts = [units // stages] * stages
+        counts[0] -= int(self.account_for_embedding)
+        counts[-1] -= int(self.account_for_loss)
+        if min(counts) < 0:
+            raise PlanError(f"the split {counts} leaves a chunk fewer than no layers")
+        return tuple(counts)
+
+    @property
+    def resolved_expert_tp(self) -> int:
+        """The experts' TP degree: expert_tp, or tp when unset (Megatron's default)."""
+        return self.expert_tp or self.tp
 
     # ---- derived ----
     @property
@@ -129,6 +196,8 @@ class ParallelPlan:
     def short(self) -> str:
         parts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}"]
         parts += [f"{n}={getattr(self, n)}" for n in ("cp", "ep") if getattr(self, n) > 1]
+        if self.expert_tp and self.ep > 1:
+            parts.append(f"expert_tp={self.expert_tp}")
         return ",".join(parts)
 
     def check_batch(self, global_batch: int) -> None:
@@ -149,7 +218,9 @@ class ParallelPlan:
         return [f.name for f in dataclasses.fields(cls)]
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        out["layers_per_stage"] = list(self.layers_per_stage)  # as TOML and JSON read it back
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ParallelPlan:
@@ -188,6 +259,8 @@ class ParallelPlan:
 
 
 def _toml_value(value: Any) -> str:
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):

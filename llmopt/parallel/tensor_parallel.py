@@ -29,9 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmopt.models.experts import MoE
 from llmopt.models.llama import Transformer
 from llmopt.models.spec import spec_for
 from llmopt.parallel.comm import Group
+from llmopt.parallel.grid import tp_split_sizes
 
 SEQ_DIM = 1  # activations are [batch, seq, hidden]
 
@@ -213,19 +215,21 @@ def _sum_grad_over_tp(group: Group):
 
 
 def apply_tensor_parallel(
-    model: Transformer, group: Group, sequence_parallel: bool = False
+    model: Transformer, group: Group, sequence_parallel: bool = False, expert_tp: bool = True
 ) -> Transformer:
-    """Shard `model` in place over `group` (Megatron TP, optionally with SP); returns it."""
+    """Shard `model` in place over `group` (Megatron TP, optionally with SP); returns it.
+    `expert_tp=False` leaves the routed experts whole (expert parallelism then splits the
+    tokens over TP: `llmopt.parallel.expert_parallel`)."""
     cfg = model.config
     tp = group.size
-    for name, value in (
-        ("num_heads", cfg.num_heads),
-        ("num_kv_heads", cfg.num_kv_heads),
-        ("intermediate_size", cfg.intermediate_size),
-        ("vocab_size", cfg.vocab_size),
-    ):
-        if value % tp:
+    for name, value in tp_split_sizes(cfg):
+        if value % tp and (expert_tp or name != "expert_ffn_hidden"):
             raise ValueError(f"tp={tp} does not divide {name}={value}")
+    if tp > 1 and cfg.mla is not None:
+        raise ValueError(
+            f"tp={tp} with latent attention (MLA) is not supported: its low-rank projections "
+            "would need their partial gradients summed over TP; use tp=1 (ep, pp, dp work)"
+        )
     model.tp_group = group
     model.sequence_parallel = sequence_parallel and tp > 1
     if tp == 1:
@@ -235,17 +239,27 @@ def apply_tensor_parallel(
     sp = model.sequence_parallel
     spec = spec_for(model)
     norms, branch_norms = [], []
+    whole = spec.experts + "." if spec.experts and not expert_tp else None
     for _, block in spec.named_blocks(model):
-        for _, linear in spec.named_block_modules(block, spec.column_parallel):
-            _shard_linear(linear, 0, group)
-        for _, linear in spec.named_block_modules(block, spec.row_parallel):
+        moe = _moe_of(block, spec)
+        for name, linear in spec.named_block_modules(block, spec.column_parallel):
+            if whole is None or not name.startswith(whole):
+                _shard_linear(linear, 0, group)
+        for name, linear in spec.named_block_modules(block, spec.row_parallel):
+            if whole is not None and name.startswith(whole):
+                continue
             _shard_linear(linear, 1, group)
-            linear.register_forward_hook(_row_output_hook(group, sp))
+            if moe is None or not name.startswith(spec.feed_forward + "."):
+                linear.register_forward_hook(_row_output_hook(group, sp))
+        if moe is not None:
+            _shard_moe(moe, group, sp, expert_tp)
         attention = spec.block_module(block, spec.attention)
         attention.num_heads //= tp
         attention.num_kv_heads //= tp
         for name, norm in spec.named_block_modules(block, spec.block_norms):
-            (branch_norms if name in spec.branch_norms else norms).append(norm)
+            # a token-split MoE reads its sequence shard as it is (no SP gather)
+            local = moe is not None and sp and not expert_tp and name == spec.feed_forward_norm
+            (branch_norms if name in spec.branch_norms or local else norms).append(norm)
         for _, norm in spec.named_block_modules(block, spec.head_norms):
             norm.weight.tp_replicated = True  # each rank sees its own heads: sum the grads
             norm.weight.register_hook(_sum_grad_over_tp(group))
@@ -276,6 +290,31 @@ def apply_tensor_parallel(
         _shard_linear(head, 0, group)
     model.vocab_start = group.rank * rows
     return model
+
+
+def _moe_of(block: nn.Module, spec) -> MoE | None:
+    ff = spec.block_module(block, spec.feed_forward)
+    return ff if isinstance(ff, MoE) else None
+
+
+def _shard_moe(moe: MoE, group: Group, sp: bool, expert_tp: bool) -> None:
+    """A MoE block's experts are split like the dense MLP (Megatron's expert TP = tp): each
+    rank's experts and shared experts give partial outputs, summed once at the block's output
+    (not per expert). The replicated router (and Qwen2-MoE's shared-expert gate) then see
+    partial gradients through those partial outputs: summed over TP like the head norms. The
+    auxiliary losses, computed alike on every rank, enter each rank's backward at 1/tp, so
+    the input-gradient all-reduce sums them to one. Whole experts (`expert_tp=False`): the
+    TP ranks route disjoint tokens, so the router's gradients are partial sums over tokens
+    (summed the same way) and the block reduces its own shared-expert output."""
+    if expert_tp:
+        moe.register_forward_hook(_row_output_hook(group, sp))
+        moe.aux_replicas = group.size
+    replicated = [moe.gate.weight]
+    if hasattr(moe, "shared_expert_gate"):
+        replicated.append(moe.shared_expert_gate.weight)
+    for weight in replicated:
+        weight.tp_replicated = True
+        weight.register_hook(_sum_grad_over_tp(group))
 
 
 def lm_loss_from_hidden(

@@ -9,8 +9,6 @@ from its first use until the parameter update.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
@@ -44,8 +42,9 @@ class ZeroStage3(ZeroStage2):
         param_dtype: torch.dtype,
         reduce_dtype: torch.dtype,
         prefetch: bool = True,
+        divisor: int | None = None,
     ) -> None:
-        super().__init__(dp, param_dtype, reduce_dtype)
+        super().__init__(dp, param_dtype, reduce_dtype, divisor)
         self.prefetch_enabled = prefetch  # gather the next block while this one computes
         self.blocks: list[Unit] = []
         self.root: Unit | None = None
@@ -56,21 +55,19 @@ class ZeroStage3(ZeroStage2):
         unit.shard = unit.flat[lo:hi].clone()
 
     def attach(
-        self,
-        owner: Any,  # the DataParallel that runs this stage
-        model: nn.Module,
-        blocks: list[nn.Module],
+        self, model: nn.Module, placed: list[tuple[Unit, nn.Module]], root: Unit | None
     ) -> None:
-        self.blocks = [u for u in owner.units if not u.is_root]
-        self.root = next((u for u in owner.units if u.is_root), None)
-        model.register_forward_pre_hook(lambda mod, args: self.prepare_forward())
-        embedding = _embedding_of(model)
-        if embedding is not None:  # callers may skip the model's own forward (hidden states)
-            embedding.register_forward_pre_hook(lambda mod, args: self.prepare_forward())
-        for unit, block in zip(self.blocks, blocks):
+        self.blocks = [unit for unit, _ in placed]
+        self.root = root
+        if root is not None:
+            model.register_forward_pre_hook(lambda mod, args: self.prepare_forward())
+            embedding = _embedding_of(model)
+            if embedding is not None:  # callers may skip the model's forward (hidden states)
+                embedding.register_forward_pre_hook(lambda mod, args: self.prepare_forward())
+        for unit, block in placed:
             block.register_forward_pre_hook(self._pre_forward(unit))
             block.register_forward_hook(self._post_forward(unit))
-        for unit in owner.units:
+        for unit in [*self.blocks, *([root] if root is not None else [])]:
             self.free(unit)
 
     def prepare_forward(self) -> None:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 ROOT = "root"  # the unit of every parameter outside the blocks
+EXPERTS = ".experts"  # suffix of a block's routed-expert unit (parameters marked `expert`)
 
 
 @dataclass
@@ -50,7 +51,8 @@ class Unit:
     gathered: bool = True
     gather_work: object | None = None
     launched: bool = False
-    index: int = 0  # position among the blocks (ZeRO-3 prefetch order)
+    index: int = 0  # position among its stage's block units (ZeRO-3 prefetch order)
+    stage: object | None = None  # the ZeroStage that reduces and shards it
 
     @property
     def is_root(self) -> bool:
@@ -62,15 +64,21 @@ class Unit:
 
 def group_parameters(
     model: nn.Module, blocks: Sequence[nn.Module]
-) -> list[tuple[str, list[tuple[str, nn.Parameter]]]]:
-    """(unit name, [(parameter name, parameter)]) in order of first appearance in `model`:
-    `layers.<i>` for the parameters of blocks[i], `root` for all others."""
+) -> list[tuple[str, list[tuple[str, nn.Parameter]], int | None]]:
+    """(unit name, [(parameter name, parameter)], block index or None) in order of first
+    appearance in `model`: `layers.<i>` for the parameters of blocks[i] (its routed experts,
+    marked `expert`, apart in `layers.<i>.experts`), `root` for all others."""
     block_of = {id(p): i for i, block in enumerate(blocks) for p in block.parameters()}
     groups: dict[str, list[tuple[str, nn.Parameter]]] = {}
+    index: dict[str, int | None] = {}
     for name, param in model.named_parameters():
-        key = f"layers.{block_of[id(param)]}" if id(param) in block_of else ROOT
+        block = block_of.get(id(param))
+        key = ROOT if block is None else f"layers.{block}"
+        if block is not None and getattr(param, "expert", False):
+            key += EXPERTS
         groups.setdefault(key, []).append((name, param))
-    return list(groups.items())
+        index[key] = block
+    return [(key, params, index[key]) for key, params in groups.items()]
 
 
 def build_unit(

@@ -18,7 +18,7 @@ compute parameters (`update`). Rajbhandari et al.'s stages, each a small step fr
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -36,10 +36,18 @@ class ZeroStage:
     sharded: ClassVar[bool] = False  # masters and optimizer state are 1/dp per rank
     reduce_every_microbatch: ClassVar[bool] = False  # ignores no_sync()
 
-    def __init__(self, dp: Group, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        dp: Group,
+        param_dtype: torch.dtype,
+        reduce_dtype: torch.dtype,
+        divisor: int | None = None,
+    ) -> None:
         self.dp = dp
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
+        # gradients are averaged by this (the model replicas: experts reduce over fewer ranks)
+        self.divisor = dp.size if divisor is None else divisor
 
     @property
     def grad_views(self) -> bool:
@@ -57,18 +65,16 @@ class ZeroStage:
             unit.master = nn.Parameter(full32.clone())
 
     def attach(
-        self,
-        owner: Any,  # the DataParallel that runs this stage
-        model: nn.Module,
-        blocks: list[nn.Module],
+        self, model: nn.Module, placed: list[tuple[Unit, nn.Module]], root: Unit | None
     ) -> None:
-        """Install whatever the stage needs around forward/backward (ZeRO-3 only)."""
+        """Install whatever the stage needs around forward/backward (ZeRO-3 only): `placed`
+        are this stage's block units with their blocks, `root` the unit outside them."""
 
     def prepare_forward(self) -> None:
         """Make the parameters the first forward computation needs present (ZeRO-3 only)."""
 
     def launch(self, unit: Unit) -> None:
-        unit.grad.div_(self.dp.size)
+        unit.grad.div_(self.divisor)
         unit.work = self.dp.all_reduce(unit.grad, async_op=True)
 
     def _local_grad(self, unit: Unit, local: torch.Tensor) -> torch.Tensor:
@@ -108,7 +114,7 @@ class ZeroStage1(ZeroStage):
         unit.master = nn.Parameter(full32[lo:hi].clone())
 
     def launch(self, unit: Unit) -> None:
-        unit.grad.div_(self.dp.size)
+        unit.grad.div_(self.divisor)
         unit.grad_shard = torch.empty(
             unit.padded // self.dp.size, dtype=self.reduce_dtype, device=unit.grad.device
         )

@@ -74,6 +74,11 @@ def _common(p: argparse.ArgumentParser, sub: bool) -> None:
         help="fp32: fp32 gradients (18 B/param); bf16: bf16 gradients (16 B/param); default: "
         "the --framework's (fp32; bf16 for nemo and deepspeed)",
     )
+    w.add_argument(
+        "--moments", choices=("fp32", "bf16"), default=d(None),
+        help="Adam moment dtype (bf16 saves 4 B/param); default: fp32, bf16 for the recipes "
+        "that set it (Megatron-Bridge's DeepSeek-V3)",
+    )  # fmt: skip
     w.add_argument("--no-flash", action="store_true", default=d(False))
     w.add_argument(
         "--flops-convention", choices=FLOPS_CONVENTIONS, default=d("causal"),

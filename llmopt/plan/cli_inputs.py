@@ -145,7 +145,9 @@ def build_cluster(args: argparse.Namespace) -> Cluster:
     return customize(cluster, **{field: getattr(args, dest) for dest, field in flags.items()})
 
 
-def build_workload(args: argparse.Namespace) -> Workload:
+def build_workload(args: argparse.Namespace, model_name: str = "") -> Workload:
+    from llmopt.plan.frameworks import FRAMEWORK_KERNELS, recipe_moments
+
     batch = args.global_batch
     if args.global_batch_tokens is not None:
         if args.global_batch_tokens <= 0 or args.global_batch_tokens % args.seq_len:
@@ -171,6 +173,10 @@ def build_workload(args: argparse.Namespace) -> Workload:
         sharding="deepspeed" if getattr(args, "framework", "llmopt") == "deepspeed" else "fsdp",
         lora_rank=getattr(args, "lora_rank", 0),
         qlora=getattr(args, "qlora", False),
+        moments=getattr(args, "moments", None)
+        or recipe_moments(getattr(args, "framework", "llmopt"), model_name),
+        # the framework's kernels: attention generation, selective AC, FP8 casts
+        **FRAMEWORK_KERNELS.get(getattr(args, "framework", "llmopt"), {}),
     )
 
 
@@ -183,7 +189,8 @@ def reduce_dtype(args: argparse.Namespace) -> str:
 
 
 def inputs(args: argparse.Namespace) -> tuple[ModelConfig, Workload, Cluster]:
-    return build_model(args), build_workload(args), build_cluster(args)
+    model = build_model(args)
+    return model, build_workload(args, model.name), build_cluster(args)
 
 
 def build_plan(args: argparse.Namespace, work: Workload, cluster: Cluster) -> ParallelPlan:

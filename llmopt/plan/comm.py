@@ -12,6 +12,13 @@ Rank order is Megatron's (tp fastest, then cp, dp, pp): a TP group crosses nodes
 tp > gpus_per_node, CP iff tp·cp > gpus_per_node, DP iff tp·cp·dp > gpus_per_node, and PP
 neighbours iff the whole model-replica grid tp·cp·dp·pp spans more than one node.
 
+A ring collective (all-reduce, all-gather, reduce-scatter) whose group has k members on each
+node runs k rings at once (NCCL's channels), each leaving the node through a different GPU's
+NIC, so it crosses the network at k NICs' bandwidth (capped by NVLink, which carries every
+rank's whole ring traffic): NVIDIA measures 192 GB/s all-reduce bus bandwidth across DGX-A100
+nodes with 8 x 200 Gb/s NICs, 24 GB/s per NIC (NVIDIA/nccl#812, NVIDIA/nccl-tests#119). A
+point-to-point send uses its own GPU's NIC.
+
 What is counted per micro-batch and layer: TP (Megatron), without sequence parallelism two
 all-reduces of the b·s·h activation forward and two backward; with it two all-gathers and two
 reduce-scatters each way; full recomputation repeats the forward ones. The vocab-parallel
@@ -43,6 +50,8 @@ import numpy as np
 
 from llmopt.models.config import ModelConfig
 from llmopt.parallel.plan import ParallelPlan
+from llmopt.plan.dispatch import ep_of
+from llmopt.plan.experts import expert_dp, expert_params_per_rank
 from llmopt.plan.grid import Grid, to_grid
 from llmopt.plan.hardware import Cluster
 from llmopt.plan.memory import (
@@ -53,9 +62,16 @@ from llmopt.plan.memory import (
     layer_params_per_rank,
     stage_params,
 )
+from llmopt.plan.split import rank_layers
 from llmopt.plan.workload import STATE_BYTES, Workload
 
 OPS = ("all-reduce", "all-gather", "reduce-scatter", "send", "recv")
+# DeepSpeed's ZeRO-3 (Workload.sharding == "deepspeed") is priced as if each rank's data-parallel
+# traffic crossed the network on its own NIC only. Fitted, not derived: the calibration rows
+# 11-16 (Narayanan et al. 2021 Table 2, DeepSpeed ZeRO-3 on 384-2240 DGX-A100s) are
+# communication-bound at ~16-20 GB/s per GPU, one NIC's rate; priced with all 8 rails they
+# would run 1.5-4.6x faster than measured.
+DEEPSPEED_RAILS = 1
 
 
 @dataclass(frozen=True)
@@ -70,6 +86,8 @@ class Collectives:
     payload_bytes: np.ndarray  # per call
     group_size: np.ndarray
     inter_node: np.ndarray  # bool
+    # members of the group on one node: the NICs a ring collective crosses the network with
+    per_node: np.ndarray | int = 1
 
     @property
     def wire_bytes_per_call(self) -> np.ndarray:
@@ -87,9 +105,12 @@ class Collectives:
         return self.calls * self.wire_bytes_per_call
 
     def seconds_per_call(self, cluster: Cluster) -> np.ndarray:
-        """Ring bandwidth term plus a tree-like latency term (log2 n steps; 2× for all-reduce)."""
+        """Ring bandwidth term plus a tree-like latency term (log2 n steps; 2× for all-reduce).
+        Across nodes a ring collective runs on `per_node` NICs at once, up to NVLink's rate."""
         intra, inter = cluster.intra_node, cluster.inter_node
-        bw = np.where(self.inter_node, inter.bytes_per_s, intra.bytes_per_s)
+        rails = 1 if self.op in ("send", "recv") else np.maximum(self.per_node, 1)
+        net = np.minimum(rails * inter.bytes_per_s, intra.bytes_per_s)
+        bw = np.where(self.inter_node, net, intra.bytes_per_s)
         lat = np.where(self.inter_node, inter.latency_us, intra.latency_us) * 1e-6
         steps = np.ceil(np.log2(np.maximum(self.group_size, 2)))
         if self.op == "all-reduce":
@@ -112,6 +133,15 @@ def layout(cluster: Cluster, grid: Grid) -> dict[str, np.ndarray]:
     }
 
 
+def members_per_node(cluster: Cluster, grid: Grid) -> dict[str, np.ndarray]:
+    """Ranks of one TP, CP and DP (over dp·cp) group that share a node (Megatron rank order:
+    a CP or DP group strides over the tp ranks below it)."""
+    g = cluster.gpus_per_node
+    tp, cp, dp = grid["tp"], grid["cp"], grid["dp"]
+    below = np.maximum(g // tp, 1)
+    return {"tp": np.minimum(tp, g), "cp": np.minimum(cp, below), "dp": np.minimum(dp * cp, below)}
+
+
 def collectives(
     model: ModelConfig, work: Workload, cluster: Cluster, grid: Grid
 ) -> list[Collectives]:
@@ -119,6 +149,9 @@ def collectives(
     tp, cp, dp, pp = grid["tp"], grid["cp"], grid["dp"], grid["pp"]
     mb, m, v, sp, rc = grid["mb"], grid["m"], grid["v"], grid["sp"] == 1, grid["rc"]
     inter = layout(cluster, grid)
+    rails = members_per_node(cluster, grid)
+    if work.sharding == "deepspeed":  # fitted, see DEEPSPEED_RAILS
+        rails["dp"] = np.full_like(rails["dp"], DEEPSPEED_RAILS)
     from llmopt.plan.memory import layers_per_stage
 
     n_layers = layers_per_stage(model, pp, v)
@@ -126,11 +159,16 @@ def collectives(
     tokens = mb * s_local
     act = tokens * model.hidden_size * ACT_BYTES
     w_bytes, g_bytes, _ = STATE_BYTES[work.state_bytes]
+    if work.fp8_param_gather and work.precision == "fp8":
+        w_bytes = 1  # FP8 weights gathered (cast on the shard before the all-gather)
     out: list[Collectives] = []
 
     def add(group, op, phase, stage, calls, payload, size, crosses):
         calls = np.where(size > 1, calls, 0) * np.ones_like(payload)
-        out.append(Collectives(group, op, phase, stage, calls, payload * 1.0, size, crosses))
+        per_node = rails.get(group, 1)
+        out.append(
+            Collectives(group, op, phase, stage, calls, payload * 1.0, size, crosses, per_node)
+        )
 
     # Tensor parallel.
     per_mb = 2 * n_layers * m
@@ -201,9 +239,21 @@ def collectives(
     # under ZeRO-2/3 its unit (embedding / final norm + head) is reduce-scattered once per step.
     tied_split = model.tie_embeddings & (pp > 1)
     once = grad_policy(grid) == 1  # ZeRO-2/3 "step" policy: one reduce-scatter per step
-    for kind, params in (("not_last", first_p), ("last", last_p)):
+    # Routed experts are data-parallel over their own ranks (edp = tp·cp·dp / (etp·ep), strided
+    # by etp·ep: `experts.expert_dp`), a separate group with its own NICs per node.
+    n_first, _, n_last = rank_layers(model, pp, v)
+    local_experts = expert_params_per_rank(model, grid)
+    edp = expert_dp(grid)
+    ep, etp = ep_of(grid)
+    edp_rails = np.minimum(edp, np.maximum(cluster.gpus_per_node // (ep * etp), 1))
+    for kind, params, layers in (("not_last", first_p, n_first), ("last", last_p, n_last)):
+        experts = layers * local_experts
+        params = params - experts
         root = params - block_p  # embedding, final norm, head: the non-block parameters
         crosses = inter["dp"]
+        if model.moe is not None:
+            rails["edp"] = edp_rails
+            _expert_collectives(add, kind, experts, edp, crosses, z, m, once, w_bytes, g_bytes)
         add("dp", "all-reduce", "step", kind, (z == 0) * 1, params * g_bytes, d, crosses)
         add("dp", "reduce-scatter", "backward", kind, (z == 1) * 1, params * g_bytes, d, crosses)
         rs_calls = np.where(once, 1, m) * (z >= 2)
@@ -226,6 +276,25 @@ def collectives(
         add("dp", "all-gather", "forward", kind, (z == 3) * 1, root * w_bytes, d, crosses)
         add("dp", "all-gather", "backward", kind, (z == 3) * m, block_p * w_bytes, d, crosses)
     return out
+
+
+def _expert_collectives(add, kind, experts, edp, crosses, z, m, once, w_bytes, g_bytes) -> None:
+    """The routed experts' data-parallel traffic over their edp ranks: ZeRO-0 all-reduces
+    gradients per step, 1 reduce-scatters and gathers once per step, 2 reduce-scatters per
+    micro-batch (or once); under ZeRO-3 the local experts are gathered once, at their first
+    use, and kept for the step like the root unit (the pricing before issue 27's split into
+    dense and expert groups; whether Megatron-FSDP regathers experts per micro-batch is not
+    settled by any calibration row)."""
+    add("edp", "all-reduce", "step", kind, (z == 0) * 1, experts * g_bytes, edp, crosses)
+    rs_calls = np.where(z == 1, 1, np.where(once, 1, m) * (z >= 2))
+    add("edp", "reduce-scatter", "backward", kind, rs_calls, experts * g_bytes, edp, crosses)
+    gather_step = ((z == 1) | (z == 2)) * 1
+    add("edp", "all-gather", "step", kind, gather_step, experts * w_bytes, edp, crosses)
+    add("edp", "all-gather", "forward", kind, (z == 3) * 1, experts * w_bytes, edp, crosses)
+
+
+def _rails(c: Collectives) -> float:
+    return 1.0 if c.op in ("send", "recv") else float(np.maximum(np.asarray(c.per_node), 1).flat[0])
 
 
 def applies(kind: str, stage: str, pp: np.ndarray | int) -> np.ndarray:
@@ -269,6 +338,11 @@ def collectives_for(
                 "group_size": int(c.group_size[0]),
                 "link": "inter_node" if bool(c.inter_node[0]) else "intra_node",
                 "wire_bytes": float(c.wire_bytes[0]),
+                # across nodes: the bytes this rank's own NIC carries (1/k of a ring's with k
+                # of the group's ranks per node; a send's whole message)
+                "network_bytes": float(c.wire_bytes[0]) / _rails(c)
+                if bool(c.inter_node[0])
+                else 0.0,
             }
         )
     return rows

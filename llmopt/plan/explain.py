@@ -26,7 +26,7 @@ from llmopt.plan.search import (
     plan_of_rank,
     ranked,
 )
-from llmopt.plan.workload import Workload
+from llmopt.plan.workload import STATE_BYTES, Workload, optimizer_bytes_per_param
 
 MFU_FORMULA = {
     "causal": "3 x tokens x (layers x (2 x active matmul weights + 2 x s x heads x head_dim) + "
@@ -119,6 +119,9 @@ def explain(
     d = p.dp * p.cp
     if d > 1:
         link = (cluster.inter_node if p.tp * p.cp * p.dp > g else cluster.intra_node).name
+        rails = min(d, max(g // p.tp, 1))
+        if p.tp * p.cp * p.dp > g and rails > 1:
+            link += f" ({rails} ranks per node: its rings cross on {rails} NICs at once)"
         out.append(
             f"Data parallelism over {d} ranks ({'dp' if p.cp == 1 else 'dp x cp'}) reduces "
             f"gradients over {link}; {t['dp_comm_exposed']:.2f} s of it is not hidden behind "
@@ -141,7 +144,8 @@ def explain(
     out.append(
         f"Memory per GPU: weights {_gib(m['params'])}, gradients {_gib(m['grads'])}, optimizer "
         f"{_gib(m['optimizer'])} ({zero_text}, {work.state_bytes} convention "
-        f"{ {'megatron': 18, 'zero': 16}[work.state_bytes] } B/param), activations "
+        f"{sum(STATE_BYTES[work.state_bytes][:2]) + optimizer_bytes_per_param(work.moments)} "
+        f"B/param{', bf16 Adam moments' if work.moments == 'bf16' else ''}), activations "
         f"{_gib(m['activations'])} (recompute={p.recompute}, micro-batch {p.micro_batch}), "
         f"other {_gib(m['other'])}; total {_gib(m['total'])} of "
         f"{cluster.gpu.hbm_gib * (1 - cluster.gpu.allocator_margin):.1f} GiB usable"

@@ -49,6 +49,33 @@ DEFAULT_REDUCE_DTYPE = {
 }
 
 
+# The kernels each framework trains with unless told otherwise (`Workload` fields): PyTorch's
+# SDPA runs FlashAttention-2 on Hopper by default (llmopt's engine, torchtitan; DeepSpeed users
+# bring FlashAttention-2); Megatron-LM and Megatron-Bridge run Transformer Engine's cuDNN
+# attention and fuse FP8 casts into their kernels; torchtitan's "selective" AC is op-level
+# (every second matmul recomputed, parallelize_llama.py) and its Float8 is torchao's, with FP8
+# weight all-gathers under FSDP (its float8 docs' recommended setting).
+FRAMEWORK_KERNELS: dict[str, dict[str, object]] = {
+    "llmopt": {"attention_kernel": "fa2"},
+    "megatron": {"attention_kernel": "fa3"},
+    "nemo": {"attention_kernel": "fa3"},
+    "torchtitan": {
+        "attention_kernel": "fa2",
+        "selective": "every-other-mm",
+        "fp8_casts": "torchao",
+        "fp8_param_gather": True,
+    },
+    "deepspeed": {"attention_kernel": "fa2"},
+}
+
+
+def recipe_moments(framework: str, model_name: str) -> str:
+    """Adam moment dtype a framework's recipe for the model sets: Megatron-Bridge's DeepSeek-V3
+    recipe keeps Adam's moments in bf16 (recipes/deepseek/h100/deepseek_v3.py @b7b4e11b:
+    exp_avg_dtype = exp_avg_sq_dtype = bfloat16); fp32 otherwise."""
+    return "bf16" if framework == "nemo" and model_name.startswith("deepseek-v3") else "fp32"
+
+
 def rule_sources(name: str) -> list[tuple[str, str]]:
     """(what the rule refuses, the framework source it restates) for `name`'s rules."""
     return [(r.what, r.source) for r in RULES[check_framework(name)]]

@@ -17,6 +17,10 @@ recomputation (which drops the s² terms), and 2sbh (/t with SP) for the layer i
 full recomputation. The first pipeline stage of 1F1B holds min(m, p) micro-batches in flight,
 GPipe holds all m, and interleaving (v chunks) holds p + (p-1)/v, i.e. Korthikanti's
 (1 + (p-1)/(p·v)) penalty on L layers.
+
+Over 400 lines: model states, activations and buffers add up to one per-GPU total that the
+search, the explanation and the engine's check all read; apart they would be three halves of
+one sum.
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ from llmopt.models.moe import attention_params, mlp_params
 from llmopt.plan.experts import expert_dp, expert_params_per_rank, moe_activation_bytes
 from llmopt.plan.grid import Grid
 from llmopt.plan.hardware import GIB, Cluster
+from llmopt.plan.recompute import dropped_bytes
 from llmopt.plan.split import rank_layers
-from llmopt.plan.workload import STATE_BYTES, Workload
+from llmopt.plan.workload import STATE_BYTES, Workload, optimizer_bytes_per_param
 
 ACT_BYTES = 2  # bf16 activations (FP8 training keeps bf16 activations between GEMMs)
 SCHED_GPIPE, SCHED_1F1B, SCHED_INTERLEAVED = 0, 1, 2
@@ -311,6 +316,13 @@ def memory_breakdown(
     per_layer = activation_bytes_per_layer(
         model, s, mb, tp, grid["sp"], cp, grid["rc"], work.flash_attention, work.dropout
     ) + np.where(grid["rc"] == RC_FULL, 0.0, moe_extra)
+    modules = getattr(work, "recompute_modules", ())
+    if modules:  # Megatron-Core's named modules replace the planner's own selective set
+        keep_all = activation_bytes_per_layer(
+            model, s, mb, tp, grid["sp"], cp, RC_NONE, work.flash_attention, work.dropout
+        )
+        named = keep_all + moe_extra - dropped_bytes(model, mb * s / cp, tp, grid["sp"], modules)
+        per_layer = np.where(grid["rc"] == RC_SELECTIVE, np.maximum(named, 0.0), per_layer)
     n_first, _, n_last = rank_layers(model, pp, grid["v"])
     inflight = microbatches_in_flight(pp, grid["m"], grid["v"], grid["sched"])
     act_first = per_layer * n_first * inflight
@@ -358,6 +370,8 @@ def memory_breakdown(
 def _full_model_states(model, work, grid, stage_p, shard, first: bool) -> dict[str, np.ndarray]:
     n_first, _, n_last = rank_layers(model, grid["pp"], grid["v"])
     out = split_state_bytes(model, stage_p, grid, work.state_bytes, n_first if first else n_last)
+    moments = getattr(work, "moments", "fp32")
+    out["optimizer"] = out["optimizer"] * optimizer_bytes_per_param(moments) / 12
     if getattr(work, "dualpipe", False):  # DualPipe keeps a second copy of the stage's weights
         out["params"] = out["params"] * np.where(grid["pp"] > 1, 2.0, 1.0)
     return out
@@ -379,7 +393,8 @@ def lora_model_states(model, work, grid, stage_p, shard, first: bool) -> dict[st
     """Model states of LoRA/QLoRA fine-tuning on one rank: only the adapters get gradients,
     fp32 masters and Adam moments (ZeRO shards those); the frozen base weights are bf16 (or
     packed INT4 for the block linears with QLoRA) and replicated (ZeRO-3 included)."""
-    w, g, o = STATE_BYTES[work.state_bytes]
+    w, g, _ = STATE_BYTES[work.state_bytes]
+    o = optimizer_bytes_per_param(getattr(work, "moments", "fp32"))
     tp, z = grid["tp"], np.asarray(grid["zero"])
     d = np.asarray(shard, dtype=np.float64)
     layers = layers_per_stage(model, grid["pp"], grid["v"])

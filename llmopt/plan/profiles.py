@@ -48,7 +48,10 @@ class GPUProfile:
     gemm_efficiency: float
     # Same for FP8 GEMMs (per-tensor scaled, Transformer Engine style).
     fp8_gemm_efficiency: float
-    # Fraction of peak reached by the fused attention kernel (FlashAttention fwd+bwd average).
+    # Fraction of the bf16 peak the fused attention kernels of training reach, forward and
+    # backward together, on the causal half they compute: current kernels (cuDNN as Transformer
+    # Engine >= 2 runs it, FlashAttention-3). `fa2_attention_efficiency` below is the
+    # FlashAttention-2 generation (`Workload.attention_kernel`).
     attention_efficiency: float
     # Fraction of HBM bandwidth reached by memory-bound elementwise kernels (norms, softmax...).
     hbm_efficiency: float
@@ -62,6 +65,9 @@ class GPUProfile:
     # Board power the efficiencies above were measured at (SXM TDP) and the limit it runs at.
     tdp_w: float = 700.0
     power_limit_w: float | None = None
+    # FlashAttention-2-generation kernels (FlashAttention-2 itself, PyTorch SDPA's flash
+    # backend, the fused attention of 2024 Transformer Engine); None: as attention_efficiency
+    fa2_attention_efficiency: float | None = None
 
     def __post_init__(self) -> None:
         _positive(self, "peak_bf16_tflops", "hbm_gib", "hbm_bandwidth_gbs")
@@ -76,6 +82,8 @@ class GPUProfile:
             "comm_overlap_efficiency",
         )
         _positive(self, "tdp_w")
+        if self.fa2_attention_efficiency is not None:
+            _fraction(self, "fa2_attention_efficiency")
         if self.power_limit_w is not None and not 0 < self.power_limit_w <= self.tdp_w:
             raise UsageError(
                 f"power_limit_w={self.power_limit_w} must be in (0, tdp_w={self.tdp_w}]"
@@ -94,6 +102,12 @@ class GPUProfile:
                 raise UsageError(f"{self.name} has no FP8 tensor cores; use precision=bf16")
             return self.peak_fp8_tflops * 1e12
         return self.peak_bf16_tflops * 1e12
+
+    def attention_efficiency_of(self, kernel: str) -> float:
+        """Attention efficiency of a kernel generation ("fa3" current, "fa2")."""
+        if kernel == "fa2" and self.fa2_attention_efficiency is not None:
+            return self.fa2_attention_efficiency
+        return self.attention_efficiency
 
     @property
     def clock_scale(self) -> float:

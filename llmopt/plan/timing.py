@@ -5,7 +5,8 @@ output layer):
 - GEMMs: 2·(matmul weights per TP rank)·tokens forward, twice that backward, at
   `peak × gemm_efficiency` (FP8 GEMMs at the FP8 peak × fp8_gemm_efficiency);
 - attention core: 4·s·(heads·head_dim)/t FLOPs per token forward; a fused (flash) kernel skips
-  the masked half of causal attention and runs at `attention_efficiency`, the unfused path
+  the masked half of causal attention and runs at the attention efficiency of the workload's
+  kernel generation (`GPUProfile.attention_efficiency_of`), the unfused path
   (Megatron 2021-22) computes the full s² at GEMM efficiency;
 - memory-bound kernels (norms, residual adds, RoPE, activation function, softmax and dropout
   without flash) move bytes at `hbm_bandwidth × hbm_efficiency`; backward moves twice the bytes;
@@ -66,9 +67,39 @@ SHARDING_OVERLAP = {"fsdp": 1.0, "deepspeed": 0.6}
 # median from 5.2 to 4.8 % and the MoE p90 from 47 to 41 % (0, 0.2, 0.5, 1 and 2 ms tried;
 # above 0.5 ms the NeMo rows with pp 8 x vp 8 turn slow).
 CHUNK_STEP_S = 0.0005
+# torchao Float8Linear (`Workload.fp8_casts == "torchao"`): bytes of HBM traffic per element of
+# every linear's input (forward) and output gradient (backward): an amax read (2), a cast read
+# and FP8 write (3) and a transposed FP8 copy for the other GEMM (3). Each linear casts its own
+# input (torchtitan's wq, wk, wv each cast the same x). A prior, checked on the calibration
+# rows 541-547 (torchao's README and the PyTorch float8 + FSDP2 blog, Llama 3 8B-405B).
+TORCHAO_CAST_BYTES = 8.0
 # Adam step, bytes moved per local parameter: read fp32 master, grad, m, v (16), write master,
 # m, v (12) and the bf16 weight copy (2), plus a read of the gradient for the norm/clip (4).
 ADAM_BYTES_PER_PARAM = 34.0
+DP_GROUPS = ("dp", "edp")  # dense and routed-expert data parallelism
+
+
+def _linear_dims(model: ModelConfig, kv_dim: np.ndarray, t: np.ndarray) -> tuple:
+    """Per token and layer on one TP rank: elements of the linears' inputs and of their output
+    gradients, and the block's matmul weights in execution order (q, k, v, o, then the MLP's
+    gate, up, down or fc1, fc2) as (weights per rank, ...)."""
+    h, q, f = model.hidden_size, model.q_size, model.intermediate_size
+    if model.mlp_kind == "swiglu":
+        mlp_in, mlp_out = 2 * h + f / t, 2 * f / t + h
+        weights = (h * q / t, h * kv_dim, h * kv_dim, q * h / t, h * f / t, h * f / t, f * h / t)
+    else:
+        mlp_in, mlp_out = h + f / t, f / t + h
+        weights = (h * q / t, h * kv_dim, h * kv_dim, q * h / t, h * f / t, f * h / t)
+    inputs = 3 * h + q / t + mlp_in
+    outputs = q / t + 2 * kv_dim + h + mlp_out
+    return inputs, outputs, weights
+
+
+def _every_other_mm_share(weights: tuple) -> np.ndarray:
+    """Share of the block's GEMM work in its 2nd, 4th, ... matmul: what torchtitan's op-level
+    SAC recomputes."""
+    total = sum(weights)
+    return sum(weights[1::2]) / total
 
 
 def _sum_time(cs: list[Collectives], cluster: Cluster, **match: object) -> np.ndarray:
@@ -111,9 +142,13 @@ def step_time(
         moe_elem = moe_elementwise(model) / t
         f = mp["dense"] / (n_mlp * h)  # the dense MLPs' width, averaged over blocks
     t_gemm = tokens * 2 * gemm_params / gemm_rate
+    lin_in, lin_out, lin_weights = _linear_dims(model, kv_dim, t)
+    t_cast = 0.0
+    if work.precision == "fp8" and work.fp8_casts == "torchao":
+        t_cast = tokens * TORCHAO_CAST_BYTES * (lin_in + lin_out) / hbm
     attn_flops = tokens * 2.0 * s * attention_core_dim(model) / t
     if work.flash_attention:
-        t_attn = 0.5 * attn_flops / (bf16 * gpu.attention_efficiency)
+        t_attn = 0.5 * attn_flops / (bf16 * gpu.attention_efficiency_of(work.attention_kernel))
     else:
         t_attn = attn_flops / (bf16 * gpu.gemm_efficiency)
     t_attn = t_attn * ring.causal_imbalance(cp, ring.CP_LOAD_BALANCED)  # busiest CP rank
@@ -141,11 +176,14 @@ def step_time(
     _, n_mid, n_last = rank_layers(model, pp, v)
     n_layers = layers_per_stage(model, pp, v)  # = n_mid: what collectives() counts per rank
     fwd_layer = layer_fwd
-    compute_layer = 3 * layer_fwd + expert_w
+    compute_layer = 3 * layer_fwd + expert_w + t_cast
     # Selective: Megatron recomputes the attention core; with flash attention (which already
-    # recomputes it) selective means op-level recomputation of the memory-bound ops.
+    # recomputes it) selective means op-level recomputation of the memory-bound ops, and under
+    # torchtitan's op-level SAC also every second matmul (Workload.selective).
     if work.flash_attention:
         selective = t_elem - t_softmax
+        if work.selective == "every-other-mm":
+            selective = selective + _every_other_mm_share(lin_weights) * t_gemm
     else:
         selective = t_attn + t_softmax
     recompute_layer = np.where(
@@ -210,12 +248,16 @@ def step_time(
     interleaved = grid["sched"] == SCHED_INTERLEAVED
     step_fwd_window = fwd_window + np.where(interleaved, hide * bubble / 2, 0.0)
     step_bwd_window = bwd_window + np.where(interleaved, hide * bubble / 2, 0.0)
-    grad_once = _sum_time(cs, cluster, group="dp", phase="step", op="all-reduce", stage="last")
+    grad_once = _sum_time(cs, cluster, group=DP_GROUPS, phase="step", op="all-reduce", stage="last")
     z = grid["zero"]
-    rs_total = _sum_time(cs, cluster, group="dp", op="reduce-scatter", stage="last")
-    ag_step = _sum_time(cs, cluster, group="dp", op="all-gather", phase="step", stage="last")
-    ag_fwd = _sum_time(cs, cluster, group="dp", op="all-gather", phase="forward", stage="last") / m
-    ag_bwd = _sum_time(cs, cluster, group="dp", op="all-gather", phase="backward", stage="last") / m
+    rs_total = _sum_time(cs, cluster, group=DP_GROUPS, op="reduce-scatter", stage="last")
+    ag_step = _sum_time(cs, cluster, group=DP_GROUPS, op="all-gather", phase="step", stage="last")
+    ag_fwd = (
+        _sum_time(cs, cluster, group=DP_GROUPS, op="all-gather", phase="forward", stage="last") / m
+    )
+    ag_bwd = (
+        _sum_time(cs, cluster, group=DP_GROUPS, op="all-gather", phase="backward", stage="last") / m
+    )
     # ZeRO-2/3 "step" policy: the one reduce-scatter runs in the last micro-batch's backward
     once = grad_policy(grid) == 1
     rs_mb = np.where(once, 0.0, rs_total / m)
@@ -238,7 +280,8 @@ def step_time(
 
     first_p, last_p = stage_params(model, grid)
     opt_params = split_state_bytes(model, np.maximum(first_p, last_p), grid, "zero")
-    optimizer = opt_params["optimizer"] / 12 * ADAM_BYTES_PER_PARAM / hbm
+    adam_bytes = ADAM_BYTES_PER_PARAM - (8 if work.moments == "bf16" else 0)  # m, v read+write
+    optimizer = opt_params["optimizer"] / 12 * adam_bytes / hbm
 
     busy_head = np.where(last_busiest, 1.0, 0.0)
     out = {
@@ -260,10 +303,14 @@ def step_time(
 def comm_bytes_per_gpu(
     model: ModelConfig, work: Workload, cluster: Cluster, grid: Grid
 ) -> dict[str, np.ndarray]:
-    """Wire bytes one GPU of the busiest (last) stage sends per step, by link."""
+    """Wire bytes one GPU of the busiest (last) stage sends per step, by link. A ring
+    collective across nodes with k of its ranks per node leaves each node once per ring on
+    each of k NICs: 1/k of a rank's ring traffic goes over its NIC, the rest over NVLink."""
     intra = inter = 0.0
     for c in collectives(model, work, cluster, grid):
         wire = np.where(applies(c.stage, "last", grid["pp"]), c.wire_bytes, 0.0)
-        inter = inter + np.where(c.inter_node, wire, 0.0)
-        intra = intra + np.where(c.inter_node, 0.0, wire)
+        ring = c.op not in ("send", "recv")
+        net = wire / np.maximum(c.per_node, 1) if ring else wire
+        inter = inter + np.where(c.inter_node, net, 0.0)
+        intra = intra + np.where(c.inter_node, wire - net, wire)
     return {"intra_node": np.asarray(intra), "inter_node": np.asarray(inter)}

@@ -185,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(
         model,
         config,
-        eos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_ids or tokenizer.eos_token_id,  # every end-of-turn id
         detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
     )
     worker = EngineWorker(engine, max_queue=args.max_queue).start()

@@ -52,7 +52,9 @@ class EngineWorker:
         self.max_queue = max_queue
         self.metrics = ServingMetrics()
         self._cv = threading.Condition()
-        self._pending: list[tuple[str, list[int], SamplingParams]] = []
+        self._pending: list[tuple[str, list[int], SamplingParams, str | None]] = []
+        # requests waiting for another to compute their prompt (n > 1 shares its KV blocks)
+        self._held: dict[str, list[tuple[str, list[int], SamplingParams]]] = {}
         self._aborts: list[str] = []
         self._live: dict[str, _Live] = {}
         self._draining = False  # no new requests; the accepted ones finish
@@ -66,10 +68,17 @@ class EngineWorker:
 
     # ---- HTTP side ----
     def submit(
-        self, request_id: str, prompt: list[int], params: SamplingParams, sink: Sink
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        sink: Sink,
+        after: str | None = None,
     ) -> None:
         """Queue a request; raises InvalidRequestError (400), QueueFullError (429) or
-        UnavailableError (503) now."""
+        UnavailableError (503) now. `after`: a request with the same prompt submitted before;
+        this one enters the engine once that one has computed the prompt, so its full KV
+        blocks come from the prefix cache instead of being computed twice."""
         self.engine.check(prompt, params)  # reads only fixed configuration
         with self._cv:
             if self._failed is not None:
@@ -84,7 +93,7 @@ class EngineWorker:
                     f"{len(self._live)} requests are queued (max_queue={self.max_queue})"
                 )
             self._live[request_id] = _Live(sink, time.monotonic())
-            self._pending.append((request_id, prompt, params))
+            self._pending.append((request_id, prompt, params, after))
             self.metrics.prompt_tokens += len(prompt)
             self._cv.notify()
 
@@ -146,8 +155,12 @@ class EngineWorker:
                     self._cv.wait()
                 pending, self._pending = self._pending, []
                 aborts, self._aborts = self._aborts, []
-            for request_id, prompt, params in pending:
-                self._add(request_id, prompt, params)
+            for request_id, prompt, params, after in pending:
+                leader = self._live.get(after) if after is not None else None
+                if leader is not None and leader.last is None:  # its prompt is not done yet
+                    self._held.setdefault(after, []).append((request_id, prompt, params))
+                else:
+                    self._add(request_id, prompt, params)
             for request_id in aborts:
                 self.engine.abort(request_id)
                 self._drop(request_id, "abort")
@@ -173,7 +186,15 @@ class EngineWorker:
             entry = self._live.pop(request_id, None)
         if entry is not None and reason is not None:
             self.metrics.finished[reason] += 1
+        if self._held:
+            self._release(request_id)
         return entry
+
+    def _release(self, leader: str) -> None:
+        """Admit the requests held for `leader`'s prompt (it is computed, or will not be)."""
+        for request_id, prompt, params in self._held.pop(leader, ()):
+            if request_id in self._live:  # not aborted while held
+                self._add(request_id, prompt, params)
 
     def _dispatch(self, outputs: list[StepOutput]) -> None:
         now = time.monotonic()
@@ -199,6 +220,8 @@ class EngineWorker:
                 self.metrics.itl.observe(gap)
             entry.last = now
         entry.sink(out)
+        if self._held:
+            self._release(out.request_id)
         if out.finished:
             self._drop(out.request_id, out.finish_reason or "stop")
 
@@ -218,6 +241,7 @@ class EngineWorker:
         _report("the engine step failed; every request in flight fails", exc)
         with self._cv:
             live, self._live = self._live, {}
+            self._held.clear()
         for request_id, entry in live.items():
             self.metrics.finished["error"] += 1
             try:

@@ -4,9 +4,9 @@ Layout of `<out>/checkpoints/`::
 
     step_000040/manifest.json        step, layout (tp/pp/dp/zero), units, files, config
     step_000040/rank00000.safetensors   that rank's fp32 master shard(s), optimizer state, RNG
-    step_000040/full/                full fp32 masters and AdamW moments by parameter name
-                                     (pp=1): resuming in a *different* TP/DP/ZeRO layout
-                                     cuts them up for the new one
+    step_000040/full/                full fp32 masters (and trained buffers) and AdamW moments
+                                     by parameter name: resuming in a *different* TP/PP/DP/
+                                     EP/CP/ZeRO layout cuts them up for the new one
     step_000040/hf/                  (optional) consolidated weights, an HF directory that
                                      `--init-from` loads into any model/layout
     step_000040/adapter/             (LoRA) the adapters in PEFT's layout
@@ -108,7 +108,7 @@ def save_checkpoint(
         _save_shard(partial, engine, optimizer, grid)
     if fault is not None:
         fault("save")
-    if full and grid.dims.pp == 1:
+    if full:
         _save_full(partial / "full", engine, optimizer, grid)
     if hf and consolidated is not None:
         consolidated(partial / "hf")  # collective gather, rank 0 writes
@@ -215,21 +215,26 @@ def _save_shard(partial: Path, engine: Engine, optimizer: AdamW, grid: RankGrid)
     tensors["rng/cpu"] = torch.get_rng_state()
     if torch.cuda.is_available():
         tensors["rng/cuda"] = torch.cuda.get_rng_state()
-    meta = {"param_groups": json.dumps(state["param_groups"]), "rank": str(grid.rank)}
+    meta = {
+        "param_groups": json.dumps(state["param_groups"]),
+        "rank": str(grid.rank),
+        "units": json.dumps(engine.units_layout()),
+    }
     name = f"rank{grid.rank:05d}.safetensors"
     atomic_write(partial / name, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
 
 
 def _save_full(directory: Path, engine: Engine, optimizer: AdamW, grid: RankGrid) -> None:
-    """Layout-independent state (collective; rank 0 writes)."""
-    masters = engine.full_params()
+    """Layout-independent state: the whole model's masters, trained buffers and AdamW
+    moments by name, gathered over ZeRO, TP, EP and PP (collective; rank 0 writes)."""
+    masters = engine.to_first_stage(engine.full_params(), buffers=True)
     states = [optimizer.state.get(m) for m in engine.master_params()]
     moments: dict[str, torch.Tensor] = {}
     step = 0
     if all(st is not None for st in states):
         step = states[0]["step"]
         for key in ("exp_avg", "exp_avg_sq"):
-            full = engine.gather_full([st[key] for st in states])
+            full = engine.to_first_stage(engine.gather_full([st[key] for st in states]))
             moments.update({f"{key}/{name}": t for name, t in full.items()})
     if grid.rank != 0:
         return
@@ -248,11 +253,11 @@ def _save_full(directory: Path, engine: Engine, optimizer: AdamW, grid: RankGrid
 
 def _load_full(path: Path, engine: Engine, optimizer: AdamW, grid: RankGrid, why: str) -> None:
     full = path / "full"
-    if grid.dims.pp != 1 or not (full / "model.safetensors").is_file():
+    if not (full / "model.safetensors").is_file():
         raise CheckpointError(
             f"checkpoint {path} has a different layout ({why}) and no layout-independent "
-            f"state for this one (full/ is written for pp=1); start from its consolidated "
-            f"weights with --init-from {path / 'hf'} (the optimizer state restarts)"
+            f"state (save_format=all writes full/); start from its consolidated weights with "
+            f"--init-from {path / 'hf'} (the optimizer state restarts)"
         )
     engine.load_state_dict(engine.local_from_full(load_file(str(full / "model.safetensors"))))
     from safetensors import safe_open
@@ -286,7 +291,8 @@ def load_checkpoint(
     """Restore this rank's state; returns the manifest.
 
     The same layout restores each rank's own shard bit for bit; another TP/DP/ZeRO layout
-    (pp=1) is cut from the checkpoint's full state."""
+    (any of tp/pp/dp/cp/ep, ZeRO, the pipeline split) is cut from the checkpoint's full
+    state."""
     path = Path(path)
     manifest = read_manifest(path)
     if not checkpoint_parts(manifest.get("save_format", "all"))[0]:
@@ -302,12 +308,6 @@ def load_checkpoint(
         shown = ", ".join(
             f"{k}: checkpoint {a} vs run {b}" for k, (a, b) in diff.items() if k != "units"
         )
-        if saved.get("pp") != here["pp"]:
-            raise CheckpointError(
-                f"checkpoint {path} was written with pp={saved.get('pp')}; this run has "
-                f"pp={here['pp']}: start from its consolidated weights with --init-from "
-                f"{path / 'hf'} (the optimizer state restarts)"
-            )
         if (path / "full" / "model.safetensors").is_file():
             verify_files(path, manifest, ["full/model.safetensors", "full/optimizer.safetensors"])
         _load_full(path, engine, optimizer, grid, shown or "bucket sizes")
@@ -317,14 +317,19 @@ def load_checkpoint(
     if not file.is_file():
         raise FileNotFoundError(f"checkpoint shard missing: {file}")
     verify_files(path, manifest, [file.name])
-    tensors = load_file(str(file))
-    engine.load_state_dict(
-        {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("master/")}
-    )
     from safetensors import safe_open
 
     with safe_open(str(file), framework="pt") as handle:
         meta = handle.metadata()
+    if "units" in meta and json.loads(meta["units"]) != engine.units_layout():
+        raise ValueError(
+            f"{file} holds units {json.loads(meta['units'])}, this rank has "
+            f"{engine.units_layout()}: the checkpoint is of another model split"
+        )
+    tensors = load_file(str(file))
+    engine.load_state_dict(
+        {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("master/")}
+    )
     state: dict[str, Any] = {"state": {}, "param_groups": json.loads(meta["param_groups"])}
     for key, value in tensors.items():
         if key.startswith("optim/"):

@@ -14,12 +14,8 @@ from pathlib import Path
 
 from llmopt.artifacts import atomic_write_text
 from llmopt.jsonout import dumps
-from llmopt.train.config import (
-    TrainConfig,
-    TrainConfigError,
-    add_config_arguments,
-    config_from_args,
-)
+from llmopt.train.config import TrainConfig, TrainConfigError
+from llmopt.train.flags import add_config_arguments, config_from_args
 from llmopt.train.launch import launch_env, run_job, torchrun_command
 from llmopt.train.rundir import check_run_dir
 from llmopt.train.shapes import check_layout

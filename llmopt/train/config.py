@@ -12,16 +12,14 @@ When seq_len, global_batch or micro_batch is overridden on the command line (and
 num_microbatches is not), num_microbatches is derived again from the new sizes:
 global_batch / (dp * micro_batch).
 
-Over 400 lines: one dataclass whose every field carries its flag, its file key and its check;
-moving the checks away from the fields would scatter the one concept the module holds.
+The flags themselves are generated in `llmopt.train.flags`, their help in
+`llmopt.train.field_help`.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
-import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,76 +27,13 @@ from typing import Any
 from llmopt.config_files import ConfigFileError, check_fields, dataclass_schema, read_config
 from llmopt.errors import LlmoptError
 from llmopt.parallel.plan import FP8_RECIPES, PRECISIONS, RECOMPUTES, SCHEDULES, ParallelPlan
+from llmopt.train.field_help import FIELD_HELP  # noqa: F401 (llmopt distill reads it here)
 
 # Old spellings -> ParallelPlan's names (refused with a message naming the new one).
 RENAMED = {"zero": "zero_stage", "microbatches": "num_microbatches"}
 RENAMED_VALUES = {("schedule", "interleaved-1f1b"): "interleaved"}
 SKIPPED_TABLES = ("planner",)  # informational in a run config; the trainer ignores it
 RESIZING = ("seq_len", "global_batch", "micro_batch")  # overrides that re-derive num_microbatches
-
-
-# the help of each TrainConfig field's flag (llmopt train; llmopt distill shares the names)
-FIELD_HELP = {
-    "model": "preset whose shape a randomly initialised model takes (see llmopt plan)",
-    "init_from": "start from these weights: packaged name, .gguf, HF directory or checkpoint",
-    "num_layers": "override the preset's layer count",
-    "hidden_size": "override the preset's hidden size",
-    "intermediate_size": "override the preset's MLP width",
-    "num_heads": "override the preset's attention heads",
-    "num_kv_heads": "override the preset's KV heads (GQA)",
-    "tokenizer": "tokenizer to read text with (default: the model's own)",
-    "corpus": "pretraining text: corpus:NAME, a text file, or random (synthetic tokens)",
-    "data": "fine-tuning data instead of --corpus: FILE.jsonl|.json|.txt, a directory, hf:NAME",
-    "format": "fine-tuning record format: text, prompt_completion, messages or auto",
-    "packing": "concatenate fine-tuning examples into full rows",
-    "eval_fraction": "held-out share of the --data examples",
-    "eval_every": "held-out loss every N steps (0: before the first and after the last)",
-    "max_chars": "read at most this many characters of text",
-    "seq_len": "tokens per sequence",
-    "global_batch": "sequences per optimizer step, all data-parallel ranks together",
-    "micro_batch": "sequences per forward/backward on one data-parallel rank",
-    "steps": "optimizer steps the run ends at",
-    "lr": "peak learning rate (after warmup, cosine decay to --min-lr)",
-    "min_lr": "learning rate at the last step",
-    "warmup_steps": "steps of linear warmup",
-    "weight_decay": "AdamW weight decay",
-    "beta1": "AdamW beta1",
-    "beta2": "AdamW beta2",
-    "eps": "AdamW epsilon",
-    "clip": "gradient-norm clipping threshold (0: off)",
-    "seed": "seed of the initialisation and the data order",
-    "tp": "tensor-parallel degree",
-    "pp": "pipeline-parallel degree",
-    "dp": "data-parallel degree (-1: the rest of the world)",
-    "cp": "context-parallel degree (reserved: 1)",
-    "ep": "expert-parallel degree (reserved: 1)",
-    "sequence_parallel": "shard activations along the sequence between TP regions",
-    "zero_stage": "ZeRO stage 0-3 (optimizer, gradient, parameter sharding over DP)",
-    "recompute": "activation recomputation: none, selective or full",
-    "schedule": "pipeline schedule: gpipe, 1f1b or interleaved",
-    "virtual_stages": "model chunks per pipeline rank (interleaved schedule)",
-    "num_microbatches": "microbatches per step (default: global_batch / (dp x micro_batch))",
-    "precision": "compute precision: fp32, bf16 or fp8 (a recipe, not a --dtype)",
-    "fp8_recipe": "FP8 scaling recipe: current or delayed",
-    "reduce_dtype": "gradient-reduction dtype: fp32 or bf16",
-    "lora_rank": "LoRA rank (0: train every weight)",
-    "lora_alpha": "LoRA alpha (the update is scaled by alpha / rank)",
-    "lora_dropout": "dropout on the LoRA input",
-    "lora_targets": "linears LoRA wraps: all, attention, feed_forward or a comma list",
-    "qlora": "freeze the base linears in INT4 (QLoRA)",
-    "save_format": "checkpoint contents: resume, hf, both or all",
-    "report_to": "also log to: tensorboard, wandb, mlflow (comma-separated)",
-    "out_dir": "run directory (checkpoints, log, loss plot)",
-    "log_every": "progress line every N steps",
-    "save_every": "checkpoint every N steps (0: only at the end)",
-    "keep_checkpoints": "checkpoints kept (older ones are rotated out)",
-    "resume": "continue the run in --out-dir from its latest checkpoint",
-    "overwrite": "start afresh in an --out-dir holding a run (other files are kept)",
-    "skip_nonfinite_steps": "steps with a NaN/inf loss or gradient skipped before stopping",
-    "timeout_s": "seconds a collective may wait before the run fails naming the rank",
-    "peak_tflops": "per-device peak for MFU (default: a measured dense matmul)",
-    "progress": "show a progress bar",
-}
 
 
 class TrainConfigError(LlmoptError, ValueError):
@@ -115,6 +50,16 @@ class TrainConfig:
     intermediate_size: int | None = None
     num_heads: int | None = None
     num_kv_heads: int | None = None
+    vocab_size: int | None = None
+    # mixture of experts (a MoE preset or --init-from model; llmopt.models.moe.MoEConfig)
+    num_experts: int | None = None  # shape overrides of a MoE preset
+    expert_ffn_hidden: int | None = None
+    moe_top_k: int | None = None  # experts per token
+    moe_aux_loss_coef: float | None = None  # Switch load-balancing loss weight
+    moe_z_loss_coef: float | None = None  # router z-loss weight
+    moe_capacity_factor: float | None = None  # None: dropless
+    moe_bias_update_rate: float | None = None  # aux-loss-free balancing (expert_bias models)
+    moe_force_balance: bool | None = None  # round-robin routing (benchmarks)
     # data
     tokenizer: str | None = None  # None: the model's own (init_from, else the preset's)
     corpus: str = "corpus:web-bible"  # corpus:NAME, a text file, or random (synthetic tokens)
@@ -144,6 +89,10 @@ class TrainConfig:
     dp: int = -1  # -1: the rest of the world
     cp: int = 1
     ep: int = 1
+    expert_tp: int = 0  # the experts' TP degree: 1 or tp (0: tp)
+    layers_per_stage: list[int] | None = None  # the pipeline split (pp*v chunks; unset: even)
+    account_for_embedding: bool = False  # Megatron: the embedding counts as a layer
+    account_for_loss: bool = False  # Megatron: the output layer + loss count as a layer
     sequence_parallel: bool = False
     zero_stage: int = 0
     recompute: str = "none"
@@ -188,10 +137,9 @@ class TrainConfig:
         if self.dp != -1 and self.dp < 1:
             raise TrainConfigError(f"dp={self.dp} must be positive (or -1: the rest of the world)")
         for name in ("cp", "ep"):
-            if getattr(self, name) != 1:
-                raise TrainConfigError(
-                    f"{name}={getattr(self, name)!r}: the trainer runs {name}=1 only"
-                )
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise TrainConfigError(f"{name}={value!r} must be a positive integer")
         if self.num_microbatches is not None and (
             not isinstance(self.num_microbatches, int) or self.num_microbatches < 1
         ):
@@ -213,12 +161,6 @@ class TrainConfig:
         if self.fp8_recipe not in FP8_RECIPES:
             raise TrainConfigError(
                 f"fp8_recipe={self.fp8_recipe!r} is not valid; choose one of {FP8_RECIPES}"
-            )
-        if self.precision == "fp8" and self.pp > 1:
-            raise TrainConfigError(
-                "precision=fp8 with pp>1 is not supported yet: amaxes must be reduced over the "
-                "ranks holding the same stage (tp x dp), a group the grid does not create; "
-                "use pp=1 or precision=bf16"
             )
         if self.reduce_dtype not in ("fp32", "bf16"):
             raise TrainConfigError(f"reduce_dtype={self.reduce_dtype!r}: choose 'fp32' or 'bf16'")
@@ -333,6 +275,10 @@ class TrainConfig:
             dp=dp,
             cp=self.cp,
             ep=self.ep,
+            expert_tp=self.expert_tp,
+            layers_per_stage=tuple(self.layers_per_stage or ()),
+            account_for_embedding=self.account_for_embedding,
+            account_for_loss=self.account_for_loss,
             sequence_parallel=self.sequence_parallel,
             zero_stage=self.zero_stage,
             micro_batch=self.micro_batch,
@@ -385,56 +331,3 @@ class TrainConfig:
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
-
-
-# ---- command-line flags generated from the dataclass ----
-def _flag_type(hint: Any):
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    base = args[0] if args else hint
-    return base
-
-
-class _Renamed(argparse.Action):
-    """An old flag: refuse it, naming the new one."""
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        parser.error(f"{option_string} is now {self.metavar}")
-
-
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--config FILE` plus one flag per TrainConfig field (default: not given)."""
-    parser.add_argument("--config", help="TOML (or JSON) training config; flags override it")
-    hints = typing.get_type_hints(TrainConfig)
-    for f in dataclasses.fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        base = _flag_type(hints[f.name])
-        default = f.default if f.default is not dataclasses.MISSING else None
-        help_text = FIELD_HELP[f.name] + (f" (default: {default})" if default is not None else "")
-        if base is bool:
-            parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
-            )
-        else:
-            parser.add_argument(flag, type=base, default=None, help=help_text)
-    for old, new in RENAMED.items():
-        parser.add_argument(
-            "--" + old,
-            action=_Renamed,
-            metavar="--" + new.replace("_", "-"),
-            dest="renamed_" + old,
-            help=argparse.SUPPRESS,
-        )
-
-
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """Defaults < --config file < flags; a size flag re-derives num_microbatches (module doc)."""
-    base = TrainConfig.from_file(args.config) if getattr(args, "config", None) else TrainConfig()
-    changes = {
-        f.name: getattr(args, f.name)
-        for f in dataclasses.fields(TrainConfig)
-        if getattr(args, f.name, None) is not None
-    }
-    resized = any(name in changes for name in RESIZING)
-    if resized and "num_microbatches" not in changes:
-        changes["num_microbatches"] = None
-    return base.replace(**changes)

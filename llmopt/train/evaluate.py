@@ -2,7 +2,8 @@
 
 Each DP rank evaluates its share of the rows with this rank's stage (pp=1) and the engine's
 loss function (vocab-parallel under TP), and the (loss sum, token count) pair is summed over
-DP, so the value is the same on every rank and independent of the layout.
+DP (and CP: each context-parallel rank scores its share of the tokens), so the value is the
+same on every rank and independent of the layout.
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ def eval_loss(engine: Engine, inputs: torch.Tensor, labels: torch.Tensor, micro:
         for start in range(0, inputs.shape[0], micro):
             x = inputs[start : start + micro].to(engine.device)
             y = labels[start : start + micro].to(engine.device)
+            x, y = engine.local_sequences(x, y)  # context parallelism: this rank's share
             logits = stage(x, x.shape[1])
             total[0] += engine.executor.loss_fn(logits, y).double()
             total[1] += int((y != IGNORE_INDEX).sum())
     finally:
         stage.train(was_training)
     with engine.grid.counter.paused():
-        engine.grid.dp.all_reduce(total)
+        engine.grid.dp_cp.all_reduce(total)
     return float(total[0] / total[1].clamp_min(1))

@@ -31,6 +31,7 @@ class GuardedStep:
     grad_norm: float
     skipped: bool  # True: non-finite, no update applied
     metrics: dict[str, float] = field(default_factory=dict)  # the objective's (distillation)
+    routing: dict[str, object] = field(default_factory=dict)  # MoE statistics of the step
 
 
 class NonFiniteGuard:
@@ -55,7 +56,7 @@ class NonFiniteGuard:
         out = engine.step(inputs, targets, optimizer, max_norm, num_tokens, skip_nonfinite=True)
         loss, norm = out.loss, out.grad_norm
         if out.applied:
-            return GuardedStep(loss, norm, skipped=False, metrics=out.metrics)
+            return GuardedStep(loss, norm, skipped=False, metrics=out.metrics, routing=out.routing)
         self.skipped.append(step + 1)
         if len(self.skipped) > self.skip_limit:
             raise NonFiniteError(
@@ -64,7 +65,7 @@ class NonFiniteGuard:
                 f"allows {self.skip_limit}); training stopped without applying it, the last "
                 "checkpoint is intact; lower --lr, raise --warmup-steps or check the data"
             )
-        return GuardedStep(loss, norm, skipped=True)
+        return GuardedStep(loss, norm, skipped=True, routing=out.routing)
 
 
 def check_finite_state(tensors: Iterable[tuple[str, torch.Tensor]], world, device) -> None:

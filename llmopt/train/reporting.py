@@ -2,7 +2,8 @@
 
 Each backend is an optional import, checked when the config is validated (a missing package is
 a one-line error there). Every backend gets the same scalars per step: lr, loss, grad_norm,
-tokens_per_s, mfu, and eval_loss when it is measured. wandb runs in offline mode unless
+tokens_per_s, mfu, the MoE routing statistics (moe_*) of a model with experts, and eval_loss
+when it is measured. wandb runs in offline mode unless
 WANDB_MODE says otherwise, so it needs no network (`wandb sync` uploads later).
 """
 
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu")
+MOE_PREFIX = "moe_"  # MoE routing statistics (llmopt.parallel.routing): every scalar one
 
 
 class _TensorBoard:
@@ -73,6 +75,13 @@ class Reporter:
 
     def step(self, record: dict[str, Any]) -> None:
         values = {k: float(record[k]) for k in SCALARS if record.get(k) is not None}
+        values.update(
+            {
+                k: float(v)
+                for k, v in record.items()
+                if k.startswith(MOE_PREFIX) and isinstance(v, int | float)
+            }
+        )
         self._log(values, record["step"])
 
     def eval(self, step: int, loss: float) -> None:

@@ -16,7 +16,14 @@ if TYPE_CHECKING:
     from llmopt.models.config import ModelConfig
 
 # TrainConfig's shape flags (all ModelConfig fields of the same name).
-SHAPE_FLAGS = ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads")
+SHAPE_FLAGS = (
+    "num_layers",
+    "hidden_size",
+    "intermediate_size",
+    "num_heads",
+    "num_kv_heads",
+    "vocab_size",
+)
 # ModelConfig fields a checkpoint's tensors (and their meaning) do not depend on: every other
 # field must agree on resume (max_seq_len only sizes the recomputed RoPE tables).
 NOT_SHAPE = ("name", "max_seq_len", "extra", "bos_token_id", "eos_token_id", "eos_token_ids")
@@ -88,7 +95,7 @@ def check_layout(cfg: Any, world_size: int, where: str) -> None:
     model = _model_config(cfg)
     if model is None:
         return
-    dims = ParallelDims(world_size, tp=plan.tp, pp=plan.pp, dp=plan.dp, cp=plan.cp)
+    dims = ParallelDims.of_plan(plan)
     try:
         dims.validate_model(model, cfg.seq_len, cfg.sequence_parallel)
     except ValueError as exc:
@@ -113,14 +120,42 @@ def _model_config(cfg: Any):
 
 
 def model_config(cfg: Any) -> ModelConfig:
-    """The model a run builds from scratch: its preset with the shape flags applied."""
+    """The model a run builds from scratch: its preset with the shape flags (and MoE
+    overrides) applied."""
     from llmopt.models.presets import get_preset
 
     base = get_preset(cfg.model)
-    changes = {
-        name: getattr(cfg, name)
-        for name in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads")
-        if getattr(cfg, name) is not None
-    }
+    changes = {name: getattr(cfg, name) for name in SHAPE_FLAGS if getattr(cfg, name) is not None}
     changes["max_seq_len"] = max(base.max_seq_len, cfg.seq_len)
-    return base.replace(**changes)
+    return with_moe_overrides(base.replace(**changes), cfg)
+
+
+# TrainConfig field -> MoEConfig field (the `moe_` prefix keeps the flags unambiguous)
+MOE_FIELDS = {
+    "num_experts": "num_experts",
+    "expert_ffn_hidden": "expert_ffn_hidden",
+    "moe_top_k": "top_k",
+    "moe_aux_loss_coef": "aux_loss_coef",
+    "moe_z_loss_coef": "z_loss_coef",
+    "moe_capacity_factor": "capacity_factor",
+    "moe_bias_update_rate": "bias_update_rate",
+    "moe_force_balance": "force_balance",
+}
+
+
+def with_moe_overrides(config: ModelConfig, cfg: Any) -> ModelConfig:
+    """`config` with the run's MoE overrides (none: unchanged); refused for a dense model."""
+    import dataclasses
+
+    from llmopt.models.moe import MoEConfigError
+
+    changes = {f: getattr(cfg, k) for k, f in MOE_FIELDS.items() if getattr(cfg, k) is not None}
+    if not changes:
+        return config
+    if config.moe is None:
+        given = ", ".join(_flag(k) for k in MOE_FIELDS if getattr(cfg, k) is not None)
+        raise TrainConfigError(f"{given}: model {config.name!r} has no experts (dense)")
+    try:
+        return config.replace(moe=dataclasses.replace(config.moe, **changes))
+    except MoEConfigError as exc:
+        raise TrainConfigError(str(exc)) from None

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from llmopt.jsonout import dumps
+from llmopt.models.experts import set_routing
 from llmopt.models.llama import Transformer, build_model
 from llmopt.parallel.comm import CommCounter
 from llmopt.parallel.engine import DTYPES, Engine, Objective, parallelize
@@ -51,6 +52,7 @@ from llmopt.train.shapes import (
     check_dense_linears,
     check_shape_flags,
     model_config,
+    with_moe_overrides,
 )
 
 FAULT_ENV = "LLMOPT_FAULT"  # "kind:rank:step", kind in raise|kill|kill-in-save (tests)
@@ -82,6 +84,7 @@ def build_initial_model(cfg: TrainConfig, device: torch.device) -> Transformer:
 
         model = load_model(cfg.init_from, dtype=torch.float32, device=device)
         check_shape_flags(cfg.to_dict(), model.config.to_dict(), cfg.init_from)
+        set_routing(model, with_moe_overrides(model.config, cfg))
         if cfg.seq_len > model.config.max_seq_len:
             raise TrainConfigError(
                 f"seq_len={cfg.seq_len} exceeds the model context {model.config.max_seq_len}"
@@ -145,7 +148,7 @@ def train(cfg: TrainConfig, objective: Objective | None = None) -> TrainResult:
     device, _backend = init_distributed(cfg.timeout_s)
     world = dist.get_world_size() if dist.is_initialized() else 1
     plan = cfg.parallel_plan(world)
-    dims = ParallelDims(world, tp=plan.tp, pp=plan.pp, dp=plan.dp)
+    dims = ParallelDims.of_plan(plan)
     grid = RankGrid.create(dims, timeout_s=cfg.timeout_s)
     try:
         return _train(cfg, grid, device, objective)
@@ -284,6 +287,7 @@ def _train(
                 "comm": comm,
                 **({"skipped": "non-finite loss or gradient norm"} if stepped.skipped else {}),
                 **stepped.metrics,
+                **stepped.routing,  # MoE: aux/z losses, imbalance, dropped, tokens per expert
             }
             result.losses.append(loss_value)
             result.steps.append(record)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from llmopt.models.presets import get_preset
+from llmopt.plan.frameworks import FRAMEWORK_KERNELS, recipe_moments
 from llmopt.plan.hardware import get_cluster
 from llmopt.plan.rules import parse_constraints
 from llmopt.plan.search import ranked, search
@@ -61,6 +62,7 @@ def check(framework: str = "nemo") -> list[MappingResult]:
         work = Workload(
             seq_len=seq, global_batch=gbs, precision="fp8", state_bytes="zero",
             tp_comm_overlap=True, ep_dispatcher="hybridep" if model.moe else "alltoall",
+            moments=recipe_moments(framework, name), **FRAMEWORK_KERNELS.get(framework, {}),
         )  # fmt: skip
         result = search(model, work, cluster, top_k=1, framework=framework)
         ev, top = result.evaluation, result.plans[0]

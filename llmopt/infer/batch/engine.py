@@ -7,9 +7,14 @@ that got some. Per request: greedy or seeded sampling, EOS (one id or several), 
 stop strings, and speculation — a proposer (prompt lookup, or the engine's draft) guesses the
 tokens that follow, the same pass verifies them (`verify_greedy`: exactly the greedy output;
 `verify_sampled`: exactly the target's distribution), and adaptive speculation grows or
-shrinks each request's number of guesses.
+shrinks each request's number of guesses. Requests that ask for logprobs, prompt logprobs,
+penalties, logit bias, min_p or a grammar are sampled by `llmopt.infer.batch.logits` and do
+not speculate; plain requests never reach it.
 
 Not thread-safe: the server drives it from one thread.
+
+Over 400 lines: the one step every decode path shares (scheduling, the forward, acceptance,
+finishing); what only some requests need lives in `logits` and `speculative_verify`.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch
 from torch import nn
 
 from llmopt.errors import UsageError
+from llmopt.infer.batch import logits as processing
 from llmopt.infer.batch.blocks import BlockManager
 from llmopt.infer.batch.request import Request, Status, StepOutput
 from llmopt.infer.batch.runner import EagerRunner, Runner
@@ -139,6 +145,7 @@ class Engine:
             )
         if params.stop and self.detokenize is None:
             raise InvalidRequestError("stop strings need an engine with a tokenizer")
+        processing.check(params, self.vocab_size)
 
     def add_request(
         self,
@@ -157,7 +164,9 @@ class Engine:
         if not params.greedy:
             seed = params.seed if params.seed is not None else int(torch.seed() % 2**62)
             request.generator = torch.Generator(device=self.cache.k.device).manual_seed(seed)
-        if draft is None and params.ngram:
+        if not params.plain:  # logits processed per request: no speculation
+            processing.start(request, draft)
+        elif draft is None and params.ngram:
             draft = NGramDraft(max_n=params.ngram)
         elif draft is None and params.speculate and self.draft is not None:
             draft = self.draft()
@@ -222,9 +231,10 @@ class Engine:
             r, start = item.request, item.request.num_computed
             tokens = r.tokens[start : start + item.num_tokens] + item.draft
             done_prompt = start + item.num_tokens == r.num_tokens
-            chunks.append(
-                SeqChunk(tokens, start, r.blocks, item.num_tokens - 1 if done_prompt else None)
-            )
+            logits_from = item.num_tokens - 1 if done_prompt else None
+            if processing.wants_prompt_rows(r):
+                logits_from = 0
+            chunks.append(SeqChunk(tokens, start, r.blocks, logits_from))
         batch = StepBatch.build(chunks, self.config.block_size, self.cache.k.device)
         t0 = time.perf_counter()
         logits = self.runner.forward(batch)
@@ -232,7 +242,8 @@ class Engine:
         self.forward_s += elapsed
         self.num_steps += 1
         # one argmax over every row: per-request argmaxes cost more than the whole 16-row head
-        greedy = argmax_rows(logits) if any(i.request.params.greedy for i in work) else None
+        plain = any(i.request.params.greedy and i.request.params.plain for i in work)
+        greedy = argmax_rows(logits) if plain else None
         outputs = []
         for item, span in zip(work, batch.logits_spans, strict=True):
             r = item.request
@@ -242,7 +253,13 @@ class Engine:
                 self._register(r)
                 continue
             rows = logits[span[0] : span[0] + span[1]]
-            argmax = greedy[span[0] : span[0] + span[1]] if r.params.greedy else None
+            if processing.wants_prompt_rows(r):
+                rows = processing.prompt_rows(r, item.num_tokens, rows)
+                if rows is None:  # a prefill chunk that does not reach the end yet
+                    self._register(r)
+                    continue
+            plain_greedy = r.params.greedy and r.params.plain
+            argmax = greedy[span[0] : span[0] + span[1]] if plain_greedy else None
             new = self._accept(r, item.draft, rows, argmax, elapsed)
             r.num_computed += item.num_tokens + len(new) - 1
             outputs.append(self._append(r, new))
@@ -259,6 +276,8 @@ class Engine:
         """The tokens a request keeps: one sampled (or `argmax`), or verified guesses + one."""
         params = r.params
         if r.spec is None:
+            if not params.plain:
+                return [processing.sample(r, rows[-1])]
             if argmax is not None:
                 return [argmax[-1]]
             return [int(next_token(rows[-1:], params, r.generator)[0])]
@@ -297,6 +316,8 @@ class Engine:
                 reason = "stop"
             elif r.params.stop and self._hit_stop(r):
                 reason = "stop"
+            elif r.matcher is not None and r.matcher.finished:
+                reason = "stop"  # the grammar is complete: nothing but EOS could follow
             elif len(r.output) >= r.params.max_tokens:
                 reason = "length"
             if reason:
@@ -311,7 +332,7 @@ class Engine:
             self._finish(r, reason)
         if not r.params.stop and self.detokenize is not None:
             r.text = self.detokenize(r.output)
-        return StepOutput(
+        out = StepOutput(
             r.request_id,
             added,
             r.finished,
@@ -320,6 +341,7 @@ class Engine:
             len(r.prompt),
             len(r.output),
         )
+        return out if r.params.plain else processing.attach_logprobs(out, r, len(added))
 
     def _hit_stop(self, r: Request) -> bool:
         text = self.detokenize(r.output)

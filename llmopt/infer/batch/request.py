@@ -10,6 +10,9 @@ import torch
 from llmopt.infer.sampling import SamplingParams
 from llmopt.infer.speculative_stats import SpeculativeStats
 
+# a position's log-probability: (logprob of its token, [(token id, logprob)] best first)
+TokenLogprobs = tuple[float, list[tuple[int, float]]]
+
 
 class Status(Enum):
     WAITING = "waiting"
@@ -47,6 +50,10 @@ class Request:
     generator: torch.Generator | None = None
     # the block table at finish (blocks are free again, their contents intact until reused)
     final_blocks: list[int] = field(default_factory=list)
+    # what requests with logprobs / prompt_logprobs / a grammar (params.plain False) carry
+    matcher: object | None = None  # the grammar's parse state (llmopt.infer.guided)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # [0] is None
 
     @property
     def spec_proposed(self) -> int:
@@ -71,7 +78,9 @@ class Request:
 
 @dataclass
 class StepOutput:
-    """What one engine step produced for one request (tokens may be empty on finish/abort)."""
+    """What one engine step produced for one request (tokens may be empty on finish/abort).
+    `logprobs`: one entry per new token when the request asked for them; `prompt_logprobs`:
+    the prompt's, with the request's first output."""
 
     request_id: str
     new_tokens: list[int]
@@ -80,3 +89,5 @@ class StepOutput:
     text: str
     num_prompt_tokens: int
     num_output_tokens: int
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -138,9 +138,11 @@ class Scheduler:
             request = self.waiting[0]
             if not request.blocks:
                 tokens = request.tokens
-                hits, digest = self.blocks.match_prefix(
-                    tokens, (len(tokens) - 1) // self.blocks.block_size
-                )
+                # a request that wants its prompt's logprobs computes the prompt whole
+                limit = (len(tokens) - 1) // self.blocks.block_size
+                if request.params.prompt_logprobs is not None:
+                    limit = 0
+                hits, digest = self.blocks.match_prefix(tokens, limit)
                 request.blocks = hits
                 request.num_computed = len(hits) * self.blocks.block_size
                 request.num_registered = len(hits)

@@ -89,6 +89,7 @@ class PipelineStage(Transformer):
         self.is_last = stage == num_stages - 1
         self.layer_indices = layers
         self.rotary = model.rotary  # buffers only: positions, not parameters
+        self.attn_backend = None
         held = {"embedding": self.is_first, "final_norm": self.is_last, "head": self.is_last}
         for role, keep in held.items():
             setattr(self, getattr(spec, role), spec.top_module(model, role) if keep else None)
@@ -97,8 +98,10 @@ class PipelineStage(Transformer):
         setattr(self, spec.blocks, nn.ModuleDict({str(i): blocks[i] for i in layers}))
 
     def forward(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
-        """`seq_len`: the full sequence length when x holds a sequence shard (RoPE tables)."""
-        return super().forward(x, seq_len=seq_len)
+        """`seq_len`: the full sequence length when x holds a sequence shard (RoPE tables).
+        `attn_backend` (None: causal self-attention) is set by the engine: context
+        parallelism's ring attention."""
+        return super().forward(x, attn=self.attn_backend, seq_len=seq_len)
 
 
 def split_model(

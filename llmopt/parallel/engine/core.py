@@ -1,11 +1,13 @@
 """`parallelize(model, grid, plan) -> Engine`: the one way a model is mapped onto ranks.
 
-In order: FP8 linears (precision=fp8), tensor (+sequence) parallelism over `grid.tp`,
-activation checkpointing, the stage split over `grid.pp`, and data parallelism with the plan's
-ZeRO stage over `grid.dp`, applied to *this rank's stages only*. pp=1 is a one-stage pipeline:
-the same executor runs its micro-batches (forward and backward of each, gradients accumulated
-under `no_sync`), so there is one code path for every layout. The Engine's methods are all a
-training loop needs:
+In order: FP8 linears (precision=fp8), tensor (+sequence) parallelism over `grid.tp`, expert
+parallelism over `grid.ep` (a MoE model: each rank keeps its experts, tokens go by
+all-to-all), activation checkpointing, the stage split over `grid.pp`, and data parallelism
+with the plan's ZeRO stage (dense weights over dp x cp, experts over the expert-data-parallel
+group), applied to *this rank's stages only*. pp=1 is a one-stage pipeline: the same executor
+runs its micro-batches (forward and backward of each, gradients accumulated under `no_sync`),
+so there is one code path for every layout. The Engine's methods are all a training loop
+needs:
 
     engine = parallelize(model, grid, ParallelPlan(tp=2, pp=2, dp=2, num_microbatches=4))
     opt = AdamW(engine.master_params(), lr=...)
@@ -21,15 +23,17 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
 
-from llmopt.errors import LlmoptError
 from llmopt.models.llama import Transformer
 from llmopt.models.spec import spec_for
+from llmopt.parallel.context_parallel import RingAttention, zigzag_shard
 from llmopt.parallel.data_parallel import DataParallel, clip_to
+from llmopt.parallel.engine.checks import DTYPES, EngineError, check_plan, convert_fp8
+from llmopt.parallel.engine.state import EngineState, persistent_buffers
+from llmopt.parallel.expert_parallel import apply_expert_parallel
 from llmopt.parallel.grid import RankGrid
 from llmopt.parallel.loss import Objective, token_loss_sum
 from llmopt.parallel.pipeline.executor import (
@@ -48,13 +52,8 @@ from llmopt.parallel.pipeline.stage import (
 )
 from llmopt.parallel.plan import ParallelPlan
 from llmopt.parallel.recompute import apply_activation_checkpointing
+from llmopt.parallel.routing import moe_blocks, set_aux_scale, step_routing
 from llmopt.parallel.tensor_parallel import apply_tensor_parallel
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float32}
-
-
-class EngineError(LlmoptError, ValueError):
-    """A plan this engine cannot run on this grid; the message names the value and the fix."""
 
 
 class _RankModule(nn.Module):
@@ -82,9 +81,10 @@ class StepOutput:
     pipeline: StepResult
     metrics: dict[str, float] = field(default_factory=dict)  # the objective's, if any
     applied: bool = True  # False: a non-finite step skipped (`step(skip_nonfinite=True)`)
+    routing: dict[str, object] = field(default_factory=dict)  # MoE: `llmopt.parallel.routing`
 
 
-class Engine:
+class Engine(EngineState):
     """This rank's part of a parallelized model and the machinery to train it."""
 
     def __init__(
@@ -96,7 +96,7 @@ class Engine:
         record_events: bool = False,
         objective: Objective | None = None,
     ) -> None:
-        _check_plan(plan, grid)
+        check_plan(plan, grid, model)
         if objective is not None and (plan.tp > 1 or plan.pp > 1):
             raise EngineError(
                 f"a custom objective needs each rank's full logits: tp={plan.tp}, pp={plan.pp} "
@@ -106,18 +106,32 @@ class Engine:
         cfg = model.config
         pp = grid.pp.size
         self.grid, self.plan, self.model = grid, plan, model
-        self.layers_per_stage = layers_per_stage
+        if layers_per_stage is None:
+            layers_per_stage = plan.stage_split(cfg.num_layers)
+        self.layers_per_stage = None if layers_per_stage is None else tuple(layers_per_stage)
         self.schedule: PipelineSchedule = build_schedule(
             plan.schedule, pp, plan.num_microbatches, plan.virtual_stages
         )
         # Validate the layer split before touching the model.
-        stage_layout(cfg.num_layers, pp, plan.virtual_stages, layers_per_stage)
+        stage_layout(cfg.num_layers, pp, plan.virtual_stages, self.layers_per_stage)
         if plan.precision == "fp8":
-            _convert_to_fp8(model, plan, grid)
-        apply_tensor_parallel(model, grid.tp, sequence_parallel=plan.sequence_parallel)
+            convert_fp8(model, plan, grid)
+        sp = plan.sequence_parallel
+        expert_tp = grid.dims.expert_tp > 1 or grid.tp.size == 1
+        apply_tensor_parallel(model, grid.tp, sequence_parallel=sp, expert_tp=expert_tp)
+        if cfg.moe is not None:
+            apply_expert_parallel(model, grid, sp and grid.tp.size > 1)
         apply_activation_checkpointing(model, plan.recompute)
-        self.stages = split_model(model, grid.pp.rank, pp, plan.virtual_stages, layers_per_stage)
+        self.stages = split_model(
+            model, grid.pp.rank, pp, plan.virtual_stages, self.layers_per_stage
+        )
         self.rank_module = _RankModule(self.stages)
+        self.moe_blocks = moe_blocks(self.stages)
+        # context parallelism: every cp rank's tokens carry a share of each forward's losses
+        set_aux_scale(self.moe_blocks, plan.num_microbatches, grid.cp.size)
+        self._rings: dict[int, RingAttention] = {}
+        # trained state that is not a parameter (MoE balancing biases), by single-model name
+        self.extra_state = persistent_buffers(self.stages)
         tied = bool(cfg.tie_embeddings) and pp > 1
         param_dtype = DTYPES[plan.precision]
         self.dp = DataParallel(
@@ -182,23 +196,43 @@ class Engine:
                 f"batch of {tokens.shape[0]} sequences per DP rank; the plan needs micro_batch "
                 f"{self.plan.micro_batch} x num_microbatches {self.plan.num_microbatches} = {rows}"
             )
+        tokens, labels = self.local_sequences(tokens, labels)
         if num_tokens is None:
             num_tokens = self.supervised_tokens(labels)
         self.dp.prepare_forward()
         if self.objective is not None:
             self.executor.loss_fn = self.objective.bind(tokens, labels)
-        result = self.executor.step(tokens, labels, num_tokens / self.grid.dp.size)
+        # every dp x cp rank's loss sum is divided by its share of the tokens: the gradient
+        # average over dp x cp is then the gradient of the global mean
+        result = self.executor.step(tokens, labels, num_tokens / self.grid.dp_cp.size)
         if self._tied:
             peer = self.last_rank if self.grid.pp.rank == 0 else 0
             exchange_tied_grad(self.grid.pp, self.dp.grad_buffer(self._tied[0]), peer)
         self.dp.finish_grad_sync()
         return result
 
+    def local_sequences(
+        self, tokens: torch.Tensor, labels: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This cp rank's zig-zag share of sequences [B, S] (all of them without context
+        parallelism), with the stages' ring attention set for length S."""
+        cp = self.grid.cp
+        if cp.size == 1:
+            return tokens, labels
+        seq = tokens.shape[1]
+        if seq not in self._rings:
+            self._rings[seq] = RingAttention(cp, seq, self.device)
+        for stage in self.stages:
+            stage.attn_backend = self._rings[seq]
+        local = zigzag_shard(tokens, cp.size, cp.rank)
+        return local, None if labels is None else zigzag_shard(labels, cp.size, cp.rank)
+
     def supervised_tokens(self, labels: torch.Tensor) -> int:
-        """Labels != IGNORE_INDEX summed over the DP replicas (uncounted: 8 bytes)."""
+        """Labels != IGNORE_INDEX of this rank's sequences (its cp share) summed over the
+        dp x cp ranks (uncounted: 8 bytes)."""
         count = (labels != IGNORE_INDEX).sum().to(torch.float64).to(self.device)
         with self.grid.counter.paused():
-            self.grid.dp.all_reduce(count)
+            self.grid.dp_cp.all_reduce(count)
         return int(count.item())
 
     def step(
@@ -223,7 +257,16 @@ class Engine:
             self.update_params()
         self.zero_grad()
         metrics = self.objective_metrics() if applied else {}
-        return StepOutput(loss, norm, result, metrics, applied)
+        return StepOutput(loss, norm, result, metrics, applied, self.routing_stats(applied))
+
+    def routing_stats(self, update_bias: bool = True) -> dict[str, object]:
+        """The MoE routing statistics of the forwards since the last call (collective over
+        the world for a model with experts; {} for a dense one); moves the balancing biases
+        unless `update_bias` is False (a skipped step)."""
+        forwards = self.grid.dp.size * self.plan.num_microbatches
+        return step_routing(
+            self.moe_blocks, self.grid, self.model.config, forwards, self.device, update_bias
+        )
 
     def objective_metrics(self) -> dict[str, float]:
         """What a custom objective logs for the step just run (uncounted: logging)."""
@@ -236,11 +279,8 @@ class Engine:
     def grad_norm(self) -> float:
         """Global gradient L2 norm over TP, DP and PP, counting a tied weight once (both
         copies hold the same summed gradient: the last stage's is left out)."""
-        sumsq = self.dp.local_sumsq()
-        if self._tied and self.grid.pp.rank == self.last_rank:
-            dup = self.dp.local_grad(self._tied[0])
-            if dup is not None and (self.grid.tp.rank == 0 or hasattr(self._tied[0], "tp_dim")):
-                sumsq -= dup.double().pow(2).sum()
+        last = self._tied and self.grid.pp.rank == self.last_rank
+        sumsq = self.dp.local_sumsq(skip=self._tied[0] if last else None)
         return math.sqrt(max(self.dp.reduce_sumsq(sumsq), 0.0))
 
     def scale_grads(self, coef: float) -> None:
@@ -265,127 +305,8 @@ class Engine:
         value = torch.tensor(loss, dtype=torch.float64, device=self.device)
         with self.grid.counter.paused():
             self.grid.pp.broadcast(value, src=self.last_rank)
-            self.grid.dp.all_reduce(value)
-        return value.item() / self.grid.dp.size
-
-    # ---- state (checkpoints) ----
-    def layout(self) -> dict[str, Any]:
-        """What must match for a checkpoint to restore this rank's shards as they are."""
-        d = self.grid.dims
-        return {
-            "tp": d.tp,
-            "pp": d.pp,
-            "dp": d.dp,
-            "cp": d.cp,
-            "zero": self.dp.zero,
-            "param_dtype": str(self.dp.param_dtype),
-            "units": [[u.name, u.padded] for u in self.dp.units],
-        }
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's fp32 masters (full or ZeRO shard) by unit name."""
-        return {u.name: u.master.detach() for u in self.dp.units}
-
-    @torch.no_grad()
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Restore this rank's masters (from `state_dict()` or `local_from_full`)."""
-        for unit in self.dp.units:
-            if unit.name not in state:
-                raise KeyError(f"the state lacks unit {unit.name!r}")
-            unit.master.copy_(state[unit.name])
-        self.update_params()
-
-    def gather_full(self, locals_: list[torch.Tensor | None]) -> dict[str, torch.Tensor]:
-        """Full tensors by single-model name from one per unit (master layout). Collective."""
-        return self.dp.gather_full(locals_)
-
-    def local_from_full(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's per-unit pieces (by unit name) cut from full tensors by name."""
-        pieces = self.dp.local_from_full(full)
-        return {u.name: t for u, t in zip(self.dp.units, pieces)}
-
-    def full_grads(self) -> dict[str, torch.Tensor]:
-        """This rank's reduced gradients, full (TP- and ZeRO-gathered). Collective over TP, DP."""
-        return self.dp.full_state_dict(grads=True)
-
-    def full_params(self) -> dict[str, torch.Tensor]:
-        """This rank's fp32 parameters, full (TP- and ZeRO-gathered). Collective over TP, DP."""
-        return self.dp.full_state_dict()
-
-    @torch.no_grad()
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's fp32 state (single-model names, loadable into `Transformer`) on
-        pp rank 0 of every TP/DP coordinate; {} on the other pp ranks.
-
-        Collective over TP, DP and PP; not counted. A tied weight appears under both names,
-        as `Transformer.state_dict()` lists it."""
-        local = self.full_params()
-        pp = self.grid.pp.size
-        config = self.model.config
-        if pp == 1:
-            if config.tie_embeddings:
-                spec = spec_for(self.model)
-                local.setdefault(f"{spec.head}.weight", local[f"{spec.embedding}.weight"])
-            return local
-        with self.grid.counter.paused():  # sends go from the parameters' device (NCCL)
-            if self.grid.pp.rank != 0:
-                names = self._flat_names(self.grid.pp.rank)
-                flat = torch.cat([local[n].reshape(-1).float() for n, _ in names])
-                self.grid.pp.batch_p2p([("send", flat, 0)], wait=True)
-                return {}
-            out = dict(local)
-            for rank in range(1, pp):
-                names = self._flat_names(rank)
-                flat = torch.empty(sum(s.numel() for _, s in names), device=self.device)
-                self.grid.pp.batch_p2p([("recv", flat, rank)], wait=True)
-                offset = 0
-                for name, shape in names:
-                    out[name] = flat[offset : offset + shape.numel()].view(shape).clone()
-                    offset += shape.numel()
-        return out
-
-    def _flat_names(self, pp_rank: int) -> list[tuple[str, torch.Size]]:
-        """(name, full shape) of a pp rank's parameters, in a fixed order (weightless model)."""
-        with torch.device("meta"):
-            meta = Transformer(self.model.config)
-        stages = split_model(
-            meta, pp_rank, self.grid.pp.size, self.plan.virtual_stages, self.layers_per_stage
-        )
-        return [(n, p.shape) for n, p in stage_parameters(stages).items()]
-
-
-def _check_plan(plan: ParallelPlan, grid: RankGrid) -> None:
-    d = grid.dims
-    for name in ("tp", "pp", "dp"):
-        if getattr(plan, name) != getattr(d, name):
-            raise EngineError(
-                f"plan {name}={getattr(plan, name)} but the rank grid has {name}={getattr(d, name)}"
-            )
-    for name in ("cp", "ep"):
-        if getattr(plan, name) != 1:
-            raise EngineError(f"{name}={getattr(plan, name)} is not supported by the engine yet")
-    if plan.zero_stage == 3 and plan.pp > 2:
-        raise EngineError(
-            f"zero_stage=3 with pp={plan.pp} > 2 is not supported: middle stages hold no "
-            "embedding or head to keep gathered; use zero_stage<=2 or pp<=2"
-        )
-    if plan.precision == "fp8" and plan.pp > 1:
-        raise EngineError(
-            "precision=fp8 with pp>1 is not supported yet: amaxes must be reduced over the "
-            "ranks holding the same stage (tp x dp), a group the grid does not create; "
-            "use pp=1 or precision=bf16"
-        )
-
-
-def _convert_to_fp8(model: Transformer, plan: ParallelPlan, grid: RankGrid) -> None:
-    try:
-        from llmopt.precision.fp8 import convert_to_fp8
-    except ImportError as exc:
-        raise EngineError(
-            f"precision=fp8 needs llmopt.precision.fp8.convert_to_fp8, unavailable: {exc}"
-        ) from exc
-    # With pp=1 the world is the tp x dp group: TP shards and DP replicas share one scale.
-    convert_to_fp8(model, plan.fp8_recipe, amax_group=grid.world)
+            self.grid.dp_cp.all_reduce(value)
+        return value.item() / self.grid.dp_cp.size
 
 
 def parallelize(
