@@ -195,6 +195,20 @@ def fused_layout(model: nn.Module, int8_head: bool = False) -> FusedLayout:
     """Everything the C++ forward needs, read through `spec_for(model)` (module docstring)."""
     spec = spec_for(model)
     cfg = model.config
+    beyond = [
+        what
+        for what, field in (
+            ("mixture-of-experts feed-forwards", "moe"),
+            ("multi-head latent attention", "mla"),
+        )  # fmt: skip
+        if getattr(cfg, field, None) is not None
+    ]
+    if beyond:
+        raise UnsupportedModelError(
+            f"fused kernels implement dense feed-forwards and grouped-query attention; "
+            f"architecture {cfg.architecture!r} has {' and '.join(beyond)} (the eager runner "
+            "serves it)"
+        )
     blocks = spec.blocks_of(model)
     if not isinstance(blocks, nn.ModuleList) or len(blocks) != cfg.num_layers:
         raise UnsupportedModelError("fused kernels run whole models, not pipeline stages")
