@@ -161,12 +161,17 @@ OLD_DTYPE_SPELLINGS = {
 }  # fmt: skip
 
 
+# load-time choice of `serve`/`generate`: "auto" keeps a quantized GGUF's blocks as the file
+# holds them (what the fused kernels read), every other source loads as float32
+LOAD_DTYPES = ("auto", *DTYPES)
+
+
 def dtype_name(value: str) -> str:
     """argparse type of every `--dtype`-like flag: a name of DTYPES. Other spellings (fp16,
     bf16, half, ...) are refused naming the one to use, so one script reads the same on every
     command (the rule of docs/reliability.md#one-cli-vocabulary)."""
-    if value in DTYPES:
-        return value
+    if value in LOAD_DTYPES:
+        return value  # "auto" where a command offers it: argparse's choices decide
     hint = OLD_DTYPE_SPELLINGS.get(value.lower())
     if hint is not None:
         raise argparse.ArgumentTypeError(f"{value!r} is spelled {hint!r} in llmopt (as in torch)")
@@ -194,3 +199,8 @@ def torch_dtype(name: str):
     import torch
 
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def load_dtype(name: str):
+    """What `load_model(dtype=...)` takes for a --dtype of LOAD_DTYPES."""
+    return name if name == "auto" else torch_dtype(name)

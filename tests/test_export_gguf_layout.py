@@ -15,7 +15,7 @@ from llmopt.export import ExportError, export_gguf
 from llmopt.export.gguf.mix import more_bits, tensor_types
 from llmopt.models import ModelConfig, build_model
 from llmopt.models.gguf import unpermute_rope_rows
-from llmopt.models.gguf_names import LLAMA_CPP_ARCH
+from llmopt.models.gguf_names import LLAMA_CPP_ARCH, NOT_EXPORTED
 from llmopt.models.spec import registered_architectures
 
 BASE = dict(
@@ -69,8 +69,23 @@ def read(path):
     return fields, tensors
 
 
-def test_every_registered_architecture_has_a_llama_cpp_name():
-    assert set(registered_architectures()) == set(LLAMA_CPP_ARCH)
+def test_every_registered_architecture_has_a_llama_cpp_name_or_a_stated_refusal():
+    assert set(registered_architectures()) == set(LLAMA_CPP_ARCH) | set(NOT_EXPORTED)
+    assert not set(LLAMA_CPP_ARCH) & set(NOT_EXPORTED)
+
+
+@pytest.mark.parametrize("arch", sorted(NOT_EXPORTED))
+def test_unexported_architectures_are_refused_by_name_before_writing(tmp_path, arch):
+    from llmopt.models.moe import MLAConfig, MoEConfig
+
+    moe = MoEConfig(num_experts=4, top_k=2, expert_ffn_hidden=24)
+    mla = MLAConfig(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+    latent = {"mla": mla} if arch == "deepseek_v3" else {}
+    config = ModelConfig(name=f"t-{arch}", **BASE, architecture=arch, moe=moe, **latent)
+    model = build_model(config, seed=0).eval()
+    with pytest.raises(ExportError, match=f"GGUF export of '{arch}' is not supported"):
+        export_gguf(model, tmp_path / "m.gguf", qtype="f32")
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("arch", sorted(CONFIGS))

@@ -224,6 +224,17 @@ def test_auto_dtype_keeps_every_format_and_equals_the_dequantized_model(kquant_g
         load_model(kquant_gguf, dtype="int4")
 
 
+def test_exports_write_the_packed_models_dequantized_weights(kquant_gguf, tmp_path):
+    from llmopt.export.tensors import dense_state_dict
+
+    packed = load_model(kquant_gguf, dtype="auto")
+    dense = load_model(kquant_gguf)
+    got, want = dense_state_dict(packed), dense_state_dict(dense)
+    assert sorted(got) == sorted(want)  # weights by name, no codes or block scales
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+
+
 def test_mixed_format_gguf_through_the_fused_kernels(kquant_gguf):
     packed = load_model(kquant_gguf, dtype="auto")
     dense = load_model(kquant_gguf)

@@ -29,15 +29,19 @@ def float_dtype(name: str) -> torch.dtype:
 def dense_state_dict(
     model: nn.Module, dtype: torch.dtype = torch.float32
 ) -> dict[str, torch.Tensor]:
-    """Our parameter names -> dense tensors in `dtype` (a tied head included once, as its name)."""
-    from llmopt.compress.quant.linear import QuantLinear
+    """Our parameter names -> dense tensors in `dtype` (a tied head included once, as its name).
 
+    Packed modules (QuantLinear, GGUF blocks kept as the file holds them: anything with
+    `dequantize()` in place of a `weight` parameter) are written as their dequantized weight."""
     state: dict[str, torch.Tensor] = {}
-    quantized = {name for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+    quantized = set()
     for name, module in model.named_modules():
-        if isinstance(module, QuantLinear):
-            state[f"{name}.weight"] = module.packed().dequantize(torch.float32).to(dtype)
-            if module.bias is not None:
+        if callable(getattr(module, "dequantize", None)) and "weight" not in dict(
+            module.named_parameters(recurse=False)
+        ):
+            quantized.add(name)
+            state[f"{name}.weight"] = module.dequantize(torch.float32).to(dtype)
+            if getattr(module, "bias", None) is not None:
                 state[f"{name}.bias"] = module.bias.detach().to(dtype)
     for name, tensor in model.state_dict().items():
         if name.rsplit(".", 1)[0] in quantized:

@@ -9,8 +9,6 @@ from typing import Any
 
 from llmopt import cli_args, jsonout
 
-DTYPES = ("float32", "bfloat16", "float16")
-
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -19,7 +17,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Generate a continuation of --prompt (or a chat reply with --chat). Greedy by "
         "default; --temperature > 0 samples (with --top-k/--top-p, reproducible with --seed).",
     )
-    add_model_arguments(parser)
+    add_model_arguments(parser, dtype="auto")
     parser.add_argument(
         "--prompt", required=True, help="prompt text (the user message with --chat)"
     )
@@ -86,21 +84,26 @@ def check_args(args: argparse.Namespace) -> None:
         cli_args.integer(args, "gamma", 1)
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """--model/--dtype/--threads, shared with `llmopt eval`."""
+def add_model_arguments(parser: argparse.ArgumentParser, dtype: str = "float32") -> None:
+    """--model/--dtype/--threads, shared with `llmopt eval` and `profile` (float32 by default);
+    `generate` defaults to auto (a quantized GGUF's blocks as the file holds them)."""
     parser.add_argument(
         "--model",
         default="smollm2-135m",
         help="packaged name (smollm2-135m), .gguf file, HF directory or `llmopt quantize` output",
     )
-    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weight/compute dtype")
+    cli_args.add_dtype(
+        parser,
+        default=dtype,
+        choices=cli_args.LOAD_DTYPES if dtype == "auto" else cli_args.DTYPES,
+        help="weight/compute dtype"
+        + (
+            "; auto keeps a quantized GGUF's blocks as the file holds them"
+            if dtype == "auto"
+            else ""
+        ),
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-
-
-def torch_dtype(name: str):
-    import torch
-
-    return getattr(torch, name)
 
 
 class TextStream:
@@ -151,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(args.model)
-    model = load_model(args.model, dtype=torch_dtype(args.dtype))
+    model = load_model(args.model, dtype=cli_args.load_dtype(args.dtype))
     load_s = time.perf_counter() - t0
     if args.chat:
         messages = [{"role": "system", "content": args.system}] if args.system else []

@@ -21,6 +21,14 @@ LLAMA_CPP_ARCH = {
     "phi3": "phi3",
     "gemma2": "gemma2",
 }
+# registered architectures the GGUF writer does not lay out yet, and why (llama.cpp reads
+# these as stacked `ffn_*_exps` tensors, and DeepSeek's latent attention as `attn_kv_a_mqa`...)
+NOT_EXPORTED = {
+    "mixtral": "the routed experts are not yet written as llama.cpp's stacked ffn_*_exps",
+    "qwen2_moe": "the routed and shared experts are not yet written as llama.cpp's ffn_*_exps",
+    "qwen3_moe": "the routed experts are not yet written as llama.cpp's stacked ffn_*_exps",
+    "deepseek_v3": "latent attention and routed experts are not yet laid out as llama.cpp's",
+}
 # spec attribute of a top-level module -> kind
 TOP_TENSORS = {"embedding": "TOKEN_EMBD", "final_norm": "OUTPUT_NORM", "head": "OUTPUT"}
 # block-level module -> kind (fused modules: Phi-3's, gate rows first in `ffn_up`)

@@ -10,8 +10,9 @@ import argparse
 from pathlib import Path
 
 from llmopt import cli_args
+from llmopt.cli_args import torch_dtype
 from llmopt.errors import UsageError
-from llmopt.infer.cli import add_model_arguments, check_model_args, torch_dtype
+from llmopt.infer.cli import add_model_arguments, check_model_args
 
 DEFAULT_PROMPT = "The history of the printing press begins with"
 

@@ -61,7 +61,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=True,
         help="reuse the KV blocks of a shared prompt prefix",
     )
-    cli_args.add_dtype(p, help="weight and KV-cache dtype")
+    cli_args.add_dtype(
+        p,
+        default="auto",
+        choices=cli_args.LOAD_DTYPES,
+        help="weight and KV-cache dtype; auto serves a quantized GGUF's blocks as the file holds "
+        "them (the bytes llama.cpp reads) and anything else in float32",
+    )
     p.add_argument(
         "--runner",
         default="auto",
@@ -116,7 +122,8 @@ def check_resources(args: argparse.Namespace, device: str = "cpu") -> str:
             f"--block-size {args.block_size} exceeds the model context of {config.max_seq_len} "
             f"tokens; use at most {config.max_seq_len} (vLLM uses 16)"
         )
-    width = torch.empty((), dtype=cli_args.torch_dtype(args.dtype)).element_size()
+    dtype = "float32" if args.dtype == "auto" else args.dtype  # auto: fp32 cache, at most fp32
+    width = torch.empty((), dtype=cli_args.torch_dtype(dtype)).element_size()
     per_block = 2 * config.num_layers * args.block_size * config.num_kv_heads * config.head_dim
     per_block *= width
     kv_bytes = per_block * args.kv_blocks
@@ -175,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    model = load_model(args.model, dtype=cli_args.torch_dtype(args.dtype))
+    model = load_model(args.model, dtype=cli_args.load_dtype(args.dtype))
     if args.block_size > model.config.max_seq_len:
         raise UsageError(
             f"--block-size {args.block_size} exceeds the model context of "

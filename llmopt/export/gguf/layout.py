@@ -29,6 +29,7 @@ from llmopt.models.gguf_names import (
     BLOCK_NORM_TENSORS,
     BLOCK_TENSORS,
     LLAMA_CPP_ARCH,
+    NOT_EXPORTED,
     ROPE_PERMUTED,
     TOP_TENSORS,
     rope_divisors,
@@ -36,6 +37,11 @@ from llmopt.models.gguf_names import (
 
 
 def llama_cpp_arch(architecture: str) -> str:
+    if architecture in NOT_EXPORTED:
+        raise ExportError(
+            f"GGUF export of {architecture!r} is not supported: {NOT_EXPORTED[architecture]}; "
+            f"export it as safetensors (`llmopt export --format hf`) or ONNX instead"
+        )
     if architecture not in LLAMA_CPP_ARCH:
         raise ExportError(
             f"architecture {architecture!r} has no llama.cpp name; GGUF export supports "
