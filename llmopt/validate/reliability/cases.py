@@ -27,7 +27,6 @@ class Case:
     local: bool = True  # touches only its scratch directory (the tests run only these)
     named: bool = False  # named by issue 30
     changes: tuple[str, ...] = ()  # file names the case is allowed to change
-    owner: str = ""  # "planner": fixed on the planner's branch (issue 30's plan cases)
 
 
 _TRAIN_SMALL = "num_layers = 1\nhidden_size = 16\n"
@@ -67,8 +66,8 @@ CASES: list[Case] = [
     Case("plan --peak-tflops nan", "numeric flags", b.one("plan", "--peak-tflops", "nan"), ("peak",)),
     Case("plan --hbm-gib -80", "numeric flags", b.one("plan", "--hbm-gib", "-80"), ("hbm",)),
     Case("plan --global-batch 0", "numeric flags", b.one("plan", "--global-batch", "0"), ("global_batch",)),
-    Case("plan --num-layers 99999999999999999999", "numeric flags", b.one("plan", "--num-layers", "99999999999999999999"), ("--num-layers",), named=True, owner="planner"),
-    Case("plan serve --tp 0", "numeric flags", b.one("plan serve", "--tp", "0"), ("--tp",), named=True, owner="planner"),
+    Case("plan --num-layers 99999999999999999999", "numeric flags", b.one("plan", "--num-layers", "99999999999999999999"), ("--num-layers",), named=True),
+    Case("plan serve --tp 0", "numeric flags", b.one("plan serve", "--tp", "0"), ("--tp",), named=True),
     Case("train --steps -1", "numeric flags", b.one("train", "--steps", "-1"), ("steps",)),
     Case("train --lr nan", "numeric flags", b.one("train", "--lr", "nan"), ("lr",)),
     Case("train --nnodes abc", "numeric flags", b.one("train", "--nnodes", "abc"), ("--nnodes", "abc"), named=True),
@@ -96,8 +95,8 @@ CASES: list[Case] = [
     Case("export --dtype fp16 (one dtype vocabulary)", "flag names", b.one("export", "--dtype", "fp16"), ("fp16", "float16")),
     Case("serve --dtype bf16 (one dtype vocabulary)", "flag names", b.one("serve", "--dtype", "bf16"), ("bf16", "bfloat16")),
     Case("quantize --gguf-type with --format gptq", "flag names", lambda t: ["quantize", "--format", "gptq", "--gguf-type", "q8_0", "--out", str(t / "q")], ("--gguf-type", "--format gguf"), named=True),
-    Case("plan --why-not ''", "flag names", b.one("plan", "--why-not", ""), ("--why-not",), named=True, owner="planner"),
-    Case("plan --why-not tp=8,tp=4", "flag names", b.one("plan", "--why-not", "tp=8,tp=4"), ("--why-not", "tp"), named=True, owner="planner"),
+    Case("plan --why-not ''", "flag names", b.one("plan", "--why-not", ""), ("--why-not",), named=True),
+    Case("plan --why-not tp=8,tp=4", "flag names", b.one("plan", "--why-not", "tp=8,tp=4"), ("--why-not", "tp"), named=True),
     # --- text that is not UTF-8 ---
     Case("generate --prompt <0xff byte>", "non-UTF-8 text", lambda t: ["generate", "--prompt", "a\udcffb"], ("--prompt",)),
     Case("eval --text latin-1 file", "non-UTF-8 text", lambda t: ["eval", "ppl", "--text", str(b.write(t / "latin1.txt", b"caf\xe9 " * 50))], ("latin1.txt",)),
@@ -112,7 +111,7 @@ CASES: list[Case] = [
     Case("cluster gpu = 3 (not a table)", "cluster TOML", lambda t: b.cluster(t, "gpu = 3\n"), ("cluster.toml", "gpu")),
     Case("cluster invalid TOML", "cluster TOML", lambda t: b.cluster(t, "nodes = = 2\n"), ("cluster.toml",)),
     Case("cluster file missing", "cluster TOML", lambda t: ["plan", "--cluster", str(t / "none.toml")], ("none.toml",)),
-    Case("cluster TOML empty", "cluster TOML", lambda t: b.cluster(t, ""), ("cluster.toml",), named=True, owner="planner"),
+    Case("cluster TOML empty", "cluster TOML", lambda t: b.cluster(t, ""), ("cluster.toml",), named=True),
     # --- training config TOML ---
     Case('train steps = "5"', "training config", lambda t: b.train_config(t, 'steps = "5"\n'), ("run.toml", "steps")),
     Case("train zero_stage = true", "training config", lambda t: b.train_config(t, "zero_stage = true\n"), ("run.toml", "zero_stage")),
@@ -141,7 +140,7 @@ CASES: list[Case] = [
     Case("config.json is a list", "HF config.json", lambda t: ["plan", "--model", str(b.write(t / "c" / "config.json", "[1, 2]"))], ("config.json",)),
     Case("config.json truncated", "HF config.json", lambda t: ["plan", "--model", str(b.write(t / "c" / "config.json", '{"vocab_size": 12'))], ("config.json",)),
     Case("config.json hidden_act = gelu (changes the math)", "HF config.json", lambda t: b.hf_config(t, hidden_act="gelu"), ("hidden_act",)),
-    Case("config.json MoE with zero KV heads", "HF config.json", lambda t: b.hf_config(t, **_MOE), ("config.json", "num_key_value_heads"), named=True, owner="planner"),
+    Case("config.json MoE with zero KV heads", "HF config.json", lambda t: b.hf_config(t, **_MOE), ("config.json", "num_key_value_heads"), named=True),
     # --- model directories: tokenizer config, shards, index, template ---
     Case('tokenizer_config add_bos_token = "yes"', "model directory", lambda t: b.model_dir(t, lambda d: b.edit_json(d / "tokenizer_config.json", add_bos_token="yes")), ("tokenizer_config.json", "add_bos_token"), needs_model=True),
     Case("tokenizer_config not JSON", "model directory", lambda t: b.model_dir(t, lambda d: b.write(d / "tokenizer_config.json", "{oops")), ("tokenizer_config.json",), needs_model=True),
