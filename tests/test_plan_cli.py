@@ -93,6 +93,14 @@ def test_why_not(capsys):
         (["plan", "--ib-gbs", "-1"], "--ib-gbs=-1.0 must be a positive number"),
         (["plan", "--num-heads", "60"], "num_kv_heads=8 does not divide num_heads=60"),
         (["plan", "--num-layers", "0"], "--num-layers=0 must be a positive integer"),
+        (
+            ["plan", "--num-experts", "8"],
+            "--num-experts: --model llama-3-70b has no experts (dense)",
+        ),
+        (
+            ["plan", "--model", "mixtral-8x7b", "--expert-ffn-hidden", "0"],
+            "--expert-ffn-hidden=0 must be a positive integer",
+        ),
         (["plan", "--why-not", "zero=3"], "unknown mapping key 'zero'"),
         (["plan", "--where", "tp=3"], "tp=3 does not divide the 64 GPUs"),
         (["plan", "--global-batch-tokens", "5000"], "multiple of --seq-len=4096"),

@@ -190,15 +190,61 @@ def test_vectorised_bytes_equal_the_explicit_list():
         assert float(vec["intra_node"][0]) == pytest.approx(nvl, rel=1e-12)
 
 
-def test_cp_gathers_kv_each_layer():
+@pytest.mark.parametrize("cp,recompute", [(2, "none"), (4, "none"), (4, "full")])
+def test_cp_passes_kv_blocks_round_the_ring_each_layer(cp, recompute):
     work = Workload(seq_len=16384, global_batch=64)
     par = ParallelPlan(
-        tp=8, pp=1, dp=4, cp=2, sequence_parallel=True, micro_batch=1, num_microbatches=16
-    )
+        tp=8, pp=1, dp=8 // cp, cp=cp, sequence_parallel=True, micro_batch=1,
+        num_microbatches=8, recompute=recompute,
+    )  # fmt: skip
     t = _totals(par, work)
-    kv = 16384 * 2 * 1 * 128 * 2  # seq x (K,V) x kv heads per rank (8/8) x head_dim x bf16
-    assert t[("cp", "all-gather")]["calls"] == 80 * 16
-    assert t[("cp", "all-gather")]["bytes"] == pytest.approx(80 * 16 * kv)
+    # this rank's s/cp tokens x (K,V) x kv heads per rank (8/8) x head_dim x bf16
+    block = 16384 // cp * 2 * 1 * 128 * 2
+    passes = 80 * 8  # layers x micro-batches
+    fwd = (cp - 1) * (2 if recompute == "full" else 1)  # the recomputed forward passes again
+    # backward: cp-1 blocks with their gradients (2 blocks each), then the gradients home
+    calls, blocks = fwd + (cp - 1) + 1, fwd + 2 * (cp - 1) + 1
+    for op in ("send", "recv"):
+        assert t[("cp", op)]["calls"] == calls * passes
+        assert t[("cp", op)]["bytes"] == pytest.approx(blocks * block * passes, rel=1e-12)
+    assert {k for k in t if k[0] == "cp"} == {("cp", "send"), ("cp", "recv")}
+    # a rank puts what it sends on the wire, nothing for what it receives
+    assert t[("cp", "send")]["wire_bytes"] == pytest.approx(blocks * block * passes, rel=1e-12)
+    assert t[("cp", "recv")]["wire_bytes"] == 0
+
+
+def test_ep_all_to_all_rows_are_the_dispatchers_calls_and_payload():
+    from llmopt.plan.dispatch import call_bytes, calls_per_microbatch
+    from llmopt.plan.grid import to_grid
+
+    model = get_preset("mixtral-8x7b")
+    work = Workload(seq_len=4096, global_batch=64)
+    par = ParallelPlan(tp=2, pp=2, dp=4, ep=4, sequence_parallel=True, num_microbatches=16)
+    for stage in ("first", "last"):
+        t = summarize(collectives_for(model, work, CLUSTER, par, stage=stage))
+        row = t[("ep", "all-to-all")]
+        calls = int(calls_per_microbatch(model, False)) * 16 * 16  # 4 x 16 layers x 16 mb
+        assert row["calls"] == calls
+        payload = 4096 / 2 * 2 * 4096 * 2  # tokens / tp x top_k x hidden x bf16
+        assert row["bytes"] == pytest.approx(calls * payload, rel=1e-12)
+        intra, inter = call_bytes(model, CLUSTER, to_grid(par), 4096, "alltoall")
+        assert row["wire_bytes"] == pytest.approx(calls * float((intra + inter)[0]), rel=1e-12)
+    dense = summarize(collectives_for(MODEL, WORK, CLUSTER, ParallelPlan(tp=8, pp=8, dp=16)))
+    assert not [k for k in dense if k[0] == "ep"]
+
+
+def test_ep_rows_count_only_the_stages_moe_blocks():
+    import dataclasses
+
+    base = get_preset("mixtral-8x7b")
+    # the last 24 of 32 blocks have experts: the first of 2 stages holds 8 of them
+    model = base.replace(moe=dataclasses.replace(base.moe, moe_layers=24))
+    work = Workload(seq_len=4096, global_batch=64)
+    par = ParallelPlan(tp=1, pp=2, dp=4, ep=4, num_microbatches=16)
+    first = summarize(collectives_for(model, work, CLUSTER, par, stage="first"))
+    last = summarize(collectives_for(model, work, CLUSTER, par, stage="last"))
+    assert first[("ep", "all-to-all")]["calls"] == 4 * 8 * 16
+    assert last[("ep", "all-to-all")]["calls"] == 4 * 16 * 16
 
 
 def test_tied_embeddings_swap_gradients_between_first_and_last_stage():

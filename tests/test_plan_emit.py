@@ -501,5 +501,15 @@ def test_emitted_moe_plans_carry_their_experts():
                             (torchtitan, "no llama3 flavor")):  # fmt: skip
         with pytest.raises(EmitError, match=message):
             module.emit(run)
-    with pytest.raises(EmitError, match="builds dense models only"):
-        run_config(run)
+    # llmopt's own run config: ep and expert_tp in [parallel], the experts' all-to-all in the
+    # planner's table (DeepSeek-V3's first 3 blocks are dense: none on the first stage's 3)
+    config = run_config(run)
+    assert (config["parallel"]["ep"], config["parallel"]["expert_tp"]) == (8, 1)
+    comm = config["planner"]["comm"]
+    assert "ep" not in comm["first"] and comm["last"]["ep"]["all_to_all"]["calls"] > 0
+    # EP folded over tp beyond dp*cp (Megatron-Core's folding) has no ParallelPlan: refused
+    import dataclasses
+
+    folded = dataclasses.replace(run, plan=dataclasses.replace(run.plan, expert_parallel=32))
+    with pytest.raises(EmitError, match=r"ep=32 is folded beyond dp\*cp=16"):
+        run_config(folded)

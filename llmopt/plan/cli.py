@@ -39,6 +39,8 @@ def _common(p: argparse.ArgumentParser, sub: bool) -> None:
         ("num-kv-heads", None),
         ("intermediate-size", "MLP intermediate size"),
         ("vocab-size", None),
+        ("num-experts", "routed experts per MoE block (a MoE model)"),
+        ("expert-ffn-hidden", "expert MLP width (a MoE model)"),
     ):
         m.add_argument(f"--{name}", type=int, default=d(None), help=text)
     m.add_argument("--activation", dest="mlp_kind", choices=("swiglu", "gelu"), default=d(None))

@@ -29,12 +29,16 @@ SHAPE_FIELDS = (
     "num_kv_heads",
     "vocab_size",
 )
+# Shape fields of a MoE model's experts (`MoEConfig`; the trainer's names too)
+MOE_SHAPE_FIELDS = ("num_experts", "expert_ffn_hidden")
 
 
 def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """Shape fields the user set, by ModelConfig name."""
     out: dict[str, Any] = {
-        f: getattr(args, f) for f in SHAPE_FIELDS if getattr(args, f, None) is not None
+        f: getattr(args, f)
+        for f in SHAPE_FIELDS + MOE_SHAPE_FIELDS
+        if getattr(args, f, None) is not None
     }
     if getattr(args, "mlp_kind", None):
         out.update(mlp=args.mlp_kind)  # the ModelConfig field behind --mlp-kind
@@ -60,12 +64,26 @@ def build_model(args: argparse.Namespace) -> ModelConfig:
     else:
         model = get_preset(spec)
     changes = model_overrides(args)
-    for name in SHAPE_FIELDS:
-        value = changes.get(name)
+    moe_changes = {f: changes.pop(f) for f in MOE_SHAPE_FIELDS if f in changes}
+    for name in SHAPE_FIELDS + MOE_SHAPE_FIELDS:
+        value = changes.get(name, moe_changes.get(name))
         if value is not None and not 0 < value <= MAX_COUNT:
             raise UsageError(
                 f"--{name.replace('_', '-')}={value} must be a positive integer up to {MAX_COUNT}"
             )
+    if moe_changes:
+        if model.moe is None:
+            given = ", ".join(f"--{f.replace('_', '-')}" for f in moe_changes)
+            raise UsageError(f"{given}: --model {spec} has no experts (dense)")
+        import dataclasses
+
+        from llmopt.models.moe import MoEConfigError
+
+        try:
+            moe = dataclasses.replace(model.moe, **moe_changes)
+        except MoEConfigError as exc:
+            raise UsageError(str(exc)) from None
+        changes["moe"] = moe
     if changes:
         if "hidden_size" in changes or "num_heads" in changes:
             changes.setdefault("head_dim", None)

@@ -1,12 +1,14 @@
 """Collectives of one training step, per process group, as pure functions of the plan.
 
 `collectives()` lists, for one rank, every collective it joins in a step: process group
-(tp, cp, pp, dp), operation (all-reduce, all-gather, reduce-scatter, send, recv), phase
+(tp, cp, ep, pp, dp, edp), operation (all-reduce, all-gather, reduce-scatter, send, recv,
+all-to-all), phase
 (forward, backward, recompute, step), number of calls and payload bytes per call. The training
 engine can be checked against it call for call. Payload conventions (what NCCL is handed):
 all-reduce = the tensor, all-gather = the gathered output, reduce-scatter = the unscattered
-input, send/recv = the message. Bytes a rank puts on the wire per call: all-reduce
-2(n-1)/n·payload (ring), all-gather / reduce-scatter (n-1)/n·payload, send = payload, recv = 0.
+input, all-to-all = the rank's whole input, send/recv = the message. Bytes a rank puts on the
+wire per call: all-reduce 2(n-1)/n·payload (ring), all-gather / reduce-scatter / all-to-all
+(n-1)/n·payload, send = payload, recv = 0.
 
 Rank order is Megatron's (tp fastest, then cp, dp, pp): a TP group crosses nodes iff
 tp > gpus_per_node, CP iff tp·cp > gpus_per_node, DP iff tp·cp·dp > gpus_per_node, and PP
@@ -25,8 +27,13 @@ reduce-scatters each way; full recomputation repeats the forward ones. The vocab
 embedding adds a forward all-reduce (SP: reduce-scatter, backward all-gather); the output layer
 a backward all-reduce of its input gradient (SP: forward all-gather, backward reduce-scatter)
 and three fp32 all-reduces of per-token scalars in the cross-entropy; with SP, one all-reduce
-per step of the partial norm-weight gradients. CP all-gathers K and V
-forward and reduce-scatters their gradients backward. PP sends each micro-batch's activation
+per step of the partial norm-weight gradients. CP passes K/V blocks round a ring
+(`llmopt.plan.ring`, what `llmopt.parallel.context_parallel` does): cp-1 sends and receives
+of one block forward (again under full recomputation), cp-1 of a block with its gradients
+backward and one last hop of the gradients home. MoE blocks (routed experts, ep>1) dispatch
+their tokens' top_k copies to the experts' ranks and combine them back by all-to-all over the
+EP group, forward and backward (and again under full recomputation): payload = the rank's
+whole input (`llmopt.plan.dispatch.call_payload_bytes`), wire (ep-1)/ep of it. PP sends each micro-batch's activation
 (its sequence shard under SP, as Megatron-Core; without SP the whole activation unless
 `Workload.pp_scatter_gather`, Narayanan's split over TP ranks) forward and its
 gradient backward at each of the v chunk boundaries; with tied embeddings and pp>1 the first and
@@ -50,7 +57,7 @@ import numpy as np
 
 from llmopt.models.config import ModelConfig
 from llmopt.parallel.plan import ParallelPlan
-from llmopt.plan.dispatch import ep_of
+from llmopt.plan.dispatch import call_payload_bytes, ep_of, moe_layers_per_stage
 from llmopt.plan.experts import expert_dp, expert_params_per_rank
 from llmopt.plan.grid import Grid, to_grid
 from llmopt.plan.hardware import Cluster
@@ -58,14 +65,14 @@ from llmopt.plan.memory import (
     ACT_BYTES,
     RC_FULL,
     grad_policy,
-    kv_heads_per_rank,
     layer_params_per_rank,
     stage_params,
 )
+from llmopt.plan.ring import kv_block_bytes
 from llmopt.plan.split import rank_layers
 from llmopt.plan.workload import STATE_BYTES, Workload
 
-OPS = ("all-reduce", "all-gather", "reduce-scatter", "send", "recv")
+OPS = ("all-reduce", "all-gather", "reduce-scatter", "send", "recv", "all-to-all")
 # DeepSpeed's ZeRO-3 (Workload.sharding == "deepspeed") is priced as if each rank's data-parallel
 # traffic crossed the network on its own NIC only. Fitted, not derived: the calibration rows
 # 11-16 (Narayanan et al. 2021 Table 2, DeepSpeed ZeRO-3 on 384-2240 DGX-A100s) are
@@ -94,7 +101,7 @@ class Collectives:
         n = self.group_size.astype(np.float64)
         if self.op == "all-reduce":
             return 2 * (n - 1) / n * self.payload_bytes
-        if self.op in ("all-gather", "reduce-scatter"):
+        if self.op in ("all-gather", "reduce-scatter", "all-to-all"):
             return (n - 1) / n * self.payload_bytes
         if self.op == "send":
             return self.payload_bytes * 1.0
@@ -201,11 +208,29 @@ def collectives(
         inter["tp"],
     )
 
-    # Context parallel: K and V of the full sequence (heads of this TP rank).
-    kv = mb * work.seq_len * 2 * kv_heads_per_rank(model, tp) * model.head_dim * ACT_BYTES
-    add("cp", "all-gather", "forward", "all", n_layers * m, kv, cp, inter["cp"])
-    add("cp", "all-gather", "recompute", "all", n_layers * m * (rc == RC_FULL), kv, cp, inter["cp"])
-    add("cp", "reduce-scatter", "backward", "all", n_layers * m, kv, cp, inter["cp"])
+    # Context parallel: ring attention's point-to-point passes of one K/V block (this rank's
+    # s/cp tokens, its TP rank's heads: `ring.kv_block_bytes`), per layer and micro-batch.
+    block = kv_block_bytes(model, grid, work.seq_len)
+    hops = n_layers * m * (cp - 1)
+    for op in ("send", "recv"):
+        add("cp", op, "forward", "all", hops, block, cp, inter["cp"])
+        add("cp", op, "recompute", "all", hops * (rc == RC_FULL), block, cp, inter["cp"])
+        add("cp", op, "backward", "all", hops, 2 * block, cp, inter["cp"])  # K/V + dK/dV
+        add("cp", op, "backward", "all", n_layers * m, block, cp, inter["cp"])  # dK/dV home
+
+    # Expert parallel: dispatch + combine all-to-alls of each MoE block on this stage, forward,
+    # backward and again under full recomputation (`dispatch.calls_per_microbatch`).
+    ep, etp = ep_of(grid)
+    n_first, _, n_last = rank_layers(model, pp, v)
+    if model.moe is not None:
+        a2a = call_payload_bytes(model, grid, tokens)
+        ep_crosses = etp * ep > cluster.gpus_per_node
+        first_moe, last_moe = moe_layers_per_stage(model, n_first, n_last, v)
+        for kind, blocks in (("not_last", first_moe), ("last", last_moe)):
+            for phase, per_block in (("forward", 2), ("backward", 2), ("recompute", 2)):
+                on = (rc == RC_FULL) if phase == "recompute" else 1
+                add("ep", "all-to-all", phase, kind, blocks * m * per_block * on, a2a, ep,
+                    ep_crosses)  # fmt: skip
 
     # Pipeline parallel, per micro-batch: each of the v chunks sends its output forward except
     # the model's last chunk (last stage), and its input gradient backward except the model's
@@ -241,10 +266,8 @@ def collectives(
     once = grad_policy(grid) == 1  # ZeRO-2/3 "step" policy: one reduce-scatter per step
     # Routed experts are data-parallel over their own ranks (edp = tp·cp·dp / (etp·ep), strided
     # by etp·ep: `experts.expert_dp`), a separate group with its own NICs per node.
-    n_first, _, n_last = rank_layers(model, pp, v)
     local_experts = expert_params_per_rank(model, grid)
     edp = expert_dp(grid)
-    ep, etp = ep_of(grid)
     edp_rails = np.minimum(edp, np.maximum(cluster.gpus_per_node // (ep * etp), 1))
     for kind, params, layers in (("not_last", first_p, n_first), ("last", last_p, n_last)):
         experts = layers * local_experts

@@ -56,6 +56,34 @@ def _distinct_nodes(experts: int, top_k: int, nodes: np.ndarray) -> np.ndarray:
     return out
 
 
+def call_payload_bytes(model: ModelConfig, grid: Grid, tokens: np.ndarray) -> np.ndarray:
+    """What one rank hands one dispatch (or combine) all-to-all of one MoE block: the top_k
+    copies of its `tokens` tokens (before the TP split; sequence-split over TP), bf16 rows,
+    its own share included (the engine's counter books the same)."""
+    if model.moe is None:
+        return np.zeros(len(grid["tp"]))
+    ep, _ = ep_of(grid)
+    local = np.asarray(tokens, dtype=np.float64) / grid["tp"]
+    return np.where(ep > 1, local * model.moe.top_k * model.hidden_size * ACT_BYTES, 0.0)
+
+
+def moe_layers_per_stage(
+    model: ModelConfig, n_first: np.ndarray, n_last: np.ndarray, v: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """MoE blocks on the first and on the last pipeline rank, given their layer counts (the
+    MoE blocks are the model's last `num_moe_layers`). With virtual stages a rank's layers are
+    spread over the model, so it gets its share of them (rounded)."""
+    moe = num_moe_layers(model)
+    dense = model.num_layers - moe
+    first = np.clip(n_first - dense, 0, n_first)
+    last = np.minimum(n_last, moe)
+    frac = moe / model.num_layers
+    spread = np.asarray(v) > 1
+    first = np.where(spread, np.rint(n_first * frac), first).astype(np.int64)
+    last = np.where(spread, np.rint(n_last * frac), last).astype(np.int64)
+    return first, last
+
+
 def call_bytes(
     model: ModelConfig, cluster: Cluster, grid: Grid, tokens: np.ndarray, dispatcher: str
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -71,7 +99,7 @@ def call_bytes(
     g = cluster.gpus_per_node
     k = model.moe.top_k
     local = np.asarray(tokens, dtype=np.float64) / grid["tp"]  # sequence-split over TP
-    row = model.hidden_size * ACT_BYTES
+    row = model.hidden_size * ACT_BYTES  # local * k * row = call_payload_bytes
     span = etp * ep
     in_node = np.where(span <= g, e, np.maximum(g // etp, 1))  # EP ranks in my node (me too)
     nodes = np.maximum(np.ceil(e / in_node), 1).astype(np.int64)

@@ -58,7 +58,7 @@ def to_grid(
         raise UsageError(f"grad_reduce={grad_reduce!r}; choose from {', '.join(GRAD_REDUCES)}")
     ep = plan.ep if ep is None else ep
     if etp is None:
-        etp = plan.tp if ep > 1 else 1
+        etp = plan.resolved_expert_tp if ep > 1 else 1
     return {
         "tp": np.array([plan.tp]),
         "pp": np.array([plan.pp]),

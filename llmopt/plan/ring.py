@@ -8,9 +8,14 @@ overlaps the attention of the block received at step j-1, so a step is exposed o
 its transfer takes beyond that block's compute (1/cp of the rank's attention). Backward sends
 K/V and their gradients (twice the bytes) against backward attention (twice the compute);
 full recomputation repeats the forward ring. Without the zig-zag split (contiguous chunks) the
-busiest rank's causal attention is 2·cp/(cp+1) times the mean (`causal_imbalance`). The wire
-bytes equal an all-gather's, (cp-1)/cp of the full K/V, so the byte accounting in
-`llmopt.plan.comm` holds either way.
+busiest rank's causal attention is 2·cp/(cp+1) times the mean (`causal_imbalance`).
+
+`llmopt.plan.comm` books the same ring as send/recv rows of `kv_block_bytes` (what
+`llmopt.parallel.context_parallel` does and its counter sees): cp-1 blocks forward, cp-1
+double blocks backward, plus one last hop per layer and micro-batch that takes the dK/dV
+home. That hop (one block, against the 3(cp-1) above) is not priced here, so the step times
+this model gives, and the planner's validation numbers for CP runs, are the ones before the
+table described the ring.
 """
 
 from __future__ import annotations

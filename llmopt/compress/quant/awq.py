@@ -15,7 +15,9 @@ then a per-(row, group) clipping range is searched to minimise each linear's out
 s = 1 (plain RTN) is always a candidate, so the search never does worse than RTN on its sample.
 
 Block by block, the inputs of the next block are the full-precision outputs of this one
-(as in the reference implementation); scaling is exact, so only quantization differs.
+(as in the reference implementation); scaling is exact, so only quantization differs. A linear
+no calibration token reached (a MoE expert nothing was routed to) gets neither scale nor clip:
+it is rounded to nearest and listed in the report's `rtn_fallback`.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from llmopt.compress.quant.formats import (
     num_groups,
     pack_weight,
 )
+from llmopt.compress.quant.gptq import rtn_fallback_report
 from llmopt.compress.quant.progress import layer_progress
 from llmopt.compress.quant.targets import block_linears, replace_with_packed
 from llmopt.models.spec import ModelSpec, spec_for
@@ -232,6 +235,7 @@ def awq_quantize(
     gen = torch.Generator().manual_seed(config.calib_seed)
     layers_report = []
     scales: dict[str, torch.Tensor] = {}
+    fallback: list[str] = []
     blocks = spec.named_blocks(model)
     with layer_progress(len(blocks), f"AWQ W{config.bits}", progress) as advance:
         for i, (block_name, block) in enumerate(blocks):
@@ -240,6 +244,8 @@ def awq_quantize(
             layer_report: dict[str, Any] = {"layer": i, "groups": [], "clip": {}}
             for group in scaling_groups(block, spec, set(linears), cos, sin):
                 inp = feats[group.names[0]]
+                if inp.numel() == 0:  # no calibration input (an unrouted expert): no scale
+                    continue
                 s, alpha, losses = _search_scale(group, block, inp, n_search, config)
                 _apply_scale(group, block, s)
                 scaled = inp / s  # the linears now see x / s
@@ -262,8 +268,10 @@ def awq_quantize(
             for name, lin in linears.items():
                 w = lin.weight.data
                 max_abs = None
-                if config.awq_clip and name not in spec.awq_no_clip:
-                    tokens = feats[name].reshape(-1, w.shape[1])
+                tokens = feats[name].reshape(-1, w.shape[1])
+                if tokens.shape[0] == 0:  # an expert no calibration token was routed to
+                    fallback.append(f"{block_name}.{name}")
+                elif config.awq_clip and name not in spec.awq_no_clip:
                     limit = config.awq_clip_tokens
                     if limit is not None and tokens.shape[0] > limit:
                         pick = torch.randperm(tokens.shape[0], generator=gen)
@@ -280,4 +288,4 @@ def awq_quantize(
             layers_report.append(layer_report)
             x = out
             advance()
-    return {"layers": layers_report, "scales": scales}
+    return {"layers": layers_report, "scales": scales, **rtn_fallback_report(fallback, "AWQ")}

@@ -14,11 +14,14 @@ improved out-of-domain text too (docs/benchmarks/quant.md).
 
 Layer by layer (and, with `gptq_true_sequential`, sub-layer by sub-layer in the spec's
 `gptq_order`; Llama: qkv, o, gate/up, down), each layer's Hessian is collected from inputs produced by the already-quantized layers.
+A linear with no calibration input (a MoE expert no calibration token was routed to) has
+nothing to fit: it is rounded to nearest, listed in the report's `rtn_fallback` and warned of.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -33,6 +36,7 @@ from llmopt.compress.quant.formats import (
     pack_codes,
 )
 from llmopt.compress.quant.progress import layer_progress
+from llmopt.compress.quant.rtn import rtn_quantize
 from llmopt.compress.quant.targets import block_linears, replace_with_packed
 from llmopt.errors import UsageError
 from llmopt.models.spec import spec_for
@@ -52,7 +56,8 @@ def collect_hessians(
 
         def hook(_m, args, name=name):
             inp = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-            hessians[name] = 2.0 * (inp.t() @ inp) / inp.shape[0]
+            # zero rows (an expert no calibration token chose): an all-zero H
+            hessians[name] = 2.0 * (inp.t() @ inp) / max(inp.shape[0], 1)
             if len(hessians) == len(names):
                 raise _Captured
 
@@ -209,9 +214,10 @@ def gptq_quantize(
     x = spec.top_module(model, "embedding")(calib_tokens).float()
     cos, sin = model.rotary(0, t, x.dtype)
     layers_report = []
+    fallback: list[str] = []
     blocks = spec.named_blocks(model)
     with layer_progress(len(blocks), f"GPTQ W{config.bits}", progress) as advance:
-        for i, (_, block) in enumerate(blocks):
+        for i, (block_name, block) in enumerate(blocks):
             linears = block_linears(block, spec, config)
             if config.gptq_true_sequential:
                 order = [[n for n in stage if n in linears] for stage in spec.gptq_order]
@@ -227,6 +233,14 @@ def gptq_quantize(
                 hessians = collect_hessians(block, stage, x, cos, sin)
                 for name in stage:
                     lin = linears[name]
+                    if not bool(hessians[name].any()):  # no calibration input: nothing to fit
+                        packed = rtn_quantize(
+                            lin.weight, config.bits, config.group_size, config.sym
+                        )
+                        lin.weight.data = packed.dequantize()
+                        packed_all[name] = packed
+                        fallback.append(f"{block_name}.{name}")
+                        continue
                     packed, loss = gptq_solve(
                         lin.weight,
                         hessians[name],
@@ -249,7 +263,21 @@ def gptq_quantize(
                 replace_with_packed(block, name, packed, config)
             layers_report.append({"layer": i, "loss": {k: _finite(v) for k, v in losses.items()}})
             advance()
-    return {"layers": layers_report}
+    return {"layers": layers_report, **rtn_fallback_report(fallback, "GPTQ")}
+
+
+def rtn_fallback_report(names: list[str], method: str) -> dict[str, Any]:
+    """The linears that got no calibration input (MoE experts no calibration token was routed
+    to) and were rounded to nearest instead: listed in the report and warned about."""
+    if names:
+        warnings.warn(
+            f"{method}: {len(names)} linear(s) saw no calibration tokens (experts no token was "
+            f"routed to) and were quantized round-to-nearest: {', '.join(names[:8])}"
+            + (" ..." if len(names) > 8 else "")
+            + "; more or longer calibration samples reach more experts",
+            stacklevel=3,
+        )
+    return {"rtn_fallback": list(names)}
 
 
 def _finite(v: float) -> float | None:

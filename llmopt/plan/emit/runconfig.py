@@ -1,14 +1,20 @@
 """llmopt's own run config (what `llmopt train --config` reads): [model], [data], [parallel]
 (exactly `ParallelPlan.to_dict()`) and an informational [planner] table the trainer skips:
 cluster, rank, predicted step time, memory, and calls/bytes per (group, op) on a first- and a
-last-stage rank, keyed like the engine's communication counter."""
+last-stage rank, keyed like the engine's communication counter.
+
+MoE models are emitted like dense ones (a preset plus shape overrides, the experts' among
+them); an EP plan writes its ep and expert_tp. What ParallelPlan cannot hold is refused: EP
+folded beyond dp·cp (Megatron-Core's parallel folding over tp)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
 from llmopt.models.presets import PRESETS
+from llmopt.parallel.plan import ParallelPlan
 from llmopt.plan.emit import toml
 from llmopt.plan.emit.base import EmitError, Emitted, PlannedRun
 from llmopt.plan.frameworks import refusal
@@ -21,18 +27,21 @@ TRAINER_SHAPE_FIELDS = (
     "intermediate_size",
     "num_heads",
     "num_kv_heads",
+    "num_experts",
+    "expert_ffn_hidden",
 )
 
 
 def check(run: PlannedRun) -> None:
     """A run config names a preset plus the trainer's shape overrides, nothing else, and a
     plan the engine runs (`frameworks.ENGINE_RULES`)."""
-    if run.model.moe is not None or run.model.mla is not None or run.plan.ep > 1:
+    if run.plan.ep != run.parallel.ep:
         raise EmitError(
-            f"llmopt's trainer builds dense models only, not {run.model.name}'s experts; use "
-            "--emit-format megatron or nemo"
+            f"ep={run.plan.ep} is folded beyond dp*cp={run.parallel.dp * run.parallel.cp} "
+            "(over tp), which llmopt's engine does not lay out; use --emit-format megatron, or "
+            "--where with an ep that divides dp*cp"
         )
-    why = refusal("engine", run.model, run.parallel, run.plan.grad_reduce, run.work)
+    why = refusal("engine", run.model, parallel_of(run), run.plan.grad_reduce, run.work)
     if why:
         raise EmitError(why)
     if run.model_name not in PRESETS:
@@ -48,10 +57,17 @@ def check(run: PlannedRun) -> None:
         )
 
 
+def parallel_of(run: PlannedRun) -> ParallelPlan:
+    """The plan's ParallelPlan with its expert TP (the Plan carries it beside)."""
+    if run.parallel.ep == 1:
+        return run.parallel
+    return dataclasses.replace(run.parallel, expert_tp=run.plan.expert_tp)
+
+
 def run_config(run: PlannedRun) -> dict[str, Any]:
     """The run config as a dict of tables."""
     check(run)
-    p, plan, c = run.parallel, run.plan, run.cluster
+    p, plan, c = parallel_of(run), run.plan, run.cluster
     return {
         "model": {"model": run.model_name, **run.model_overrides},
         "data": {"seq_len": run.work.seq_len, "global_batch": run.work.global_batch},
