@@ -244,8 +244,8 @@ def test_mixed_format_gguf_through_the_fused_kernels(kquant_gguf):
     from llmopt.infer.fast.model import compiled
 
     layout, _ = compiled(packed)
-    assert [w.name for w in layout.layers[0].qkv] == ["q4_k", "q6_k"]
-    assert [w.name for w in layout.layers[0].up] == ["q4_1", "q4_k"]
+    assert [w.name for w in layout.blocks[0].qkv] == ["q4_k", "q6_k"]
+    assert [w.name for w in layout.blocks[0].up] == ["q4_1", "q4_k"]
     ids = [1, 5, 9, 200, 3, 7, 11, 19]
     got = [dec.prefill(ids), dec.step(4), dec.step(8)]
     # the reference: the eager packed model with every linear's input rounded as the kernels

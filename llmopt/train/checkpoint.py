@@ -205,8 +205,13 @@ def checkpoint_parts(save_format: str) -> tuple[bool, bool, bool]:
 def _save_shard(partial: Path, engine: Engine, optimizer: AdamW, grid: RankGrid) -> None:
     """This rank's masters, optimizer state and RNG."""
     tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
     for name, master in engine.state_dict().items():
-        tensors[f"master/{name}"] = master.cpu().contiguous()
+        master = master.cpu().contiguous()
+        if master.untyped_storage().data_ptr() in seen:  # tied (a frozen embedding = head):
+            master = master.clone()  # safetensors refuses shared storage; loading re-ties
+        seen.add(master.untyped_storage().data_ptr())
+        tensors[f"master/{name}"] = master
     state = optimizer.state_dict()
     for idx, per_param in state["state"].items():
         for key, value in per_param.items():

@@ -55,7 +55,7 @@ class LayerLayout:
 class FusedLayout:
     shape: dict[str, Any]
     embed: KernelWeight
-    layers: list[LayerLayout]
+    blocks: list[LayerLayout]
     final_norm: torch.Tensor
     head: list[KernelWeight]
     cos: torch.Tensor
@@ -66,11 +66,11 @@ class FusedLayout:
         """Bytes one token reads: every projection once, norms, the head, one embedding row."""
         total = sum(
             w.nbytes()
-            for layer in self.layers
+            for layer in self.blocks
             for part in (layer.qkv, layer.o, layer.up, layer.down)
             for w in part
         )
-        for layer in self.layers:
+        for layer in self.blocks:
             norms = [*layer.norms, layer.q_norm, layer.k_norm]
             total += sum(t.numel() * 4 for t in norms if t is not None)
         total += sum(w.nbytes() for w in self.head) + self.final_norm.numel() * 4
@@ -149,7 +149,7 @@ def _one(spec: ModelSpec, block: nn.Module, prefix: str, names: tuple[str, ...])
     raise UnsupportedModelError(f"spec {spec.architecture!r} has no linear under {prefix!r}")
 
 
-def _mlp_kind(model: nn.Module, spec: ModelSpec) -> int:
+def _ffn_kind(model: nn.Module, spec: ModelSpec) -> int:
     if model.config.mlp_kind == "gelu":
         return MLP_GELU
     if spec.gate_activation == "gelu_tanh":
@@ -235,7 +235,7 @@ def fused_layout(model: nn.Module, int8_head: bool = False) -> FusedLayout:
         "vocab": cfg.vocab_size,
         "eps": float(cfg.rms_norm_eps),
         "sandwich": spec.block_kind == "sandwich",
-        "mlp": _mlp_kind(model, spec),
+        "ffn": _ffn_kind(model, spec),
         "embed_scale": math.sqrt(cfg.hidden_size) if spec.scaled_embedding else 1.0,
         "attn_scale": float(scale) if scale is not None else 0.0,
         "attn_softcap": float(getattr(core, "softcap", None) or 0.0),
@@ -248,7 +248,7 @@ def fused_layout(model: nn.Module, int8_head: bool = False) -> FusedLayout:
     return FusedLayout(
         shape=shape,
         embed=embed,
-        layers=layers,
+        blocks=layers,
         final_norm=top["final_norm"].weight.detach().float().contiguous(),
         head=head,
         cos=rotary.cos.float().contiguous(),

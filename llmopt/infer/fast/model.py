@@ -60,7 +60,7 @@ def compiled(model: nn.Module, int8_head: bool = False) -> tuple[FusedLayout, An
     for name, value in layout.shape.items():
         setattr(shape, name, value)
     layers = []
-    for src in layout.layers:
+    for src in layout.blocks:
         layer = kmod.Layer()
         layer.norms = src.norms
         if src.q_norm is not None:
@@ -111,7 +111,7 @@ class FusedModel:
     def kv_shape(self, rows: int) -> tuple[int, int, int, int]:
         """Shape of a k (or v) cache with `rows` = num_blocks * block_size rows."""
         s = self.layout.shape
-        return (len(self.layout.layers), rows, s["kv_heads"], s["head_dim"])
+        return (len(self.layout.blocks), rows, s["kv_heads"], s["head_dim"])
 
     def forward(
         self,

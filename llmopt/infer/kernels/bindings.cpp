@@ -65,7 +65,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("vocab", &ModelShape::vocab)
       .def_readwrite("eps", &ModelShape::eps)
       .def_readwrite("sandwich", &ModelShape::sandwich)
-      .def_readwrite("mlp", &ModelShape::mlp)
+      .def_readwrite("ffn", &ModelShape::ffn)
       .def_readwrite("embed_scale", &ModelShape::embed_scale)
       .def_readwrite("attn_scale", &ModelShape::attn_scale)
       .def_readwrite("attn_softcap", &ModelShape::attn_softcap)

@@ -65,9 +65,9 @@ Model::Model(ModelShape shape, Linear embed, std::vector<Layer> layers, at::Tens
   TORCH_CHECK(s.heads > 0 && s.kv_heads > 0 && s.heads % s.kv_heads == 0, "heads ", s.heads,
               " must be a positive multiple of kv_heads ", s.kv_heads);
   TORCH_CHECK(s.head_dim > 0 && s.head_dim % 2 == 0, "head_dim ", s.head_dim, " must be even");
-  TORCH_CHECK(s.mlp >= MLP_SILU_GATED && s.mlp <= MLP_GELU, "unknown mlp kind ", s.mlp);
+  TORCH_CHECK(s.ffn >= MLP_SILU_GATED && s.ffn <= MLP_GELU, "unknown ffn kind ", s.ffn);
   qkv_dim_ = (s.heads + 2 * s.kv_heads) * s.head_dim;
-  up_dim_ = s.mlp == MLP_GELU ? s.inter : 2 * s.inter;
+  up_dim_ = s.ffn == MLP_GELU ? s.inter : 2 * s.inter;
   TORCH_CHECK(embed_.n == s.vocab && embed_.k == s.hidden, "embedding must be [", s.vocab, ", ",
               s.hidden, "]");
   check_parts(head_, s.vocab, s.hidden, "head");
@@ -183,9 +183,9 @@ void Model::run(const StepMeta& m, const int64_t* tokens, const int64_t* rows, i
     each_row(n, [&](int64_t t) {
       const float* u = up_.data() + t * up_dim_;
       float* o = mid_.data() + t * s.inter;
-      if (s.mlp == MLP_SILU_GATED)
+      if (s.ffn == MLP_SILU_GATED)
         silu_mul(u, u + s.inter, o, s.inter);
-      else if (s.mlp == MLP_GELU_GATED)
+      else if (s.ffn == MLP_GELU_GATED)
         gelu_mul(u, u + s.inter, o, s.inter);
       else
         gelu_mul(u, nullptr, o, s.inter);

@@ -21,7 +21,7 @@ struct ModelShape {
   int64_t hidden = 0, heads = 0, kv_heads = 0, head_dim = 0, inter = 0, vocab = 0;
   double eps = 1e-5;
   bool sandwich = false;  // Gemma 2: norms on the attention / MLP outputs too
-  int64_t mlp = MLP_SILU_GATED;
+  int64_t ffn = MLP_SILU_GATED;
   double embed_scale = 1.0;  // Gemma: sqrt(hidden)
   double attn_scale = 0.0;   // 0: 1 / sqrt(head_dim)
   double attn_softcap = 0.0, final_softcap = 0.0;  // 0: none
