@@ -9,6 +9,9 @@ same way: pp = one step of P tokens (logits of the last), tg = N one-token steps
 paged cache (a warm-up pass first). Plus what llama-bench has no test for: a decode step of S
 sequences at once (each at a context of C tokens), reported as aggregate tokens/s.
 
+Plus `llmopt generate` itself (default flags, a fresh process per run, the decode tokens/s it
+reports) against the same repetition's llama-bench tg<N>: the issue's "generate at batch 1" row.
+
 Each repetition runs llama-bench then llmopt for every thread count (interleaved, so a shared
 machine slows both alike); medians are kept, and the median of the per-repetition ratios
 ("paired ratio": both sides of a pair saw nearly the same load). Both sides are timed by the wall clock; llmopt's
@@ -22,8 +25,11 @@ average before and after each part goes into the JSON.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -97,6 +103,18 @@ def ours(fused: Any, args: argparse.Namespace) -> dict[str, tuple[float, float]]
     return out
 
 
+def generate_cli(model: str, threads: int, tokens: int) -> float:
+    """Decode tokens/s that `llmopt generate` itself reports, default flags (the fused path),
+    as a user runs it: a fresh process, `--threads`, greedy, EOS ignored so every run decodes
+    `tokens` tokens."""
+    argv = [sys.executable, "-m", "llmopt", "generate", "--model", model, "--threads",
+            str(threads), "--max-new-tokens", str(tokens), "--ignore-eos", "--json",
+            "--prompt", "The old lighthouse keeper climbed the stairs at dusk and"]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600, check=True)
+    return float(json.loads(done.stdout)["decode_tokens_per_s"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m", help="packaged name or GGUF path")
@@ -150,6 +168,13 @@ def main() -> None:
             for test, (tok_s, cpu_ms) in ours(runners[n], args).items():
                 samples.setdefault((n, test, "llmopt"), []).append(tok_s)
                 samples.setdefault((n, test, "llmopt cpu ms/token"), []).append(cpu_ms)
+            # `llmopt generate` as a user runs it, against the same llama-bench tg
+            cli = f"generate CLI tg{args.tg}"
+            samples.setdefault((n, cli, "llmopt"), []).append(generate_cli(str(path), n, args.tg))
+            samples.setdefault((n, cli, "llmopt cpu ms/token"), []).append(float("nan"))
+            samples.setdefault((n, cli, "llama.cpp"), []).append(
+                samples[(n, f"tg{args.tg}", "llama.cpp")][-1]
+            )
             load.append(list(os.getloadavg()))
             console.print(f"repetition {rep + 1}, {n} thread(s) done; load {load[-1]}")
     nbytes = runners[threads[0]].bytes_per_token
@@ -190,7 +215,9 @@ def main() -> None:
             f"{r['llmopt_tokens_per_s']:.1f}",
             f"{r['ratio']:.2f}x" if r["ratio"] else "-",
             f"{r['paired_ratio']:.2f}x" if r["paired_ratio"] else "-",
-            f"{r['llmopt_cpu_ms_per_token']:.2f}",
+            f"{r['llmopt_cpu_ms_per_token']:.2f}"
+            if r["llmopt_cpu_ms_per_token"] == r["llmopt_cpu_ms_per_token"]
+            else "-",
         )
     console.print(table)
     console.print(
