@@ -9,10 +9,10 @@ import torch
 
 from llmopt.cli import main as cli_main
 from llmopt.compress.quant.calibration import calibration_set, calibration_tokens
-from llmopt.compress.quant.config import QuantConfig
 from llmopt.data.corpus import CORPORA, EVAL_ONLY, CorpusError, load_text
 from llmopt.data.mix import DEFAULT_MIX, MixError, MixPart, allocate, parse_mix
 from llmopt.models.loading import load_tokenizer
+from llmopt.models.packed.quant.config import QuantConfig
 
 WORDS = {"a": "apple", "b": "banana", "c": "cherry"}
 

@@ -14,8 +14,6 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from llmopt.compress.quant.apply import quantize_model  # noqa: E402
-from llmopt.compress.quant.formats import pack_weight  # noqa: E402
-from llmopt.compress.quant.linear import QuantLinear  # noqa: E402
 from llmopt.infer import fast as fast_pkg  # noqa: E402
 from llmopt.infer.fast import FastDecoder, build  # noqa: E402
 from llmopt.infer.fast.layout import projection  # noqa: E402
@@ -23,6 +21,8 @@ from llmopt.infer.fast.tiles import BF16, CODED, F32, coded_weight, int8_rows  #
 from llmopt.infer.generate import generate  # noqa: E402
 from llmopt.infer.sampling import SamplingParams  # noqa: E402
 from llmopt.models import build_model  # noqa: E402
+from llmopt.models.packed.quant.format import pack_weight  # noqa: E402
+from llmopt.models.packed.quant.linear import QuantLinear  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)

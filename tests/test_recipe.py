@@ -10,9 +10,9 @@ import torch
 
 from llmopt.cli import main
 from llmopt.compress.prune import load_pruned
-from llmopt.compress.recipe import Recipe, RecipeError, run_recipe
 from llmopt.models import ModelConfig, build_model
 from llmopt.models.loading import load_tokenizer, save_pretrained
+from llmopt.recipe import Recipe, RecipeError, run_recipe
 
 
 @pytest.fixture(scope="module")
