@@ -235,6 +235,7 @@ def _tp_worker(rank: int, world: int) -> dict[str, float]:
     return errors
 
 
+@pytest.mark.dist
 def test_tensor_parallel_logits_equal_the_unsharded_model():
     for errors in run_distributed(_tp_worker, 2, timeout_s=180):
         tp_archs = [a for a in ARCHS if CONFIGS[a].mla is None]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from llmopt.train.config import TrainConfig
 from llmopt.train.trainer import train
 from tests.dist_helpers import run_distributed
@@ -30,6 +32,7 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
     return {"losses": result.losses, "comm": result.comm_per_step}
 
 
+@pytest.mark.dist
 def test_pp2_matches_one_process(tmp_path):
     reference = train(TrainConfig(**RUN, out_dir=str(tmp_path / "one"))).losses
     piped = run_distributed(
