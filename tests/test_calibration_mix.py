@@ -127,6 +127,7 @@ def test_too_short_source_names_itself(tok, tmp_path):
         calibration_set(tok, f"{short}", 2, 64)
 
 
+@pytest.mark.slow
 def test_named_corpora_are_real_text_and_eval_corpora_stay_out_of_the_default():
     default_names = {p.source.removeprefix("corpus:") for p in parse_mix(DEFAULT_MIX)}
     assert EVAL_ONLY <= set(CORPORA) and not EVAL_ONLY & default_names

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from llmopt.models import ModelConfig
 from llmopt.plan.flops import matmul_params_per_layer
 
@@ -27,6 +29,7 @@ def _run(name: str, argv: list[str]) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_gpu_block_benchmark_smoke_on_cpu(tmp_path):
     out = tmp_path / "gpu.json"
     argv = ["--device", "cpu", "--preset", "tiny", "--batch", "2", "--seq", "32"]

@@ -53,6 +53,7 @@ def model_dir(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_prune_quality_scores_each_corpus_like_a_direct_run(model_dir, tmp_path):
     out = tmp_path / "p.json"
     argv = ["--model", str(model_dir), "--methods", "magnitude,wanda", "--sparsities", "2:4"]
@@ -96,6 +97,7 @@ def test_prune_quality_bad_input_is_one_line(model_dir, tmp_path, extra, message
     assert message in proc.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_compress_order_scores_every_stage_on_every_corpus(model_dir, tmp_path):
     out = tmp_path / "c.json"
     argv = ["--model", str(model_dir), "--orders", "quantize", "--eval-tokens", "512"]

@@ -42,6 +42,7 @@ def _recipe(model_dir, out, stages):
     }
 
 
+@pytest.mark.slow
 def test_chain_writes_and_measures_each_intermediate(model_dir, tmp_path):
     stages = [
         {"kind": "prune", "method": "magnitude", "sparsity": "2:4"},

@@ -71,6 +71,7 @@ predicted_step_time_s = 9.5
 """
 
 
+@pytest.mark.dist
 def test_cli_runs_an_emitted_run_config_with_smaller_sizes(tmp_path):
     """`llmopt train --config run.toml` on top of size overrides runs the file's mapping,
     with num_microbatches re-derived for the new global batch (4 / (dp 1 x 1) = 4)."""

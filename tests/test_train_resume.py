@@ -98,6 +98,7 @@ def _launch(tmp_path: Path, fault: str) -> tuple[subprocess.CompletedProcess, fl
     return proc, time.monotonic() - start
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("kind", ["kill", "raise"])
 def test_a_failed_rank_ends_the_job_with_a_message_naming_it(tmp_path, kind):
     proc, elapsed = _launch(tmp_path, f"{kind}:1:2")

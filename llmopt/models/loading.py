@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from llmopt.config_files import read_json
 from llmopt.errors import UsageError
 from llmopt.models.assemble import model_from_tensors
 from llmopt.models.config import ModelConfig
@@ -117,13 +118,9 @@ def load_config(spec: str | Path) -> ModelConfig | None:
         from llmopt.models.hf import read_config
 
         return read_config(path)
-    for marker in ("llmopt_quant.json", "llmopt_prune.json"):
-        if (path / marker).is_file():
-            from llmopt.config_files import read_json
-
-            data = read_json(path / marker, "marker").get("model_config")
-            return ModelConfig.from_dict(data) if isinstance(data, dict) else None
-    return None
+    marker = path / get_directory_format(kind).marker  # every format's marker holds the config
+    data = read_json(marker, "marker").get("model_config")
+    return ModelConfig.from_dict(data) if isinstance(data, dict) else None
 
 
 def _load_model(spec: str | Path, *, dtype: torch.dtype, device: torch.device | str) -> Transformer:
