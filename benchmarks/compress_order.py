@@ -1,7 +1,7 @@
 """Which order of compression steps for SmolLM2-135M: quantize only; prune 2:4 -> quantize;
 prune -> distil (recover) -> quantize; distil (a depth-pruned student) -> quantize.
 
-Each order is an `llmopt compress --recipe` run (`llmopt.compress.recipe`), so every
+Each order is an `llmopt compress --recipe` run (`llmopt.recipe`), so every
 intermediate is measured the same way: size on disk and batch-1 greedy decode tokens/s, and
 on every --eval corpus (`quant_quality`'s scoring: the first --eval-tokens of each, ctx =
 stride = 256) perplexity, KL(original ‖ model) and top-1 agreement with the original. The
@@ -29,9 +29,9 @@ from quant_quality import (
 )
 from rich.console import Console
 
-from llmopt.compress.recipe import Recipe, run_recipe
 from llmopt.data.corpus import CorpusError
 from llmopt.models.loading import load_model, load_tokenizer
+from llmopt.recipe import Recipe, run_recipe
 
 
 def orders(args: argparse.Namespace) -> dict[str, list[dict]]:

@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from llmopt.parallel.pipeline.crosscheck import MB, SEQ, crosscheck_model
+from llmopt.validate.planner_engine import planner_prediction
 
 CONFIGS = {
     "pp4": dict(tp=1, pp=4, sp=False, zero=0, m=4, schedule="1f1b", v=1, rc="none"),
@@ -36,41 +37,6 @@ CONFIGS = {
         tp=1, pp=2, dp=2, sp=False, zero=3, m=3, schedule="gpipe", v=1, rc="full", tied=True
     ),
 }
-
-
-def planner_prediction(case: dict, dp: int) -> dict:
-    """The planner's per-(group, op) bytes/calls and activation bytes, first and last stage
-    (`llmopt.plan.predict`: the same numbers `llmopt plan --emit` writes into a run config)."""
-    from llmopt.parallel.plan import ParallelPlan
-    from llmopt.plan.predict import STAGES, predicted_activation_bytes, predicted_comm
-
-    cfg = crosscheck_model(case.get("tied", False))
-    seq, mb = case.get("seq", SEQ), case.get("mb", MB)
-    plan = ParallelPlan(
-        tp=case["tp"],
-        pp=case["pp"],
-        dp=dp,
-        sequence_parallel=case["sp"],
-        zero_stage=case["zero"],
-        micro_batch=mb,
-        num_microbatches=case["m"],
-        schedule="interleaved" if case["v"] > 1 else case["schedule"],
-        virtual_stages=case["v"],
-        recompute=case["rc"],
-    )
-    batch = plan.sequences_per_step()
-    comm = {
-        stage: {
-            f"{group}/{op}": row
-            for group, ops in predicted_comm(cfg, seq, batch, plan, stage).items()
-            for op, row in ops.items()
-        }
-        for stage in STAGES
-    }
-    # Like with like: the planner's "eager" activation model (what this engine's autograd
-    # saves, bf16 here), not the fused-kernel Korthikanti default.
-    acts = {s: predicted_activation_bytes(cfg, seq, batch, plan, s) for s in STAGES}
-    return {"comm": comm, "activations": acts}
 
 
 def main(argv: list[str] | None = None) -> int:

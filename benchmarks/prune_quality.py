@@ -31,7 +31,7 @@ from quant_quality import (
 
 def stored_ratio(pruned: torch.nn.Module) -> float:
     """Saved bytes of the pruned linears / their dense fp16 bytes (the save_pruned layout)."""
-    from llmopt.compress.prune.packed import pack_nm
+    from llmopt.models.packed.sparse.format import pack_nm
 
     sparsity = pruned.prune_config.sparsity
     stored = dense = 0

@@ -95,9 +95,9 @@ def main(argv: list[str] | None = None) -> None:
 def _int4_with_int8_head(base):
     """INT4 g128 body with the (tied, 28M-parameter) LM head as INT8 per-channel."""
     from llmopt.compress.quant.apply import quantize_model
-    from llmopt.compress.quant.config import QuantConfig
     from llmopt.compress.quant.rtn import rtn_quantize
     from llmopt.compress.quant.targets import replace_with_packed
+    from llmopt.models.packed.quant.config import QuantConfig
     from llmopt.models.spec import spec_for
 
     spec = spec_for(base)

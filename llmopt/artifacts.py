@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import hashlib
 import json
 import os
 import re
@@ -169,3 +170,12 @@ def replace_directory(staging: Path, out: Path) -> None:
     os.replace(out, aside)
     os.replace(staging, out)
     shutil.rmtree(aside, ignore_errors=True)
+
+
+def sha256_file(path: Path) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB chunks (checkpoints, markers, token caches)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()

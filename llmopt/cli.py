@@ -24,7 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "quantize": ("llmopt.compress.cli", "quantize weights (RTN, AWQ, GPTQ) to packed INT4/INT8"),
     "prune": ("llmopt.compress.prune.cli", "prune weights (magnitude, Wanda, SparseGPT; 0.5, 2:4)"),
     "distill": ("llmopt.compress.distill.cli", "distil a teacher into a smaller student (KD)"),
-    "compress": ("llmopt.compress.recipe", "chain prune/distil/quantize from a recipe TOML"),
+    "compress": ("llmopt.recipe.cli", "chain prune/distil/quantize from a recipe TOML"),
     "serve": ("llmopt.serve.cli", "OpenAI-compatible server with continuous batching"),
     "bench": ("llmopt.serve.bench_cli", "load-test an OpenAI-compatible server (bench serve)"),
     "profile": ("llmopt.profile.cli", "profile generation: trace, op table, launches, roofline"),

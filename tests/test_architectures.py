@@ -17,13 +17,13 @@ import torch
 from torch import nn
 
 from llmopt.compress.quant.apply import quant_linears, quantize_model
-from llmopt.compress.quant.linear import QuantLinear
 from llmopt.infer.drafts import EarlyExitModel
 from llmopt.models import ConfigError, ModelConfig, build_model, get_spec, spec_for
 from llmopt.models.experts import MoE
 from llmopt.models.llama import KVCache
 from llmopt.models.loading import load_model, save_pretrained
 from llmopt.models.moe import MLAConfig, MoEConfig
+from llmopt.models.packed.quant.linear import QuantLinear
 from llmopt.models.spec import registered_architectures
 from llmopt.parallel.pipeline.stage import split_model
 from llmopt.precision.fp8 import convert_to_fp8, fp8_modules, fp8_targets
@@ -235,6 +235,7 @@ def _tp_worker(rank: int, world: int) -> dict[str, float]:
     return errors
 
 
+@pytest.mark.dist
 def test_tensor_parallel_logits_equal_the_unsharded_model():
     for errors in run_distributed(_tp_worker, 2, timeout_s=180):
         tp_archs = [a for a in ARCHS if CONFIGS[a].mla is None]

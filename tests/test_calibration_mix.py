@@ -9,10 +9,10 @@ import torch
 
 from llmopt.cli import main as cli_main
 from llmopt.compress.quant.calibration import calibration_set, calibration_tokens
-from llmopt.compress.quant.config import QuantConfig
 from llmopt.data.corpus import CORPORA, EVAL_ONLY, CorpusError, load_text
 from llmopt.data.mix import DEFAULT_MIX, MixError, MixPart, allocate, parse_mix
 from llmopt.models.loading import load_tokenizer
+from llmopt.models.packed.quant.config import QuantConfig
 
 WORDS = {"a": "apple", "b": "banana", "c": "cherry"}
 
@@ -127,6 +127,7 @@ def test_too_short_source_names_itself(tok, tmp_path):
         calibration_set(tok, f"{short}", 2, 64)
 
 
+@pytest.mark.slow
 def test_named_corpora_are_real_text_and_eval_corpora_stay_out_of_the_default():
     default_names = {p.source.removeprefix("corpus:") for p in parse_mix(DEFAULT_MIX)}
     assert EVAL_ONLY <= set(CORPORA) and not EVAL_ONLY & default_names

@@ -173,6 +173,7 @@ def _prepared(teacher_dir, out, **changes) -> str:
     return str(prepare(settings, TrainConfig(**dict(TINY, out_dir=str(out), **changes))))
 
 
+@pytest.mark.dist
 def test_two_process_distill_matches_one_process_and_resume_is_exact(teacher_dir, tmp_path):
     one = run_rank(_prepared(teacher_dir, tmp_path / "one"))
     assert len(one["losses"]) == 4 and all(k is not None for k in one["kd_kl"])

@@ -102,6 +102,7 @@ def test_bad_eval_arguments(tiny_model, tiny_config):
 
 
 # ---------------------------------------------------------------- real model, real text
+@pytest.mark.slow
 def test_eval_cli_ppl_and_kl_json(tmp_path, capsys):
     text = tmp_path / "genesis.txt"
     text.write_text(load_text("corpus:web-bible")[20_000:20_600])

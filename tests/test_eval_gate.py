@@ -72,6 +72,7 @@ def test_bad_thresholds_are_refused(kwargs, message):
 GATE_ARGS = ["--text", "corpus:web-bible", "--max-tokens", "160", "--ctx", "64"]
 
 
+@pytest.mark.slow
 def test_gate_passes_the_model_against_itself(capsys):
     argv = ["eval", "gate", "--model", "smollm2-135m", "--ref", "smollm2-135m", *GATE_ARGS]
     code = main(
@@ -94,6 +95,7 @@ def rtn_w3_dir(tmp_path_factory):
     )
 
 
+@pytest.mark.slow
 def test_gate_fails_rtn_w3_naming_the_kl(rtn_w3_dir, capsys):
     argv = ["eval", "gate", "--model", str(rtn_w3_dir), "--ref", "smollm2-135m", *GATE_ARGS]
     code = main([*argv, "--max-kl", "0.05", "--min-top1", "0.2", "--json"])

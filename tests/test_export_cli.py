@@ -19,6 +19,7 @@ def model_dir(tmp_path_factory):
     return model, export_hf(model, tmp_path_factory.mktemp("src") / "m", smollm_tokenizer())
 
 
+@pytest.mark.slow
 def test_export_gguf_cli_round_trips(tmp_path, model_dir, capsys):
     model, src = model_dir
     out = tmp_path / "m.gguf"

@@ -10,10 +10,10 @@ import torch
 from export_fixtures import PROMPT, tiny_llama
 
 from llmopt.compress.quant.apply import quantize_model
-from llmopt.compress.quant.config import QuantConfig
-from llmopt.compress.quant.linear import QuantLinear
 from llmopt.export import ExportError, export_compressed_tensors
 from llmopt.models.hf import ours_to_hf
+from llmopt.models.packed.quant.config import QuantConfig
+from llmopt.models.packed.quant.linear import QuantLinear
 
 
 def _quantized(bits: int, group: int, sym: bool):

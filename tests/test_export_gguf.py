@@ -62,6 +62,7 @@ def test_gguf_export_reads_back(tmp_path, model, qtype, ggml, logit_tol, weight_
         assert greedy(loaded, PROMPT) == greedy(model, PROMPT)
 
 
+@pytest.mark.slow
 def test_gguf_tokenizer_round_trips(tmp_path):
     from gguf import GGUFReader
 
@@ -155,6 +156,7 @@ def test_gguf_export_bad_type_and_same_output(tmp_path, model):
         export_gguf(model, src, source=src)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype", ["f16", "q8_0"])
 def test_smollm2_gguf_export_greedy_identical(tmp_path, qtype):
     """The real model: our export of SmolLM2 generates exactly what the packaged file does."""

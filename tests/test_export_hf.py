@@ -42,7 +42,7 @@ def test_hf_export_fp16_and_quantized_model_dequantised(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from llmopt.compress.quant.apply import quantize_model
-    from llmopt.compress.quant.config import QuantConfig
+    from llmopt.models.packed.quant.config import QuantConfig
 
     model = tiny_llama()
     qmodel = quantize_model(model, config=QuantConfig(method="rtn", bits=4, group_size=32))

@@ -36,6 +36,7 @@ def _ort_greedy(session, cfg, prompt: list[int], n: int, dtype) -> tuple[list[in
     return tokens, all_logits
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype, atol", [("fp32", 1e-4), ("fp16", 3e-2)])
 def test_onnx_prefill_decode_and_greedy_match(tmp_path, dtype, atol):
     import onnxruntime as ort

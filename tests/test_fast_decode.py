@@ -14,8 +14,6 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from llmopt.compress.quant.apply import quantize_model  # noqa: E402
-from llmopt.compress.quant.formats import pack_weight  # noqa: E402
-from llmopt.compress.quant.linear import QuantLinear  # noqa: E402
 from llmopt.infer import fast as fast_pkg  # noqa: E402
 from llmopt.infer.fast import FastDecoder, build  # noqa: E402
 from llmopt.infer.fast.layout import projection  # noqa: E402
@@ -23,6 +21,8 @@ from llmopt.infer.fast.tiles import BF16, CODED, F32, coded_weight, int8_rows  #
 from llmopt.infer.generate import generate  # noqa: E402
 from llmopt.infer.sampling import SamplingParams  # noqa: E402
 from llmopt.models import build_model  # noqa: E402
+from llmopt.models.packed.quant.format import pack_weight  # noqa: E402
+from llmopt.models.packed.quant.linear import QuantLinear  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -247,6 +247,7 @@ def _max_errors(fast_model, ref_model, prompt, steps, **kw) -> tuple[float, int]
     return worst, agree
 
 
+@pytest.mark.slow
 def test_smollm_fp32_fast_logits_within_1e4_and_32_greedy_tokens_identical(smollm):
     model, prompt = smollm
     worst, agree = _max_errors(model, model, prompt, 32)
@@ -266,6 +267,7 @@ def test_smollm_bf16_fast_within_stated_tolerance_of_fp32(smollm):
     assert worst < 1.0 and agree >= 15
 
 
+@pytest.mark.slow
 def test_smollm_int4_fast_tracks_exact_dequantized_model(smollm):
     model, prompt = smollm
     qmodel = quantize_model(model, bits=4, group_size=128)
@@ -279,6 +281,7 @@ def test_smollm_int4_fast_tracks_exact_dequantized_model(smollm):
     assert worst < 2.0 and agree >= 30
 
 
+@pytest.mark.slow
 def test_smollm_packed_gguf_tracks_its_dequantized_model(smollm):
     """The GGUF as the file holds it (Q4_1 blocks, tied Q8_0 embedding/head) through the
     kernels, against the eager model of the same weights dequantized to fp32."""

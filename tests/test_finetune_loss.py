@@ -72,6 +72,7 @@ def _worker(rank: int, world: int, tp: int, zero: int) -> tuple[float, dict[str,
 
 
 @pytest.mark.parametrize("tp,zero", [(1, 1), (2, 0)], ids=["dp2-zero1-2microbatches", "tp2"])
+@pytest.mark.dist
 def test_loss_is_the_global_mean_over_supervised_tokens(tp, zero):
     ref_loss, _ = _reference()
     tokens, labels = _batch()

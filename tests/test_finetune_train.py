@@ -196,7 +196,7 @@ def test_merge_folds_the_adapter_into_the_base(run, capsys):
 
 
 def test_qlora_trains_on_an_int4_base_and_hf_only_is_not_resumable(run):
-    from llmopt.compress.quant.linear import QuantLinear
+    from llmopt.models.packed.quant.linear import QuantLinear
 
     cfg = TrainConfig(
         init_from=str(run["base"]),

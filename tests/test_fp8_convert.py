@@ -132,6 +132,7 @@ def test_cuda_support_reason_matches_build():
     assert fp8.fp8_gemm_unsupported_reason("cpu") is None  # torch 2.13 CPU has _scaled_mm
 
 
+@pytest.mark.slow
 def test_converted_model_trains_in_bf16_autocast(tiny_config):
     torch.manual_seed(0)
     model = convert_to_fp8(build_model(tiny_config, seed=0), "delayed")

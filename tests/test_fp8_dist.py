@@ -19,6 +19,8 @@ from llmopt.models import ModelConfig, build_model
 from llmopt.precision.fp8 import convert_to_fp8, fp8_modules, set_amax_group
 from tests.dist_helpers import run_distributed
 
+pytestmark = pytest.mark.dist  # every test here spawns a gloo world
+
 CFG = ModelConfig(
     name="tiny-fp8",
     vocab_size=128,

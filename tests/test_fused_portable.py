@@ -19,6 +19,8 @@ from llmopt.infer.fast.layout import projection  # noqa: E402
 from tests.test_fused_forward import STEPS, EagerSeqs, PagedCache, tiny_model  # noqa: E402
 from tests.test_packed_gguf import TYPES, packed_linear  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the module fixture builds the portable kernels (~95 s on 2 cores)
+
 
 @pytest.fixture(scope="module")
 def portable():

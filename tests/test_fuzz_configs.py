@@ -17,15 +17,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmopt.compress.markers import read_marker
-from llmopt.compress.prune.config import PruneConfig
-from llmopt.compress.quant.config import QuantConfig
 from llmopt.config_files import read_manifest
 from llmopt.eval.gate import GateThresholds
 from llmopt.infer.sampling import SamplingParams
 from llmopt.infer.speculative_loop import SpeculativeConfig
 from llmopt.models.config import ModelConfig
 from llmopt.models.hf_schema import HF_CONFIG
+from llmopt.models.packed.markers import read_marker
+from llmopt.models.packed.quant.config import QuantConfig
+from llmopt.models.packed.sparse.config import PruneConfig
 from llmopt.parallel.plan import ParallelPlan
 from llmopt.plan.hardware import load_cluster_toml
 from llmopt.plan.profiles import GPUProfile, LinkProfile

@@ -156,6 +156,7 @@ def test_saved_inv_freq_buffers_are_checked_and_skipped(tmp_path):
         load_model(out)
 
 
+@pytest.mark.slow
 def test_real_smollm2_resaved_by_transformers_keeps_its_perplexity(tmp_path):
     """GGUF -> llmopt -> HF dir -> transformers -> save_pretrained (v5 layout) -> llmopt."""
     from transformers import AutoModelForCausalLM

@@ -14,11 +14,12 @@ from torch import nn
 from llmopt.cli import main as cli_main
 from llmopt.compress.quant.apply import quantize_model
 from llmopt.compress.quant.autoawq import export_autoawq
-from llmopt.compress.quant.imports import PermutedQuantLinear, QuantImportError
-from llmopt.compress.quant.io import WEIGHTS, QuantFileError, save_quantized
-from llmopt.compress.quant.linear import QuantLinear
+from llmopt.compress.quant.io import save_quantized
 from llmopt.models import ModelConfig, build_model
 from llmopt.models.loading import load_model, load_tokenizer, save_pretrained
+from llmopt.models.packed.quant.directory import WEIGHTS, QuantFileError
+from llmopt.models.packed.quant.hf import PermutedQuantLinear, QuantImportError
+from llmopt.models.packed.quant.linear import QuantLinear
 from llmopt.models.spec import spec_for
 
 

@@ -99,6 +99,7 @@ def _evaluate(backend: str, root, monkeypatch, chat: bool = False):
     )
 
 
+@pytest.mark.slow
 def test_llmopt_backend_equals_hf_backend(model_dir, monkeypatch):
     ours = _evaluate("llmopt", model_dir, monkeypatch)
     ref = _evaluate("hf", model_dir, monkeypatch)
@@ -111,6 +112,7 @@ def test_llmopt_backend_equals_hf_backend(model_dir, monkeypatch):
     assert math.isfinite(ours["results"]["llmopt_tiny_rolling"]["word_perplexity,none"])
 
 
+@pytest.mark.slow
 def test_apply_chat_template_equals_hf_backend(model_dir, monkeypatch):
     """`--apply_chat_template`: SmolLM2's template, the same prompts and scores as `hf`."""
     ours = _evaluate("llmopt", model_dir, monkeypatch, chat=True)
@@ -158,6 +160,7 @@ def test_bad_model_args(model_dir):
         LlmoptLM.create_from_arg_string(f"pretrained={model_dir / 'model'},max_lenght=32")
 
 
+@pytest.mark.slow
 def test_lm_eval_command_line_runs_the_llmopt_backend(model_dir, tmp_path):
     import os
     import subprocess

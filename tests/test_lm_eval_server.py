@@ -32,6 +32,7 @@ def _evaluate(model: str, model_args: str, root, monkeypatch, batch_size: int = 
     )
 
 
+@pytest.mark.slow
 def test_local_completions_against_the_server_equals_the_llmopt_backend(model_dir, monkeypatch):  # noqa: F811
     srv = Server(model_dir / "model", "--kv-blocks", "256", "--block-size", "16")
     try:

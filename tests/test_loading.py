@@ -65,6 +65,7 @@ def reference():
     return model.float().eval()
 
 
+@pytest.mark.slow
 def test_smollm_logits_match_transformers(ours, reference, tokenizer):
     # 1e-3: both run the same fp32 math; differences are summation order in matmul/sdpa.
     for prompt in PROMPTS:
@@ -76,6 +77,7 @@ def test_smollm_logits_match_transformers(ours, reference, tokenizer):
         assert (got - ref).abs().max().item() <= 1e-3, prompt
 
 
+@pytest.mark.slow
 def test_smollm_greedy_32_tokens_identical_to_transformers(ours, reference, tokenizer):
     for prompt in PROMPTS[:2]:
         ids = tokenizer.encode(prompt)
@@ -111,6 +113,7 @@ def test_smollm_config_from_gguf_metadata(ours):
     assert sum(p.numel() for p in ours.parameters()) == 134_515_008
 
 
+@pytest.mark.slow
 def test_tokenizer_matches_transformers_gguf_tokenizer(tokenizer):
     from transformers import AutoTokenizer
 
@@ -140,6 +143,7 @@ def test_tokenizer_splits_digits_like_smollm2(tokenizer):
     assert tokenizer.encode("a", add_bos=True)[0] == 1
 
 
+@pytest.mark.slow
 def test_perplexity_matches_transformers_on_web_bible(ours, reference, tokenizer):
     # Lives here to share the (slow to build) transformers reference with the logits tests.
     text = load_text("corpus:web-bible")[20_000:23_000]  # a fixed slice of Genesis

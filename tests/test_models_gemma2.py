@@ -127,6 +127,7 @@ def test_unsupported_gemma2_settings_are_refused(gemma2_dir):
         gemma.replace(sliding_window=None)
 
 
+@pytest.mark.dist
 def test_tensor_parallel_gradients_of_the_branch_norms_equal_the_unsharded_model():
     from tests.dist_helpers import run_distributed
     from tests.model_parity import tp_gradient_errors

@@ -95,6 +95,7 @@ def test_gguf_round_trip_keeps_the_qk_norms(qwen3_dir, tmp_path):
         torch.testing.assert_close(back(ids), ours(ids), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.dist
 def test_tensor_parallel_gradients_of_the_qk_norms_equal_the_unsharded_model():
     from tests.dist_helpers import run_distributed
     from tests.model_parity import tp_gradient_errors

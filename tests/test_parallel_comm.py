@@ -6,6 +6,7 @@ All cases run in one 2-process launch (process start-up dominates on 2 cores).
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from llmopt.models import build_model
@@ -16,6 +17,8 @@ from llmopt.parallel.optim import AdamW
 from llmopt.parallel.tensor_parallel import apply_tensor_parallel, lm_loss
 from tests.dist_helpers import run_distributed
 from tests.test_parallel_parity import CFG
+
+pytestmark = pytest.mark.dist  # every test here spawns a gloo world
 
 B, T = 2, 16
 L, H = CFG.num_layers, CFG.hidden_size

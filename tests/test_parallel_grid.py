@@ -88,6 +88,7 @@ def _collectives(rank: int, world: int) -> dict:
     }
 
 
+@pytest.mark.dist
 def test_collectives_and_byte_convention():
     results = run_distributed(_collectives, 4)
     for rank, res in enumerate(results):

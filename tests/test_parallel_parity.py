@@ -152,6 +152,7 @@ def test_every_zero_stage_on_one_rank_matches(zero, ref):
 
 
 @pytest.mark.parametrize("world", sorted(CASES))
+@pytest.mark.dist
 def test_parity_with_single_process(world, ref):
     errors = run_distributed(_worker, world, CASES[world], ref, timeout_s=300)
     for rank, per_case in enumerate(errors):

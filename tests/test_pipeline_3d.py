@@ -133,6 +133,7 @@ CASES_4 = [
 
 
 @pytest.mark.parametrize("world,cases", [(4, CASES_4), (8, CASES_8)])
+@pytest.mark.dist
 def test_3d_matches_single_process(world, cases):
     reports = run_distributed(_worker, world, cases, timeout_s=300)
     assert all(len(r) == len(cases) for r in reports)

@@ -9,14 +9,18 @@ micro-batch, where the planner counts the same bytes as one bucketed call per st
 
 from __future__ import annotations
 
-from benchmarks.planner_vs_engine import planner_prediction
+import pytest
+
 from llmopt.parallel.pipeline.crosscheck import (
     MB,
     SEQ,
     crosscheck_model,
     engine_step,
 )
+from llmopt.validate.planner_engine import planner_prediction
 from tests.dist_helpers import run_distributed
+
+pytestmark = pytest.mark.dist  # every test here spawns a gloo world
 
 CASE_PP = dict(tp=1, pp=2, sp=False, zero=0, m=3, schedule="interleaved", v=2, rc="none")
 CASE_TP_SP = dict(tp=2, pp=2, sp=True, zero=0, m=2, schedule="1f1b", v=1, rc="none")

@@ -111,6 +111,7 @@ def _cases(pp: int) -> list[tuple[str, int, int, bool]]:
 
 
 @pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.dist
 def test_pipeline_loss_and_gradients_match_single_process(pp):
     reports = run_distributed(_parity_worker, pp, _cases(pp), timeout_s=240)
     # Every rank checked every case (8 per pp); no silent skips.

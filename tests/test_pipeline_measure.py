@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from llmopt.models import ModelConfig, build_model
@@ -45,6 +46,7 @@ def _delayed_worker(rank: int, world: int, name: str, m: int):
     return result.events, (result.start, result.end)
 
 
+@pytest.mark.dist
 def test_measured_bubble_of_uniform_stages_tracks_theory():
     out = run_distributed(_delayed_worker, 2, "1f1b", 4, timeout_s=120)
     events = [e for e, _ in out]

@@ -18,6 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -35,6 +37,7 @@ def _llmopt(*argv: str, timeout: int) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)  # fmt: skip
 
 
+@pytest.mark.dist
 def test_emitted_plan_trains_and_moves_the_predicted_bytes(tmp_path):
     run_toml = tmp_path / "run.toml"
     plan = _llmopt("plan", "--model", "smollm2-135m", "--cluster", "dgx-h100", "--nodes", "1",

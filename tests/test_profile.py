@@ -84,6 +84,7 @@ def test_decode_step_matmul_flops_equal_two_per_linear_weight(tiny_model):
     assert summary["memory"]["peak_bytes"] >= summary["memory"]["baseline_bytes"] > 0
 
 
+@pytest.mark.slow
 def test_profile_cli_writes_trace_table_launches_and_roofline(tmp_path, capsys):
     out = tmp_path / "prof"
     new_tokens = 6

@@ -8,9 +8,9 @@ import torch
 
 from llmopt.cli import main as cli_main
 from llmopt.compress.prune import load_pruned
-from llmopt.compress.prune.config import PruneConfig, PruneConfigError, Sparsity
 from llmopt.models import ModelConfig, build_model
 from llmopt.models.loading import load_tokenizer, save_pretrained
+from llmopt.models.packed.sparse.config import PruneConfig, PruneConfigError, Sparsity
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from llmopt.compress.prune import prune_model
-from llmopt.compress.prune.config import PruneConfigError, Sparsity
 from llmopt.compress.prune.masks import layer_mask, nm_mask, row_mask, wanda_score
 from llmopt.compress.prune.sparsegpt import sparsegpt_solve
 from llmopt.compress.quant.gptq import collect_hessians
+from llmopt.models.packed.sparse.config import PruneConfigError, Sparsity
 from llmopt.models.spec import spec_for
 
 METHODS = ("magnitude", "wanda", "sparsegpt")

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from llmopt.compress.prune import load_pruned, prune_model, save_pruned
-from llmopt.compress.prune.io import MARKER, WEIGHTS, PruneFileError
 from llmopt.compress.prune.masks import nm_mask
-from llmopt.compress.prune.packed import (
+from llmopt.models.packed.sparse.directory import MARKER, WEIGHTS, PruneFileError
+from llmopt.models.packed.sparse.format import (
     SparseLinear,
     index_bits,
     pack_bits,

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from llmopt.compress.prune.config import Sparsity
 from llmopt.compress.prune.masks import layer_mask, magnitude_score, select_mask, wanda_score
 from llmopt.compress.prune.sparsegpt import sparsegpt_solve
+from llmopt.models.packed.sparse.config import Sparsity
 
 
 def _correlated_inputs(n=1024, dim=32, seed=0):

@@ -175,7 +175,7 @@ def test_duo_scaling_searches_other_scales_and_never_loses_to_rtn_on_its_sample(
 
 def _direct_clip_errors(w, x, max_abs, group_size):
     """Each (row, group)'s partial-output MSE over the tokens, computed the long way."""
-    from llmopt.compress.quant.formats import fake_quantize
+    from llmopt.models.packed.quant.format import fake_quantize
 
     q = fake_quantize(w, 4, group_size, False, max_abs=max_abs)
     errs = []
@@ -187,7 +187,7 @@ def _direct_clip_errors(w, x, max_abs, group_size):
 
 def test_clip_search_on_the_gram_matrix_equals_the_direct_search():
     from llmopt.compress.quant.awq import search_clip
-    from llmopt.compress.quant.config import QuantConfig
+    from llmopt.models.packed.quant.config import QuantConfig
 
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(24, 80, generator=gen)
@@ -206,7 +206,7 @@ def test_clip_search_on_the_gram_matrix_equals_the_direct_search():
 
 
 def test_clip_tokens_default_to_all_and_refuse_zero():
-    from llmopt.compress.quant.config import QuantConfig
+    from llmopt.models.packed.quant.config import QuantConfig
 
     assert QuantConfig().awq_clip_tokens is None
     with pytest.raises(ValueError, match=r"awq_clip_tokens=0 must be >= 1 or None \(all\)"):

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from llmopt.compress.quant.apply import model_nbytes, quant_linears, quantize_model
-from llmopt.compress.quant.config import QuantConfig
-from llmopt.compress.quant.formats import (
+from llmopt.models.packed.quant.config import QuantConfig
+from llmopt.models.packed.quant.format import (
     PackedWeight,
     QuantFormatError,
     compute_qparams,
@@ -13,7 +13,7 @@ from llmopt.compress.quant.formats import (
     pack_weight,
     unpack_codes,
 )
-from llmopt.compress.quant.linear import QuantLinear
+from llmopt.models.packed.quant.linear import QuantLinear
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from llmopt.compress.quant.apply import quantize_model
-from llmopt.compress.quant.formats import pack_weight
 from llmopt.compress.quant.gptq import collect_hessians, gptq_solve
+from llmopt.models.packed.quant.format import pack_weight
 from tests.test_quant_awq import _tokens, outlier_model
 
 

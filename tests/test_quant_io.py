@@ -10,10 +10,11 @@ from safetensors.numpy import load_file as load_numpy
 from llmopt.cli import main as cli_main
 from llmopt.compress.quant.apply import quantize_model
 from llmopt.compress.quant.autoawq import export_autoawq
-from llmopt.compress.quant.io import WEIGHTS, QuantFileError, load_quantized_model, save_quantized
-from llmopt.compress.quant.linear import QuantLinear
+from llmopt.compress.quant.io import save_quantized
 from llmopt.models import ModelConfig, build_model
 from llmopt.models.loading import load_model, load_tokenizer, save_pretrained
+from llmopt.models.packed.quant.directory import WEIGHTS, QuantFileError, load_quantized_model
+from llmopt.models.packed.quant.linear import QuantLinear
 
 
 @pytest.fixture

@@ -10,9 +10,9 @@ import torch
 
 from llmopt.cli import main
 from llmopt.compress.prune import load_pruned
-from llmopt.compress.recipe import Recipe, RecipeError, run_recipe
 from llmopt.models import ModelConfig, build_model
 from llmopt.models.loading import load_tokenizer, save_pretrained
+from llmopt.recipe import Recipe, RecipeError, run_recipe
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +42,7 @@ def _recipe(model_dir, out, stages):
     }
 
 
+@pytest.mark.slow
 def test_chain_writes_and_measures_each_intermediate(model_dir, tmp_path):
     stages = [
         {"kind": "prune", "method": "magnitude", "sparsity": "2:4"},

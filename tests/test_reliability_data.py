@@ -19,16 +19,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmopt.artifacts import OutputPathError, check_distinct, clean_stale
+from llmopt.artifacts import OutputPathError, check_distinct, clean_stale, sha256_file
 from llmopt.cli import main as cli_main
-from llmopt.compress.markers import sha256_file
 from llmopt.compress.quant.apply import quantize_model
-from llmopt.compress.quant.io import MARKER, WEIGHTS, load_quantized_model, save_quantized
+from llmopt.compress.quant.io import save_quantized
 from llmopt.infer.sampling import SamplingParams
 from llmopt.jsonout import dumps
 from llmopt.models import ModelConfig, build_model
 from llmopt.models.finite import NonFiniteWeightsError
 from llmopt.models.loading import load_model, load_tokenizer, save_pretrained
+from llmopt.models.packed.quant.directory import MARKER, WEIGHTS, load_quantized_model
 from llmopt.output_dir import output_directory
 
 REPO = Path(__file__).resolve().parents[1]
@@ -232,7 +232,7 @@ def test_json_helper_writes_null_for_non_finite_and_never_bare_nan():
 
 
 def test_token_cache_is_keyed_by_content_not_path(tmp_path, monkeypatch):
-    from llmopt.train import data
+    from llmopt.data import tokens as data
 
     monkeypatch.setattr(data, "CACHE_DIR", tmp_path / "cache")
     corpus = tmp_path / "corpus.txt"

@@ -220,6 +220,7 @@ def test_resume_and_init_from_with_disagreeing_shape_flags_name_both_values(tmp_
 # ---- finding 8: a signal to `llmopt train` stops torchrun and its workers ----
 
 
+@pytest.mark.dist
 def test_sigterm_to_llmopt_train_leaves_no_worker_alive(tmp_path):
     out = tmp_path / "run"
     args = [sys.executable, "-m", "llmopt", "train", "--nproc-per-node", "2", "--no-progress"]

@@ -214,6 +214,7 @@ def test_every_block_is_free_after_any_requests_aborts_and_preemptions(tiny_mode
     engine.blocks.check_all_free()
 
 
+@pytest.mark.slow
 def test_real_smollm2_batched_greedy_equals_generate():
     from llmopt.models.loading import load_model, load_tokenizer
 

@@ -219,6 +219,7 @@ def test_queue_full_gets_429_with_retry_after(model_dir):
         srv.stop()
 
 
+@pytest.mark.slow
 def test_sigterm_drains_in_flight_requests_then_exits(model_dir):
     srv = Server(model_dir, "--kv-blocks", "128")
     result = {}

@@ -53,6 +53,7 @@ def _reason(metrics: dict, name: str, reason: str) -> float:
     return metrics.get(f'{name}{{reason="{reason}"}}', 0.0)
 
 
+@pytest.mark.slow
 def test_64_streams_with_disconnects_and_oversize_bodies(tokenizer):
     worker = _worker(tokenizer)
     with serve_in_thread(worker, tokenizer, "load", max_body_bytes=BODY_LIMIT) as url:
@@ -137,6 +138,7 @@ def test_an_engine_failure_fails_what_is_in_flight_and_turns_unhealthy(tokenizer
     assert metrics["llmopt_server_up"] == 0
 
 
+@pytest.mark.slow
 def test_sigterm_mid_load_drains_then_refuses_with_503(tmp_path):
     """A real `llmopt serve` process: SIGTERM while 16 streams run; they all finish, a request
     sent during the drain gets 503 with Retry-After, then the process exits."""

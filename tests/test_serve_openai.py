@@ -468,6 +468,7 @@ def test_tool_choice_auto_renders_the_tools_and_parses_the_answer(client, tok):
     assert r.usage.prompt_tokens == len(tok.encode(rendered))
 
 
+@pytest.mark.slow
 def test_tools_need_a_template_with_a_tool_format_for_auto(tmp_path):
     srv = Server("smollm2-135m", "--kv-blocks", "64")
     try:

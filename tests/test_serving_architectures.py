@@ -73,6 +73,7 @@ def test_paged_logits_equal_transformers(tmp_path, arch):
     torch.testing.assert_close(tail, expected[1][20:], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["gemma2", "qwen3"])
 def test_onnx_export_of_every_block_kind_equals_our_forward(tmp_path, arch):
     import onnxruntime as ort

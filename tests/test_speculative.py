@@ -181,6 +181,7 @@ def test_bad_arguments_are_named(target):
         EarlyExitModel(target, 4)
 
 
+@pytest.mark.slow
 def test_real_smollm2_greedy_identical_with_ngram_and_int8_drafts():
     """The real 135M model on real text: speculative output equals plain greedy output."""
     from llmopt.data.corpus import load_text

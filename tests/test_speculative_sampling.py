@@ -103,6 +103,7 @@ def _fit(target, draft, sampling):
     return tv, _tv_bound(probs, N_SAMPLES), _chi2_pvalue(counts, probs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "sampling",
     [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)],
@@ -141,6 +142,7 @@ def _accept_always(p, q, guesses, generator):
     return len(guesses), int(sample(p[len(guesses)], generator))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrong_rule", [_resample_from_target, _accept_always])
 def test_wrong_acceptance_rule_fails_the_same_test(target, draft_model, wrong_rule, monkeypatch):
     monkeypatch.setattr(loop, "verify_sampled", wrong_rule)

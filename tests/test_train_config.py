@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
+from llmopt.data.tokens import TokenData
 from llmopt.train.config import TrainConfig, TrainConfigError
-from llmopt.train.data import TokenData
 from llmopt.train.flags import add_config_arguments, config_from_args
 from llmopt.train.trainer import lr_at
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from llmopt.train.config import TrainConfig
 from llmopt.train.trainer import train
 from tests.dist_helpers import run_distributed
@@ -30,6 +32,7 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
     return {"losses": result.losses, "comm": result.comm_per_step}
 
 
+@pytest.mark.dist
 def test_pp2_matches_one_process(tmp_path):
     reference = train(TrainConfig(**RUN, out_dir=str(tmp_path / "one"))).losses
     piped = run_distributed(
@@ -68,6 +71,7 @@ predicted_step_time_s = 9.5
 """
 
 
+@pytest.mark.dist
 def test_cli_runs_an_emitted_run_config_with_smaller_sizes(tmp_path):
     """`llmopt train --config run.toml` on top of size overrides runs the file's mapping,
     with num_microbatches re-derived for the new global batch (4 / (dp 1 x 1) = 4)."""

@@ -46,6 +46,7 @@ def _train_worker(rank: int, world: int, cfg: dict, fault: str | None) -> list[f
     return train(TrainConfig(**cfg)).losses
 
 
+@pytest.mark.dist
 def test_resume_is_exact_and_a_crash_during_save_keeps_the_previous_checkpoint(tmp_path):
     full = dict(TINY, out_dir=str(tmp_path / "a"), zero_stage=1, save_every=3)
     reference = run_distributed(_train_worker, 2, full, None, timeout_s=300)[0]
@@ -97,6 +98,7 @@ def _launch(tmp_path: Path, fault: str) -> tuple[subprocess.CompletedProcess, fl
     return proc, time.monotonic() - start
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("kind", ["kill", "raise"])
 def test_a_failed_rank_ends_the_job_with_a_message_naming_it(tmp_path, kind):
     proc, elapsed = _launch(tmp_path, f"{kind}:1:2")

@@ -15,8 +15,8 @@ GGUF_DEFAULT = "q4_0"  # --gguf-type of --format gguf
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from llmopt.compress.quant.config import METHODS, QuantConfig
-    from llmopt.compress.quant.formats import VALID_BITS
+    from llmopt.models.packed.quant.config import METHODS, QuantConfig
+    from llmopt.models.packed.quant.format import VALID_BITS
 
     p = subparsers.add_parser(
         "quantize",
@@ -170,9 +170,9 @@ def run(args: argparse.Namespace) -> int:
     from llmopt.compress.prune.cli import source_path
     from llmopt.compress.quant.apply import model_nbytes, quantize_model
     from llmopt.compress.quant.calibration import calibration_set
-    from llmopt.compress.quant.config import QuantConfig
     from llmopt.data.mix import parse_mix
     from llmopt.models.loading import load_model, load_tokenizer
+    from llmopt.models.packed.quant.config import QuantConfig
 
     config = QuantConfig(
         method=args.method,

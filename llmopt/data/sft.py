@@ -30,9 +30,9 @@ from typing import Any
 import torch
 
 from llmopt.data.sft_sources import SFTDataError, read_located_records
+from llmopt.data.tokens import TokenData
 from llmopt.errors import LlmoptError
 from llmopt.parallel.pipeline.executor import IGNORE_INDEX
-from llmopt.train.data import TokenData
 
 FORMATS = ("auto", "text", "prompt_completion", "messages")
 _KEYS = {

@@ -18,7 +18,7 @@ from llmopt.export.tensors import DEFAULT_MAX_SHARD_SIZE, checked, float_dtype, 
 
 def quantized_layers(model: nn.Module) -> dict[str, Any]:
     """Our module name -> QuantLinear; refuses a model with none."""
-    from llmopt.compress.quant.linear import QuantLinear
+    from llmopt.models.packed.quant.linear import QuantLinear
 
     layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
     if not layers:

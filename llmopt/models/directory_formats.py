@@ -1,76 +1,46 @@
-"""Model directory formats that other packages add to `load_model` (e.g. quantized ones).
-
-A package registers its format (a marker file name and the dotted path of its loader) from its
-own `__init__`, and likewise loaders for HF directories whose config.json declares a
-`quantization_config.quant_method` (AWQ, GPTQ); `llmopt.models.loading` then recognises such directories without importing, or
-even knowing about, the package that writes them. Registration imports nothing (no torch).
+"""The model directory formats `load_model` reads besides HF and GGUF: each is a marker file and
+a loader, declared beside the model where the format is defined (`llmopt.models.packed`), and
+listed here; HF directories whose config.json declares a `quantization_config.quant_method`
+(AWQ, GPTQ) have their own loader. The packages that write these directories
+(`llmopt.compress`) stand above the model and are never imported by it.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
+from llmopt.models.packed.format import DirectoryFormat
+from llmopt.models.packed.quant.directory import QUANT_DIRECTORY
+from llmopt.models.packed.quant.hf import load_hf_quantized
+from llmopt.models.packed.sparse.directory import PRUNE_DIRECTORY
 
-@dataclass(frozen=True)
-class DirectoryFormat:
-    kind: str  # what `resolve_spec` reports, e.g. "quant"
-    marker: str  # a file whose presence identifies the format
-    loader: str  # "package.module:function", called as loader(path, dtype=..., device=...)
-
-    def load_function(self) -> Callable:
-        module, _, name = self.loader.partition(":")
-        return getattr(importlib.import_module(module), name)
-
-
-_FORMATS: dict[str, DirectoryFormat] = {}
-
-
-def register_directory_format(kind: str, marker: str, loader: str) -> None:
-    if ":" not in loader:
-        raise ValueError(f"loader={loader!r} must be 'package.module:function'")
-    existing = _FORMATS.get(kind)
-    if existing is not None and existing != DirectoryFormat(kind, marker, loader):
-        raise ValueError(f"directory format {kind!r} is already registered as {existing}")
-    _FORMATS[kind] = DirectoryFormat(kind, marker, loader)
+FORMATS: dict[str, DirectoryFormat] = {fmt.kind: fmt for fmt in (QUANT_DIRECTORY, PRUNE_DIRECTORY)}
+# quantization_config.quant_method -> the loader of such HF directories
+QUANT_METHODS: dict[str, Callable] = {"awq": load_hf_quantized, "gptq": load_hf_quantized}
 
 
 def directory_format(directory: Path) -> DirectoryFormat | None:
-    """The registered format whose marker file `directory` holds, if any."""
-    for fmt in _FORMATS.values():
+    """The format whose marker file `directory` holds, if any."""
+    for fmt in FORMATS.values():
         if (directory / fmt.marker).is_file():
             return fmt
     return None
 
 
 def get_directory_format(kind: str) -> DirectoryFormat:
-    return _FORMATS[kind]
+    return FORMATS[kind]
 
 
 def registered_markers() -> list[str]:
-    return [fmt.marker for fmt in _FORMATS.values()]
-
-
-_QUANT_METHODS: dict[str, str] = {}
-
-
-def register_quantization_method(method: str, loader: str) -> None:
-    """Load HF directories whose config.json has quantization_config.quant_method == method."""
-    if ":" not in loader:
-        raise ValueError(f"loader={loader!r} must be 'package.module:function'")
-    existing = _QUANT_METHODS.get(method)
-    if existing is not None and existing != loader:
-        raise ValueError(f"quant_method {method!r} is already registered to {existing}")
-    _QUANT_METHODS[method] = loader
+    return [fmt.marker for fmt in FORMATS.values()]
 
 
 def quantization_loader(method: str) -> Callable:
-    """The loader registered for a quant_method; unknown ones fail naming the known ones."""
-    if method not in _QUANT_METHODS:
-        known = ", ".join(sorted(_QUANT_METHODS)) or "none"
+    """The loader of HF directories with this quant_method; unknown ones fail naming the known."""
+    if method not in QUANT_METHODS:
+        known = ", ".join(sorted(QUANT_METHODS)) or "none"
         raise ValueError(
             f"quantization_config.quant_method={method!r} cannot be loaded; llmopt reads: {known}"
         )
-    return DirectoryFormat(method, "config.json", _QUANT_METHODS[method]).load_function()
+    return QUANT_METHODS[method]

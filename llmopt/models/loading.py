@@ -7,13 +7,13 @@ of the weights is ever held.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from torch import nn
 
+from llmopt.config_files import read_json
 from llmopt.errors import UsageError
+from llmopt.models.assemble import model_from_tensors
 from llmopt.models.config import ModelConfig
 from llmopt.models.directory_formats import (
     directory_format,
@@ -23,9 +23,8 @@ from llmopt.models.directory_formats import (
 )
 from llmopt.models.finite import check_finite_weights
 from llmopt.models.gguf import GGUFError
-from llmopt.models.hf import SafetensorsError
 from llmopt.models.hub_cache import cached_snapshot, looks_like_hub_id
-from llmopt.models.llama import RotaryEmbedding, Transformer
+from llmopt.models.llama import Transformer
 from llmopt.models.registry import is_model_name, resolve
 from llmopt.models.tokenizer import Tokenizer
 
@@ -119,19 +118,15 @@ def load_config(spec: str | Path) -> ModelConfig | None:
         from llmopt.models.hf import read_config
 
         return read_config(path)
-    for marker in ("llmopt_quant.json", "llmopt_prune.json"):
-        if (path / marker).is_file():
-            from llmopt.config_files import read_json
-
-            data = read_json(path / marker, "marker").get("model_config")
-            return ModelConfig.from_dict(data) if isinstance(data, dict) else None
-    return None
+    marker = path / get_directory_format(kind).marker  # every format's marker holds the config
+    data = read_json(marker, "marker").get("model_config")
+    return ModelConfig.from_dict(data) if isinstance(data, dict) else None
 
 
 def _load_model(spec: str | Path, *, dtype: torch.dtype, device: torch.device | str) -> Transformer:
     kind, path = resolve_spec(spec)
     if kind not in ("gguf", "hf"):
-        return get_directory_format(kind).load_function()(path, dtype=dtype, device=device)
+        return get_directory_format(kind).load(path, dtype=dtype, device=device)
     if kind == "gguf":
         from llmopt.models.gguf import open_gguf
 
@@ -155,65 +150,6 @@ def _load_model(spec: str | Path, *, dtype: torch.dtype, device: torch.device | 
             drop_rotary_buffers(iter_tensors(path, dtype), config, str(path)), config
         )
     return model_from_tensors(config, tensors, device=device, source=str(path))
-
-
-def model_from_tensors(
-    config: ModelConfig,
-    tensors: Iterable[tuple[str, torch.Tensor]],
-    *,
-    device: torch.device | str = "cpu",
-    source: str = "checkpoint",
-    modules: dict[str, nn.Module] | None = None,
-) -> Transformer:
-    """Assemble a `Transformer` from (name, tensor) pairs without initialising it first.
-
-    Every parameter must be supplied with the shape the config implies; a tied head may be
-    supplied or not (it is the embedding either way). `modules` (qualified name -> module,
-    e.g. packed linears) replace the model's own before loading; their tensors are not
-    expected among `tensors`.
-    """
-    with torch.device("meta"):
-        model = Transformer(config)
-    for name, module in (modules or {}).items():
-        model.set_submodule(name, module.to(device))
-    expected = {
-        name: p.shape
-        for name, p in model.state_dict().items()
-        if name.rsplit(".", 1)[0] not in (modules or {})
-    }
-    if config.tie_embeddings:
-        expected.pop("lm_head.weight", None)
-    state: dict[str, torch.Tensor] = {}
-    for name, tensor in tensors:
-        if config.tie_embeddings and name == "lm_head.weight":
-            continue
-        if name not in expected:
-            raise SafetensorsError(
-                f"{source}: unexpected tensor {name!r} for a {config.num_layers}-layer "
-                f"{config.architecture} model"
-            )
-        if not tensor.is_floating_point():
-            raise SafetensorsError(
-                f"{source}: tensor {name!r} has dtype {str(tensor.dtype).removeprefix('torch.')}"
-                "; model weights must be floating point (float32, bfloat16 or float16)"
-            )
-        if tensor.shape != expected[name]:
-            raise SafetensorsError(
-                f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, the config implies "
-                f"{tuple(expected[name])}"
-            )
-        state[name] = tensor.to(device)
-    missing = sorted(set(expected) - set(state))
-    if missing:
-        shown = ", ".join(missing[:4]) + (
-            f" and {len(missing) - 4} more" if len(missing) > 4 else ""
-        )
-        raise SafetensorsError(f"{source} lacks tensors the config needs: {shown}")
-    model.load_state_dict(state, strict=False, assign=True)
-    if config.tie_embeddings and "lm_head" not in (modules or {}):
-        model.lm_head.weight = model.embed_tokens.weight
-    model.rotary = RotaryEmbedding(config).to(device)  # non-persistent buffers stayed on meta
-    return model.eval()
 
 
 def load_tokenizer(spec: str | Path) -> Tokenizer:

@@ -47,8 +47,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from llmopt.artifacts import atomic_write, atomic_write_text
-from llmopt.compress.markers import sha256_file
+from llmopt.artifacts import atomic_write, atomic_write_text, sha256_file
 from llmopt.config_files import read_manifest, read_pointer
 from llmopt.errors import LlmoptError
 from llmopt.parallel.engine import Engine

@@ -53,7 +53,7 @@ def resolve_tokenizer(cfg: TrainConfig, model_vocab: int) -> tuple[str, Any]:
 
 def build_data(cfg: TrainConfig, model_vocab: int):
     """TokenData (corpus) or SFTData (--data) for this run."""
-    from llmopt.train.data import TokenData
+    from llmopt.data.tokens import TokenData
 
     if cfg.data is None and (cfg.corpus == "random" or cfg.corpus.startswith("random:")):
         return TokenData.from_config(

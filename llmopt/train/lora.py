@@ -88,7 +88,7 @@ class _FrozenQuantMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        from llmopt.compress.quant.formats import dequantize_codes, unpack_codes
+        from llmopt.models.packed.quant.format import dequantize_codes, unpack_codes
 
         layer = ctx.layer
         g2 = grad.reshape(-1, layer.out_features)
@@ -164,8 +164,8 @@ def _frozen_base(linear: nn.Module, dtype: torch.dtype, quantize_bits: int | Non
     bias = None if linear.bias is None else linear.bias.detach()
     if quantize_bits is None:
         return FrozenLinear(weight.to(dtype), None if bias is None else bias.to(dtype))
-    from llmopt.compress.quant.formats import pack_weight
-    from llmopt.compress.quant.linear import QuantLinear
+    from llmopt.models.packed.quant.format import pack_weight
+    from llmopt.models.packed.quant.linear import QuantLinear
 
     packed = pack_weight(weight.float(), bits=quantize_bits, group_size=64)
     layer = QuantLinear.from_packed(packed, bias=bias, backend="dequant")  # differentiable

@@ -93,8 +93,8 @@ def read_draft_vocab(directory: str | Path) -> torch.Tensor | None:
 def write_draft_vocab(model_dir: str | Path, text: str, tokenizer: str, k: int, **kw) -> Path:
     """Count the tokens of the training text and keep its k most frequent (plus the stop
     tokens) as `model_dir`'s draft vocabulary; returns the vocabulary file."""
+    from llmopt.data.tokens import TokenData
     from llmopt.models.loading import load_model
-    from llmopt.train.data import TokenData
 
     model = load_model(model_dir)
     config = model.config

@@ -7,9 +7,10 @@ model = load_pruned("out/smollm2-2of4")
 """
 
 from llmopt.compress.prune.apply import prune_model
-from llmopt.compress.prune.config import METHODS, PruneConfig, PruneConfigError, Sparsity
-from llmopt.compress.prune.io import PruneFileError, load_pruned, save_pruned
-from llmopt.compress.prune.packed import PackedNM, SparseLinear, pack_nm
+from llmopt.compress.prune.io import save_pruned
+from llmopt.models.packed.sparse.config import METHODS, PruneConfig, PruneConfigError, Sparsity
+from llmopt.models.packed.sparse.directory import PruneFileError, load_pruned
+from llmopt.models.packed.sparse.format import PackedNM, SparseLinear, pack_nm
 
 __all__ = [
     "METHODS",

@@ -19,7 +19,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmopt.compress.prune.config import PruneConfig, PruneConfigError, Sparsity
 from llmopt.compress.prune.masks import (
     check_nm_shape,
     magnitude_score,
@@ -29,6 +28,7 @@ from llmopt.compress.prune.masks import (
 from llmopt.compress.prune.sparsegpt import sparsegpt_solve
 from llmopt.compress.quant.gptq import collect_hessians
 from llmopt.compress.quant.progress import layer_progress
+from llmopt.models.packed.sparse.config import PruneConfig, PruneConfigError, Sparsity
 from llmopt.models.spec import ModelSpec, spec_for
 
 

@@ -14,7 +14,7 @@ from llmopt.jsonout import dumps
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from llmopt.compress.prune.config import METHODS
+    from llmopt.models.packed.sparse.config import METHODS
 
     p = subparsers.add_parser(
         "prune",
@@ -83,11 +83,11 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from llmopt.compress.prune.apply import prune_model
-    from llmopt.compress.prune.config import PruneConfig, Sparsity
     from llmopt.compress.prune.io import check_out_dir, save_pruned
     from llmopt.compress.quant.calibration import calibration_set, describe_coverage
     from llmopt.data.mix import parse_mix
     from llmopt.models.loading import load_model, load_tokenizer
+    from llmopt.models.packed.sparse.config import PruneConfig, Sparsity
 
     config = PruneConfig(
         method=args.method,

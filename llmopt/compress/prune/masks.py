@@ -13,15 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from llmopt.compress.prune.config import PruneConfigError, Sparsity
-
-
-def check_nm_shape(in_features: int, m: int) -> None:
-    if in_features % m:
-        raise PruneConfigError(
-            f"N:M sparsity with M={m} needs the input width to be a multiple of {m}; "
-            f"a layer has {in_features} inputs"
-        )
+from llmopt.models.packed.sparse.config import PruneConfigError, Sparsity, check_nm_shape
 
 
 def layer_mask(score: torch.Tensor, fraction: float) -> torch.Tensor:

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from llmopt.compress.prune.config import Sparsity
 from llmopt.compress.prune.masks import check_nm_shape, layer_mask, nm_mask
+from llmopt.models.packed.sparse.config import Sparsity
 
 
 def inverse_hessian_factor(hessian: torch.Tensor, damp: float, dtype: torch.dtype) -> torch.Tensor:

@@ -1,6 +1,8 @@
 """Weight quantization to packed INT4/INT8 (RTN, AWQ, GPTQ), files, and AutoAWQ export.
 
-Imports are lazy: `from llmopt.compress.quant import X` loads only X's module.
+Imports are lazy: `from llmopt.compress.quant import X` loads only X's module. The runtime
+format (`QuantLinear`, packed codes, quantized directories) lives in `llmopt.models.packed.quant`;
+its names are handed on here for callers of the quantization API.
 """
 
 from __future__ import annotations
@@ -22,17 +24,17 @@ __all__ = [
 ]
 
 _WHERE = {
-    "PackedWeight": "formats",
-    "QuantFormatError": "formats",
-    "QuantConfig": "config",
-    "QuantLinear": "linear",
-    "QuantFileError": "io",
-    "calibration_tokens": "calibration",
-    "export_autoawq": "autoawq",
-    "load_quantized_model": "io",
-    "model_nbytes": "apply",
-    "quantize_model": "apply",
-    "save_quantized": "io",
+    "PackedWeight": "llmopt.models.packed.quant.format",
+    "QuantFormatError": "llmopt.models.packed.quant.format",
+    "QuantConfig": "llmopt.models.packed.quant.config",
+    "QuantLinear": "llmopt.models.packed.quant.linear",
+    "QuantFileError": "llmopt.models.packed.quant.directory",
+    "calibration_tokens": "llmopt.compress.quant.calibration",
+    "export_autoawq": "llmopt.compress.quant.autoawq",
+    "load_quantized_model": "llmopt.models.packed.quant.directory",
+    "model_nbytes": "llmopt.compress.quant.apply",
+    "quantize_model": "llmopt.compress.quant.apply",
+    "save_quantized": "llmopt.compress.quant.io",
 }
 
 
@@ -41,5 +43,5 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     import importlib
 
-    module = importlib.import_module(f"{__name__}.{_WHERE[name]}")
+    module = importlib.import_module(_WHERE[name])
     return getattr(module, name)

@@ -15,12 +15,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmopt.compress.quant.config import QuantConfig
-from llmopt.compress.quant.linear import QuantLinear
 from llmopt.compress.quant.progress import layer_progress
 from llmopt.compress.quant.rtn import rtn_quantize
 from llmopt.compress.quant.targets import block_linears, replace_with_packed, selected_names
 from llmopt.errors import UsageError
+from llmopt.models.packed.quant.config import QuantConfig
+from llmopt.models.packed.quant.linear import QuantLinear, retie_head
 from llmopt.models.spec import spec_for
 
 
@@ -106,14 +106,6 @@ def _cast_float_params(model: nn.Module, dtype: torch.dtype) -> None:
             if p.is_floating_point() and p.dtype != dtype:
                 setattr(module, name, nn.Parameter(p.data.to(dtype), requires_grad=False))
     retie_head(model)
-
-
-def retie_head(model: nn.Module) -> None:
-    """Point a tied, unquantized head at the embedding again (casts and loads untie them)."""
-    spec = spec_for(model)
-    head = spec.top_module(model, "head")
-    if model.config.tie_embeddings and not isinstance(head, QuantLinear):
-        head.weight = spec.top_module(model, "embedding").weight
 
 
 def quant_linears(model: nn.Module) -> dict[str, QuantLinear]:

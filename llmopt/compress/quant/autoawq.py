@@ -18,12 +18,11 @@ import torch
 from torch import nn
 
 from llmopt.artifacts import OutputPathError, atomic_write, atomic_write_json
-from llmopt.compress.quant.formats import QuantFormatError
-from llmopt.compress.quant.linear import QuantLinear
 from llmopt.models.hf import ours_to_hf
+from llmopt.models.packed.quant.format import QuantFormatError
+from llmopt.models.packed.quant.hf import AWQ_ORDER
+from llmopt.models.packed.quant.linear import QuantLinear
 from llmopt.models.spec import spec_for
-
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
 def pack_awq_int32(values: torch.Tensor) -> torch.Tensor:

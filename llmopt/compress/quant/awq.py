@@ -30,17 +30,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmopt.compress.quant.config import QuantConfig
-from llmopt.compress.quant.formats import (
+from llmopt.compress.quant.gptq import rtn_fallback_report
+from llmopt.compress.quant.progress import layer_progress
+from llmopt.compress.quant.targets import block_linears, replace_with_packed
+from llmopt.models.packed.quant.config import QuantConfig
+from llmopt.models.packed.quant.format import (
     compute_qparams,
     effective_group,
     fake_quantize,
     num_groups,
     pack_weight,
 )
-from llmopt.compress.quant.gptq import rtn_fallback_report
-from llmopt.compress.quant.progress import layer_progress
-from llmopt.compress.quant.targets import block_linears, replace_with_packed
 from llmopt.models.spec import ModelSpec, spec_for
 
 

@@ -27,18 +27,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmopt.compress.quant.config import GPTQ_GROUPS, QuantConfig
-from llmopt.compress.quant.formats import (
+from llmopt.compress.quant.progress import layer_progress
+from llmopt.compress.quant.rtn import rtn_quantize
+from llmopt.compress.quant.targets import block_linears, replace_with_packed
+from llmopt.errors import UsageError
+from llmopt.models.packed.quant.config import GPTQ_GROUPS, QuantConfig
+from llmopt.models.packed.quant.format import (
     PackedWeight,
     compute_qparams,
     effective_group,
     num_groups,
     pack_codes,
 )
-from llmopt.compress.quant.progress import layer_progress
-from llmopt.compress.quant.rtn import rtn_quantize
-from llmopt.compress.quant.targets import block_linears, replace_with_packed
-from llmopt.errors import UsageError
 from llmopt.models.spec import spec_for
 
 

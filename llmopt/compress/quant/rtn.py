@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from llmopt.compress.quant.formats import PackedWeight, pack_weight
+from llmopt.models.packed.quant.format import PackedWeight, pack_weight
 
 
 @torch.no_grad()

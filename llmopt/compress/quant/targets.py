@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from llmopt.compress.quant.config import QuantConfig
-from llmopt.compress.quant.formats import PackedWeight
-from llmopt.compress.quant.linear import QuantLinear
 from llmopt.errors import UsageError
+from llmopt.models.packed.quant.config import QuantConfig
+from llmopt.models.packed.quant.format import PackedWeight
+from llmopt.models.packed.quant.linear import QuantLinear
 from llmopt.models.spec import ModelSpec
 
 

@@ -75,7 +75,7 @@ def coded_view(module: nn.Module) -> CodedView | None:
         return CodedView(codes, fmt.bits, fmt.block, module.scales, module.mins, fmt.zero, bias,
                          fmt.name)  # fmt: skip
     if _is_quant_linear(module):
-        from llmopt.compress.quant.formats import unpack_codes
+        from llmopt.models.packed.quant.format import unpack_codes
 
         k = module.in_features
         group = k if module.group_size == -1 else module.group_size

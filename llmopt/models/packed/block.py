@@ -4,7 +4,7 @@ A weight W [out, in] is cut along `in` into blocks of `block` columns; each bloc
 and either a stored min m (W = code * s + m: Q4_1, Q4_K) or a fixed zero point z
 (W = (code - z) * s: Q4_0 z=8, Q8_0 z=128 over codes shifted to unsigned, Q6_K z=32). Codes
 are unsigned, 4-bit ones two per byte (even column in the low nibble, as
-`llmopt.compress.quant.formats.pack_codes`). Scales and mins stay as the file has them: fp16
+`llmopt.models.packed.quant.format.pack_codes`). Scales and mins stay as the file has them: fp16
 per block (Q4_0/Q4_1/Q8_0), or the K-quants' two levels, integer sub-block scales (and mins)
 times an fp16 scale per 256-column super-block: s = sub * super, m = -sub_min * super_min
 (Q4_K), whose fp32 products are exact. Q6_K's 6-bit codes are kept one per byte.

@@ -47,7 +47,7 @@ def packable(gguf_file: GGUFFile, gguf_name: str, final_softcap: float | None) -
 
 def packed_gguf_modules(gguf_file: GGUFFile, config: ModelConfig) -> dict[str, nn.Module]:
     """Qualified module name -> packed module for every quantized weight of `gguf_file` we keep
-    (the loader swaps them in: `llmopt.models.loading.model_from_tensors(modules=...)`)."""
+    (the loader swaps them in: `llmopt.models.assemble.model_from_tensors(modules=...)`)."""
     modules: dict[str, nn.Module] = {}
     for gguf_name in gguf_file.tensors:
         if packable(gguf_file, gguf_name, config.final_softcap):

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmopt.compress.quant.formats import (
+from llmopt.models.packed.quant.format import (
     PackedWeight,
     QuantFormatError,
     check_bits_group,
@@ -33,6 +33,7 @@ from llmopt.compress.quant.formats import (
     num_groups,
     unpack_codes,
 )
+from llmopt.models.spec import spec_for
 
 BACKENDS = ("auto", "int4pack", "int8pack", "dequant")
 
@@ -222,3 +223,11 @@ def quant_linear_from_linear(
             f"linear layer {tuple(linear.weight.shape)}"
         )
     return QuantLinear.from_packed(packed, bias=linear.bias, backend=backend)
+
+
+def retie_head(model: nn.Module) -> None:
+    """Point a tied, unquantized head at the embedding again (casts and loads untie them)."""
+    spec = spec_for(model)
+    head = spec.top_module(model, "head")
+    if model.config.tie_embeddings and not isinstance(head, QuantLinear):
+        head.weight = spec.top_module(model, "embedding").weight

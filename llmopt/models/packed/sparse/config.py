@@ -88,6 +88,14 @@ class Sparsity:
         return cls(float(data["fraction"]))
 
 
+def check_nm_shape(in_features: int, m: int) -> None:
+    if in_features % m:
+        raise PruneConfigError(
+            f"N:M sparsity with M={m} needs the input width to be a multiple of {m}; "
+            f"a layer has {in_features} inputs"
+        )
+
+
 def check_method(method: str) -> str:
     if method not in METHODS:
         raise PruneConfigError(

@@ -3,10 +3,10 @@ one reader, so every format validates its marker the same way and names the file
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
 
+from llmopt.artifacts import sha256_file
 from llmopt.config_files import (
     INT,
     STR,
@@ -74,14 +74,6 @@ def read_marker(
     except ConfigFileError as exc:
         raise error(str(exc)) from None
     return meta
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def verify_weights(

@@ -6,10 +6,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from llmopt.compress.quant.formats import check_bits_group
-from llmopt.compress.quant.linear import BACKENDS
 from llmopt.config_files import check_fields, dataclass_schema
 from llmopt.errors import LlmoptError
+from llmopt.models.packed.quant.format import check_bits_group
+from llmopt.models.packed.quant.linear import BACKENDS
 
 METHODS = ("rtn", "awq", "gptq")
 GPTQ_GROUPS = ("lazy", "static")  # llmopt.compress.quant.gptq

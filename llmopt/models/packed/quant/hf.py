@@ -21,17 +21,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmopt.compress.quant.autoawq import AWQ_ORDER
-from llmopt.compress.quant.config import QuantConfig
-from llmopt.compress.quant.formats import (
+from llmopt.errors import LlmoptError
+from llmopt.models.packed.quant.config import QuantConfig
+from llmopt.models.packed.quant.format import (
     VALID_GROUP_SIZES,
     PackedWeight,
     num_groups,
     pack_codes,
 )
-from llmopt.compress.quant.linear import QuantLinear
-from llmopt.errors import LlmoptError
+from llmopt.models.packed.quant.linear import QuantLinear, retie_head
 from llmopt.models.spec import spec_for
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's order of 8 nibbles in an int32
 
 PACKED_KEYS = ("qweight", "qzeros", "scales", "g_idx")
 
@@ -169,7 +170,6 @@ def load_hf_quantized(
     path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
 ) -> nn.Module:
     """A HF directory whose config.json has an AWQ or GPTQ `quantization_config`."""
-    from llmopt.compress.quant.apply import retie_head
     from llmopt.models.hf import drop_rotary_buffers, iter_tensors, quant_method, read_config
     from llmopt.models.llama import RotaryEmbedding, Transformer
 

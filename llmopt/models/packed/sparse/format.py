@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmopt.compress.prune.masks import check_nm_shape
+from llmopt.models.packed.sparse.config import check_nm_shape
 
 VALUE_DTYPE = torch.float16
 

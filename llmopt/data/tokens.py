@@ -16,8 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from llmopt.artifacts import atomic_write
-from llmopt.compress.markers import sha256_file
+from llmopt.artifacts import atomic_write, sha256_file
 from llmopt.errors import UsageError
 
 CACHE_DIR = Path(os.environ.get("LLMOPT_CACHE", Path.home() / ".cache" / "llmopt"))
