@@ -28,7 +28,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 def decode_rate(model, prompt: list[int], new_tokens: int) -> float:
     """Decode tokens/s after the prompt (the first token, from the prefill, excluded)."""
-    from llmopt.infer.speculative_measure import measure_plain
+    from llmopt.infer.speculative.measure import measure_plain
 
     return measure_plain(model, prompt, max_new_tokens=new_tokens + 1).decode.rate("wall")
 

@@ -5,7 +5,7 @@ that prompt lookup exploits, some plain narrative) the target decodes greedily w
 plain `generate` and speculatively with every (draft, gamma) through
 `llmopt.infer.speculative.compare_with_plain`; outputs must be identical.
 
-Predictions come from the library's one predictor (`llmopt.infer.speculative_predict`), fed
+Predictions come from the library's one predictor (`llmopt.infer.speculative.predict`), fed
 with costs calibrated apart from the timed runs (`time_passes`: v(t) of a t-token target pass
 and a model draft's 1- and 2-token passes, on a cache of the prompt's length) and with the
 runs' acceptance counters. The PNG plots measured speedup against alpha, with the predicted

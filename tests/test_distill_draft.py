@@ -15,7 +15,7 @@ from llmopt.compress.distill.draft import (
 )
 from llmopt.infer.drafts import ModelDraft, make_draft
 from llmopt.infer.generate import generate
-from llmopt.infer.speculative_loop import SpeculativeConfig, speculative_generate
+from llmopt.infer.speculative.loop import SpeculativeConfig, speculative_generate
 from llmopt.models import build_model
 from llmopt.models.loading import save_pretrained
 

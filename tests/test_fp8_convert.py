@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from llmopt.models import build_model
-from llmopt.precision import fp8, fp8_linear
+from llmopt.precision import fp8
 from llmopt.precision.fp8 import (
     Float8Linear,
     Fp8Error,
@@ -15,6 +15,7 @@ from llmopt.precision.fp8 import (
     convert_to_fp8,
     fp8_modules,
 )
+from llmopt.precision.fp8 import linear as fp8_linear
 
 
 def _loss(model, tokens):

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from llmopt.config_files import read_manifest
 from llmopt.eval.gate import GateThresholds
 from llmopt.infer.sampling import SamplingParams
-from llmopt.infer.speculative_loop import SpeculativeConfig
+from llmopt.infer.speculative.loop import SpeculativeConfig
 from llmopt.models.config import ModelConfig
 from llmopt.models.hf_schema import HF_CONFIG
 from llmopt.models.packed.markers import read_marker

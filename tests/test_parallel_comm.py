@@ -11,10 +11,10 @@ import torch
 
 from llmopt.models import build_model
 from llmopt.parallel.comm import CommCounter
-from llmopt.parallel.data_parallel import DataParallel
 from llmopt.parallel.grid import ParallelDims, RankGrid
 from llmopt.parallel.optim import AdamW
 from llmopt.parallel.tensor_parallel import apply_tensor_parallel, lm_loss
+from llmopt.parallel.zero.data_parallel import DataParallel
 from tests.dist_helpers import run_distributed
 from tests.test_parallel_parity import CFG
 

@@ -248,7 +248,7 @@ def test_long_top_k_lists_explain_only_the_first_plans_in_full(capsys):
     import json
 
     from llmopt.cli import main
-    from llmopt.plan.cli_run import EXPLAINED
+    from llmopt.plan.cli.run import EXPLAINED
 
     assert main(["plan", "--top-k", "14", "--json"]) == 0
     plans = json.loads(capsys.readouterr().out)["plans"]

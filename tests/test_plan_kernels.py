@@ -161,7 +161,7 @@ def test_validator_reads_the_kernels_and_modules_a_row_states():
 
 def test_cli_takes_the_frameworks_kernels_and_the_recipes_moments():
     from llmopt.cli import build_parser
-    from llmopt.plan.cli_inputs import build_workload
+    from llmopt.plan.cli.inputs import build_workload
 
     parser = build_parser("plan")
 

@@ -85,7 +85,7 @@ def test_best_plan_a_framework_runs_is_found_when_none_runs_the_top():
     import argparse
 
     from llmopt.models.presets import get_preset
-    from llmopt.plan.cli_run import _best_framework_plan
+    from llmopt.plan.cli.run import _best_framework_plan
     from llmopt.plan.hardware import get_cluster
     from llmopt.plan.search import search
     from llmopt.plan.workload import Workload

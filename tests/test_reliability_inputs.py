@@ -77,7 +77,7 @@ def _cluster_args(path: Path, *extra: str):
 
 
 def test_cluster_toml_nodes_is_not_overwritten_by_the_default(tmp_path):
-    from llmopt.plan.cli_inputs import DEFAULT_NODES, build_cluster
+    from llmopt.plan.cli.inputs import DEFAULT_NODES, build_cluster
 
     path = tmp_path / "c.toml"
     path.write_text('base = "dgx-h100"\nnodes = 3\n')

@@ -46,7 +46,7 @@ locally and reduce-scatters once per step; ZeRO-3 all-gathers each block's weigh
 backward and reduce-scatters gradients, every micro-batch, while the non-block weights
 (embedding, final norm, head) are gathered once and kept for the step. With tied embeddings
 split over pipeline stages, ZeRO-2/3 reduce-scatter the embedding/head gradient once per step,
-after the stages have summed it. This is what `llmopt.parallel.data_parallel` does.
+after the stages have summed it. This is what `llmopt.parallel.zero.data_parallel` does.
 """
 
 from __future__ import annotations

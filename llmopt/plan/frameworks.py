@@ -273,14 +273,14 @@ DEEPSPEED_RULES: tuple[Rule, ...] = (
          f"{DEEPSPEED} deepspeed/runtime/activation_checkpointing/checkpointing.py"),
 )  # fmt: skip
 
-# llmopt/parallel/data_parallel.py: ZeRO-2/3 ignore no_sync(), every micro-batch
+# llmopt/parallel/zero/data_parallel.py: ZeRO-2/3 ignore no_sync(), every micro-batch
 # reduce-scatters (as DeepSpeed does). Only its run-config exporter applies this rule: the
 # default search ("llmopt") ranks every plan the planner prices, both gradient policies.
 ENGINE_RULES: tuple[Rule, ...] = (
     Rule("llmopt's engine", "grad_reduce=step (its ZeRO-2/3 reduce-scatter every micro-batch)",
          "use grad_reduce=microbatch, or zero_stage=1 to reduce once per step",
          lambda g, m, n: (g["zero"] >= 2) & (grad_policy(g) == 1),
-         "llmopt/parallel/data_parallel.py"),
+         "llmopt/parallel/zero/data_parallel.py"),
     Rule("llmopt's engine",
          "num_layers={L} over pp*virtual_stages={pv} interleaved chunks unevenly (a run config "
          "splits chunks evenly)",

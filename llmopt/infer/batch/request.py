@@ -8,7 +8,7 @@ from enum import Enum
 import torch
 
 from llmopt.infer.sampling import SamplingParams
-from llmopt.infer.speculative_stats import SpeculativeStats
+from llmopt.infer.speculative.stats import SpeculativeStats
 
 # a position's log-probability: (logprob of its token, [(token id, logprob)] best first)
 TokenLogprobs = tuple[float, list[tuple[int, float]]]

@@ -30,7 +30,6 @@ from torch import nn
 from llmopt.models.llama import Transformer
 from llmopt.models.spec import spec_for
 from llmopt.parallel.context_parallel import RingAttention, zigzag_shard
-from llmopt.parallel.data_parallel import DataParallel, clip_to
 from llmopt.parallel.engine.checks import DTYPES, EngineError, check_plan, convert_fp8
 from llmopt.parallel.engine.state import EngineState, persistent_buffers
 from llmopt.parallel.expert_parallel import apply_expert_parallel
@@ -54,6 +53,7 @@ from llmopt.parallel.plan import ParallelPlan
 from llmopt.parallel.recompute import apply_activation_checkpointing
 from llmopt.parallel.routing import moe_blocks, set_aux_scale, step_routing
 from llmopt.parallel.tensor_parallel import apply_tensor_parallel
+from llmopt.parallel.zero.data_parallel import DataParallel, clip_to
 
 
 class _RankModule(nn.Module):

@@ -20,9 +20,9 @@ import torch
 from llmopt.infer.drafts import Draft, ModelDraft, SpeculativeConfig
 from llmopt.infer.generate import generate
 from llmopt.infer.sampling import SamplingParams
-from llmopt.infer.speculative_loop import SpeculativeResult, speculative_generate
-from llmopt.infer.speculative_predict import PassCosts
-from llmopt.infer.speculative_stats import SpeculativeStats
+from llmopt.infer.speculative.loop import SpeculativeResult, speculative_generate
+from llmopt.infer.speculative.predict import PassCosts
+from llmopt.infer.speculative.stats import SpeculativeStats
 from llmopt.models.llama import KVCache, Transformer
 
 CLOCKS = ("wall", "cpu")

@@ -12,7 +12,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from llmopt.precision.fp8_cast import (
+from llmopt.precision.fp8.cast import (
     E4M3,
     GEMM_ALIGNMENT,
     HIGH_PRECISION_DTYPES,
@@ -22,7 +22,7 @@ from llmopt.precision.fp8_cast import (
     make_recipe,
     role_dtype,
 )
-from llmopt.precision.fp8_scaler import Fp8Scaler
+from llmopt.precision.fp8.scaler import Fp8Scaler
 
 GemmKind = Literal["scaled_mm", "emulated"]
 

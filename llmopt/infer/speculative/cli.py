@@ -8,8 +8,8 @@ from typing import Any
 from llmopt.errors import UsageError
 from llmopt.infer.drafts import DRAFT_SPECS, SpeculativeConfig, make_draft
 from llmopt.infer.sampling import SamplingParams
-from llmopt.infer.speculative_loop import speculative_generate
-from llmopt.infer.speculative_measure import calibrate, compare_with_plain
+from llmopt.infer.speculative.loop import speculative_generate
+from llmopt.infer.speculative.measure import calibrate, compare_with_plain
 from llmopt.models.llama import Transformer
 
 

@@ -1,4 +1,4 @@
-"""ZeRO stages 0-3 as strategies over the flat buffers of `llmopt.parallel.zero_buffers`.
+"""ZeRO stages 0-3 as strategies over the flat buffers of `llmopt.parallel.zero.buffers`.
 
 Each stage answers the same few questions, so `DataParallel` never asks which stage it runs:
 where this rank's master lives (`local_range`), how a finished gradient bucket is reduced
@@ -11,9 +11,9 @@ compute parameters (`update`). Rajbhandari et al.'s stages, each a small step fr
   bytes of an all-reduce, same result on the shard; optimizer state 1/dp.
 - 2: gradients reduce-scattered every micro-batch and summed into an fp32 shard, so no rank
   holds a full gradient across accumulation (DeepSpeed stage 2); `no_sync()` is ignored.
-- 3: parameters sharded too (`llmopt.parallel.zero3`).
+- 3: parameters sharded too (`llmopt.parallel.zero.stage3`).
 
-`llmopt.parallel.data_parallel.make_stage(zero, ...)` picks the class.
+`llmopt.parallel.zero.data_parallel.make_stage(zero, ...)` picks the class.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from llmopt.parallel.comm import Group
-from llmopt.parallel.zero_buffers import Unit, shard_range
+from llmopt.parallel.zero.buffers import Unit, shard_range
 
 ZERO_STAGES = (0, 1, 2, 3)
 

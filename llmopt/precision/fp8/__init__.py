@@ -21,8 +21,8 @@ the cast, so a spike can clip values but never produce inf/NaN. With tensor or d
 parallelism each amax is all-reduced (MAX) over a process group before it is used, so every
 rank quantises with the same scale.
 
-Layout: `fp8_cast` (formats, casts, recipes), `fp8_scaler` (per-tensor scaling state and the
-amax reduction), `fp8_linear` (the layer and device support); this module converts models
+Layout: `cast` (formats, casts, recipes), `scaler` (per-tensor scaling state and the
+amax reduction), `linear` (the layer and device support); this module converts models
 (which layers: the architecture's `ModelSpec`) and re-exports the whole FP8 API.
 """
 
@@ -34,7 +34,7 @@ from typing import Literal
 from torch import nn
 
 from llmopt.models.spec import spec_for
-from llmopt.precision.fp8_cast import (  # noqa: F401 - the FP8 API in one place
+from llmopt.precision.fp8.cast import (  # noqa: F401 - the FP8 API in one place
     E4M3,
     E5M2,
     FP8_DTYPES,
@@ -53,12 +53,12 @@ from llmopt.precision.fp8_cast import (  # noqa: F401 - the FP8 API in one place
     role_dtype,
     scale_from_amax,
 )
-from llmopt.precision.fp8_linear import (  # noqa: F401
+from llmopt.precision.fp8.linear import (  # noqa: F401
     Float8Linear,
     GemmKind,
     fp8_gemm_unsupported_reason,
 )
-from llmopt.precision.fp8_scaler import (  # noqa: F401
+from llmopt.precision.fp8.scaler import (  # noqa: F401
     AmaxGroup,
     Fp8Scaler,
     reduce_amax,

@@ -10,7 +10,7 @@ bring every recorded run within 14% (docs/benchmarks/speculative.md):
 - after a fully accepted round (probability f·α^γ, f the fraction of rounds that propose) a
   model draft's first pass catches up on two tokens (its last guess and the bonus token),
   costing c₂ instead of c.
-The costs must be measured apart from the timed run (`speculative_measure.calibrate`).
+The costs must be measured apart from the timed run (`measure.calibrate`).
 """
 
 from __future__ import annotations

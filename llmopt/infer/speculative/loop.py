@@ -1,7 +1,7 @@
 """Speculative generation of one prompt: the serving engine at batch 1 with a proposer.
 
 The draft guesses γ tokens, the target checks them in one pass and the engine keeps the
-accepted prefix plus one token of its own (`speculative_verify` makes that exact: the greedy
+accepted prefix plus one token of its own (`verify` makes that exact: the greedy
 output in greedy mode, the target's distribution when sampling). Rejected guesses' keys and
 values sit in cache slots past the committed tokens and are overwritten by the next step.
 Drafts keep their own caches in line (see `llmopt.infer.drafts`); p and q both come from
@@ -22,7 +22,7 @@ from llmopt.errors import UsageError
 from llmopt.infer.drafts import Draft, SpeculativeConfig, check_vocabularies
 from llmopt.infer.generate import batch_one_engine, check_context
 from llmopt.infer.sampling import SamplingParams
-from llmopt.infer.speculative_stats import SpeculativeStats
+from llmopt.infer.speculative.stats import SpeculativeStats
 
 __all__ = ["SpeculativeConfig", "SpeculativeResult", "speculative_generate"]
 

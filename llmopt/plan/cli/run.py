@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from llmopt.errors import UsageError
-from llmopt.plan.cli_inputs import budget_inputs, build_plan, header, inputs, model_overrides
-from llmopt.plan.cli_render import label, links_table, plans_table, plot_breakdown, print_json
+from llmopt.plan.cli.inputs import budget_inputs, build_plan, header, inputs, model_overrides
+from llmopt.plan.cli.render import label, links_table, plans_table, plot_breakdown, print_json
 
 if TYPE_CHECKING:
     from llmopt.models.config import ModelConfig

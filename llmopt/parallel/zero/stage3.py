@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from llmopt.parallel.comm import Group
-from llmopt.parallel.zero_buffers import Unit
-from llmopt.parallel.zero_stages import ZeroStage2
+from llmopt.parallel.zero.buffers import Unit
+from llmopt.parallel.zero.stages import ZeroStage2
 
 
 class _PreBackwardGather(torch.autograd.Function):

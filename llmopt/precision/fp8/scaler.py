@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from llmopt.precision.fp8_cast import (
+from llmopt.precision.fp8.cast import (
     DelayedScaling,
     Fp8Error,
     Recipe,

@@ -13,7 +13,7 @@ from typing import Any
 
 from llmopt.errors import UsageError
 from llmopt.parallel.plan import FP8_RECIPES, RECOMPUTES, REDUCE_DTYPES, SCHEDULES
-from llmopt.plan.cli_inputs import DEFAULT_NODES, add_budget_flags
+from llmopt.plan.cli.inputs import DEFAULT_NODES, add_budget_flags
 from llmopt.plan.flops import FLOPS_CONVENTIONS
 from llmopt.plan.objectives import OBJECTIVES
 
@@ -158,7 +158,7 @@ def _estimate_flags(est: argparse.ArgumentParser) -> None:
 
 def check_args(args: argparse.Namespace) -> None:
     """Every flag of `plan`, `plan estimate` and `plan compare` checked before the search."""
-    from llmopt.plan.cli_inputs import build_plan, inputs
+    from llmopt.plan.cli.inputs import build_plan, inputs
     from llmopt.plan.objectives import parse_require
     from llmopt.plan.rules import parse_constraints
 
@@ -195,7 +195,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from llmopt.plan import cli_run
+    from llmopt.plan.cli import run as cli_run
 
     plan = subparsers.add_parser(
         "plan",

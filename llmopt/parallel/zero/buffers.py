@@ -5,7 +5,7 @@ unit (everything outside the blocks: embedding, final norm, head). A unit keeps 
 as views into one flat buffer in the compute dtype, padded to a multiple of the DP size so it
 splits into equal shards, and an fp32 *master* (full or one shard) that the optimizer updates.
 The unit is also the gradient bucket and the ZeRO-3 gather unit. What a stage does with these
-buffers (all-reduce or reduce-scatter, when, what it keeps) lives in `llmopt.parallel.zero_stages`.
+buffers (all-reduce or reduce-scatter, when, what it keeps) lives in `llmopt.parallel.zero.stages`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Data parallelism on flat per-block buffers, with the ZeRO stage as a pluggable strategy.
 
-`DataParallel` owns what every stage shares: the units (`llmopt.parallel.zero_buffers`),
+`DataParallel` owns what every stage shares: the units (`llmopt.parallel.zero.buffers`),
 gradient hooks that launch a unit's reduction as soon as backward has produced all of its
 gradients (so reductions overlap the rest of backward), gradient accumulation, the global
 gradient norm, and full (gathered) views for checkpoints. The stage object
-(`llmopt.parallel.zero_stages`) decides how a unit is reduced and where its master lives.
+(`llmopt.parallel.zero.stages`) decides how a unit is reduced and where its master lives.
 Masters are fp32 whatever the compute dtype (Megatron's convention: bf16 compute, fp32
 master weights and optimizer states).
 
@@ -33,8 +33,7 @@ from torch import nn
 from llmopt.parallel.comm import Group
 from llmopt.parallel.grid import RankGrid
 from llmopt.parallel.tensor_parallel import gather_tp_tensor
-from llmopt.parallel.zero3 import ZeroStage3
-from llmopt.parallel.zero_buffers import (
+from llmopt.parallel.zero.buffers import (
     EXPERTS,
     ROOT,
     Slot,
@@ -43,7 +42,8 @@ from llmopt.parallel.zero_buffers import (
     group_parameters,
     overlap,
 )
-from llmopt.parallel.zero_stages import ZERO_STAGES, ZeroStage, ZeroStage1, ZeroStage2
+from llmopt.parallel.zero.stage3 import ZeroStage3
+from llmopt.parallel.zero.stages import ZERO_STAGES, ZeroStage, ZeroStage1, ZeroStage2
 
 __all__ = ["ZERO_STAGES", "DataParallel", "make_stage"]
 
