@@ -15,8 +15,8 @@ in `ServingMetrics` (finished by reason, rejected by HTTP status).
 
 from __future__ import annotations
 
-import sys
 import os
+import sys
 import threading
 import time
 import traceback

@@ -14,7 +14,7 @@ not speculate; plain requests never reach it.
 Not thread-safe: the server drives it from one thread.
 
 Over 400 lines: the one step every decode path shares (scheduling, the forward, acceptance,
-finishing); what only some requests need lives in `logits` and `speculative_verify`.
+finishing); what only some requests need lives in `logits` and `speculative.verify`.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from llmopt.infer.sampling import (
     logits_to_probs,
     next_token,
 )
-from llmopt.infer.speculative_stats import SpeculativeStats
-from llmopt.infer.speculative_verify import verify_greedy, verify_sampled
+from llmopt.infer.speculative.stats import SpeculativeStats
+from llmopt.infer.speculative.verify import verify_greedy, verify_sampled
 from llmopt.models.attention.paged import PagedKVCache, SeqChunk, StepBatch
 
 RUNNERS = ("auto", "fused", "eager", "cuda-graph")
