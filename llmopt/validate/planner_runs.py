@@ -21,24 +21,16 @@ from llmopt.plan.workload import megatron_flops
 from llmopt.validate.cells import (
     RowError,
 )
-from llmopt.validate.run_rows import (
+from llmopt.validate.run_rows import (  # noqa: F401  (SETS: the sets' CSVs, re-exported)
     NAMES,
     OPEN_BATCH_MICRO_BATCHES,
+    SETS,
     RowSetup,
     load_rows,
     number,
     setup_row,
 )
 from llmopt.validate.stats import error_summary
-
-DATA = Path(__file__).resolve().parent / "data"
-# (set, kind) -> CSV in llmopt/validate/data (sources per row; README.md there)
-SETS: dict[tuple[str, str], Path] = {
-    ("calibration", "dense"): DATA / "calibration_dense.csv",
-    ("calibration", "moe"): DATA / "calibration_moe.csv",
-    ("validation", "dense"): DATA / "validation_dense.csv",
-    ("validation", "moe"): DATA / "validation_moe.csv",
-}
 
 
 def predict(setup: RowSetup) -> tuple[Plan, list[str]]:

@@ -26,6 +26,7 @@ from llmopt.compress.prune.masks import (
     wanda_score,
 )
 from llmopt.compress.prune.sparsegpt import sparsegpt_solve
+from llmopt.compress.quant.calibration import check_calibration_tokens
 from llmopt.compress.quant.gptq import collect_hessians
 from llmopt.compress.quant.progress import layer_progress
 from llmopt.models.packed.sparse.config import PruneConfig, PruneConfigError, Sparsity
@@ -59,18 +60,8 @@ def _check_shapes(model: nn.Module, spec: ModelSpec, sparsity: Sparsity) -> None
 
 
 def _check_calib(calib_tokens: torch.Tensor | None, config: PruneConfig) -> None:
-    if not config.needs_calibration:
-        return
-    if calib_tokens is None:
-        raise PruneConfigError(
-            f"method {config.method!r} needs calibration tokens: pass calib_tokens=[n, T] "
-            "(llmopt.compress.quant.calibration.calibration_tokens builds them)"
-        )
-    if calib_tokens.dim() != 2 or calib_tokens.dtype != torch.long:
-        raise PruneConfigError(
-            f"calib_tokens must be a [n, T] int64 tensor, got {tuple(calib_tokens.shape)} "
-            f"{calib_tokens.dtype}"
-        )
+    if config.needs_calibration:
+        check_calibration_tokens(calib_tokens, config.method, PruneConfigError)
 
 
 def _prune_linear(

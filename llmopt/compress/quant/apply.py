@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmopt.compress.quant.calibration import check_calibration_tokens
 from llmopt.compress.quant.progress import layer_progress
 from llmopt.compress.quant.rtn import rtn_quantize
 from llmopt.compress.quant.targets import block_linears, replace_with_packed, selected_names
@@ -58,16 +59,7 @@ def quantize_model(
     spec = spec_for(model)
     selected_names(spec, config)  # unknown module names fail before any work
     if config.needs_calibration:
-        if calib_tokens is None:
-            raise UsageError(
-                f"method {config.method!r} needs calibration tokens: pass calib_tokens=[n, T] "
-                "(llmopt.compress.quant.calibration.calibration_tokens builds them)"
-            )
-        if calib_tokens.dim() != 2 or calib_tokens.dtype != torch.long:
-            raise UsageError(
-                f"calib_tokens must be a [n, T] int64 tensor, got {tuple(calib_tokens.shape)} "
-                f"{calib_tokens.dtype}"
-            )
+        check_calibration_tokens(calib_tokens, config.method)
     param = next(model.parameters())
     dtype = param.dtype
     start = time.perf_counter()

@@ -90,6 +90,23 @@ def calibration_set(
     return CalibrationSet(tokens[order], sources, warnings)
 
 
+def check_calibration_tokens(
+    calib_tokens: torch.Tensor | None, method: str, error: type[Exception] = UsageError
+) -> None:
+    """Refuse missing or malformed calibration tokens for a method that needs them (AWQ, GPTQ,
+    SparseGPT, Wanda), before any work."""
+    if calib_tokens is None:
+        raise error(
+            f"method {method!r} needs calibration tokens: pass calib_tokens=[n, T] "
+            "(llmopt.compress.quant.calibration.calibration_tokens builds them)"
+        )
+    if calib_tokens.dim() != 2 or calib_tokens.dtype != torch.long:
+        raise error(
+            f"calib_tokens must be a [n, T] int64 tensor, got {tuple(calib_tokens.shape)} "
+            f"{calib_tokens.dtype}"
+        )
+
+
 def calibration_tokens(
     tokenizer,
     spec: str = DEFAULT_MIX,
