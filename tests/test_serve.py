@@ -301,3 +301,46 @@ def test_histogram_renders_cumulative_buckets():
     lines = h.render("x", "help")
     assert 'x_bucket{le="0.1"} 2' in lines and 'x_bucket{le="1.0"} 3' in lines
     assert 'x_bucket{le="+Inf"} 4' in lines and "x_count 4" in lines and "x_sum 3.650000" in lines
+
+
+def test_accepted_connections_have_nagle_off():
+    """Streamed tokens leave at once: without TCP_NODELAY on the accepted socket, each chunk
+    after the first of a kept-alive connection waited ~40 ms for the client's delayed ACK."""
+    import asyncio
+    import socket
+
+    from llmopt.serve.cli import listening_socket
+
+    sock = listening_socket("127.0.0.1", 0)
+    assert sock.proto == socket.IPPROTO_TCP
+    seen: list[int] = []
+
+    async def main() -> None:
+        def handle(reader, writer) -> None:
+            peer = writer.get_extra_info("socket")
+            seen.append(peer.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(handle, sock=sock)
+        _, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+        for _ in range(100):
+            if seen:
+                break
+            await asyncio.sleep(0.01)
+        writer.close()
+        server.close()
+        await server.wait_closed()
+
+    asyncio.run(main())
+    assert seen and seen[0] != 0
+
+
+def test_a_taken_port_is_one_clear_error():
+    from llmopt.errors import UsageError
+    from llmopt.serve.cli import listening_socket
+
+    taken = listening_socket("127.0.0.1", 0)
+    taken.listen()
+    with pytest.raises(UsageError, match=r"cannot bind 127\.0\.0\.1:\d+"):
+        listening_socket("127.0.0.1", taken.getsockname()[1])
+    taken.close()

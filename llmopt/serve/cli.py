@@ -205,13 +205,7 @@ def run(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout,
         max_body_bytes=args.max_body_bytes,
     )
-    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((args.host, args.port))
-    except OSError as exc:
-        raise UsageError(f"cannot bind {args.host}:{args.port}: {exc.strerror}") from exc
+    sock = listening_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
     print(
         f"llmopt serve: {name} on http://{host}:{port} ({config.num_blocks} KV blocks of "
@@ -231,6 +225,22 @@ def run(args: argparse.Namespace) -> int:
     )
     server.run(sockets=[sock])
     return 0
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server's bound TCP socket. proto=IPPROTO_TCP: accepted connections inherit it, and
+    only then does asyncio turn Nagle off on them (its check reads `sock.proto`); with proto 0
+    every streamed token after the first of a kept-alive connection waits for the client's
+    delayed ACK (~40 ms on Linux), so tokens arrive in bursts."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise UsageError(f"cannot bind {host}:{port}: {exc.strerror}") from exc
+    return sock
 
 
 def _uvicorn_server():

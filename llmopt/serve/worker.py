@@ -15,7 +15,6 @@ in `ServingMetrics` (finished by reason, rejected by HTTP status).
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
@@ -171,8 +170,6 @@ class EngineWorker:
                 self._engine_failed(exc)
                 return
             self._dispatch(outputs)
-            if outputs:  # let the event loop stream them now: on a shared core it would
-                os.sched_yield()  # otherwise wait for the scheduler, tokens arriving in bursts
 
     def _add(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         try:
