@@ -36,7 +36,7 @@ def models(include_8b: bool):
 
 
 def run(model, runner: str, streams: int, prompt_len: int, new_tokens: int) -> dict:
-    from llmopt.infer.batch import Engine, EngineConfig, SamplingParams
+    from llmopt.infer.batch import EngineConfig, SamplingParams, ServingEngine
 
     blocks = streams * (-(-(prompt_len + new_tokens) // 16)) + 8
     config = EngineConfig(
@@ -47,7 +47,7 @@ def run(model, runner: str, streams: int, prompt_len: int, new_tokens: int) -> d
         prefix_caching=False,
         runner=runner,
     )
-    engine = Engine(model, config)
+    engine = ServingEngine(model, config)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from llmopt.artifacts import atomic_write_json
-    from llmopt.infer.batch import Engine, EngineConfig
+    from llmopt.infer.batch import EngineConfig, ServingEngine
     from llmopt.models import ModelConfig, build_model
     from llmopt.models.loading import load_tokenizer
     from llmopt.serve.loadtest import run_load_test, serve_in_thread
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         num_layers=1, num_heads=2, num_kv_heads=1, max_seq_len=512,
         eos_token_id=tokenizer.eos_token_id,
     )  # fmt: skip
-    engine = Engine(
+    engine = ServingEngine(
         build_model(cfg, seed=0),
         EngineConfig(num_blocks=1024, block_size=16, max_num_seqs=args.streams),
         eos_token_id=tokenizer.eos_token_id,

@@ -40,13 +40,13 @@ def _decode_rate_batch1(model, prompt: list[int], new_tokens: int) -> tuple[floa
 
 
 def _engine(model, blocks: int, block_size: int, streams: int, prefix: bool = True):
-    from llmopt.infer.batch import Engine, EngineConfig
+    from llmopt.infer.batch import EngineConfig, ServingEngine
 
     cfg = EngineConfig(
         num_blocks=blocks, block_size=block_size, max_num_seqs=streams, max_batched_tokens=2048,
         prefix_caching=prefix,
     )  # fmt: skip
-    return Engine(model, cfg)
+    return ServingEngine(model, cfg)
 
 
 def decode_throughput(model, prompts, new_tokens: int, block_size: int) -> dict:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmopt.infer.batch import Engine, EngineConfig, SamplingParams
+from llmopt.infer.batch import EngineConfig, SamplingParams, ServingEngine
 from tests.test_architectures import tiny
 
 PROMPTS = [[3, 4, 5, 6, 7], [8, 9], list(range(20, 41)), [11, 12, 13]]
@@ -22,7 +22,7 @@ def test_graph_runner_decodes_exactly_as_the_eager_runner(arch):
     params = SamplingParams(max_tokens=7, ignore_eos=True)
     outs = {}
     for runner in ("eager", "cuda-graph"):
-        engine = Engine(model, EngineConfig(num_blocks=40, block_size=4, runner=runner))
+        engine = ServingEngine(model, EngineConfig(num_blocks=40, block_size=4, runner=runner))
         outs[runner] = engine.generate(PROMPTS, params)
         engine.blocks.check_all_free()
     assert outs["cuda-graph"] == outs["eager"]
@@ -31,7 +31,7 @@ def test_graph_runner_decodes_exactly_as_the_eager_runner(arch):
 
 def test_graph_runner_pads_batches_to_a_captured_size_and_keeps_the_cache_clean():
     model = tiny("llama")
-    engine = Engine(model, EngineConfig(num_blocks=40, block_size=4, runner="cuda-graph"))
+    engine = ServingEngine(model, EngineConfig(num_blocks=40, block_size=4, runner="cuda-graph"))
     scratch = engine.runner.scratch_slot
     assert scratch == 40 * 4  # the block past the pool, which no request holds
     engine.generate(PROMPTS[:3], SamplingParams(max_tokens=3, ignore_eos=True))

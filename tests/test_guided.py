@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 import torch
 
-from llmopt.infer.batch import Engine, EngineConfig, SamplingParams
+from llmopt.infer.batch import EngineConfig, SamplingParams, ServingEngine
 from llmopt.infer.guided import GrammarCompiler, GrammarError
 from llmopt.models import ModelConfig, build_model
 from llmopt.models.loading import load_tokenizer
@@ -45,7 +45,7 @@ def engine(tok):
         num_heads=4, num_kv_heads=2, max_seq_len=512,
     )  # fmt: skip
     model = build_model(cfg, seed=1).eval()
-    return Engine(
+    return ServingEngine(
         model,
         EngineConfig(num_blocks=128, block_size=16, runner="eager"),
         eos_token_id=tok.eos_token_id,

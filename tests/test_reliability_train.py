@@ -19,7 +19,7 @@ import pytest
 from safetensors.torch import load_file
 
 from llmopt.cli import main as cli_main
-from llmopt.parallel.engine import Engine
+from llmopt.parallel.engine import TrainingEngine
 from llmopt.parallel.optim import AdamW
 from llmopt.train.checkpoint import CheckpointError, rotate
 from llmopt.train.config import TrainConfig, TrainConfigError
@@ -135,15 +135,15 @@ def test_train_cli_refuses_them_in_one_line_before_launching(tmp_path, capsys, f
 
 
 def _poison_grad_norm(monkeypatch, bad_calls: set[int]) -> None:
-    """Engine.grad_norm reports NaN on the given (1-based) calls: one call per step."""
-    original, calls = Engine.grad_norm, [0]
+    """TrainingEngine.grad_norm reports NaN on the given (1-based) calls: one call per step."""
+    original, calls = TrainingEngine.grad_norm, [0]
 
     def grad_norm(self):
         calls[0] += 1
         value = original(self)
         return math.nan if calls[0] in bad_calls else value
 
-    monkeypatch.setattr(Engine, "grad_norm", grad_norm)
+    monkeypatch.setattr(TrainingEngine, "grad_norm", grad_norm)
 
 
 def test_a_non_finite_step_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):

@@ -6,7 +6,7 @@ requests keep speculating, the others never do."""
 import pytest
 import torch
 
-from llmopt.infer.batch import Engine, EngineConfig, InvalidRequestError, SamplingParams
+from llmopt.infer.batch import EngineConfig, InvalidRequestError, SamplingParams, ServingEngine
 from llmopt.infer.sampling import apply_penalties, logits_to_probs
 
 
@@ -22,7 +22,7 @@ def _log_softmax(model, ids):
 
 def _engine(model, **kw):
     config = dict(num_blocks=64, block_size=4, max_num_seqs=8, max_batched_tokens=16)
-    return Engine(model, EngineConfig(**(config | kw)))
+    return ServingEngine(model, EngineConfig(**(config | kw)))
 
 
 def test_logprobs_and_prompt_logprobs_equal_the_full_forward(tiny_model):

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from llmopt.infer.batch import Engine, EngineConfig, InvalidRequestError, SamplingParams
+from llmopt.infer.batch import EngineConfig, InvalidRequestError, SamplingParams, ServingEngine
 from llmopt.infer.generate import generate
 
 
@@ -41,7 +41,7 @@ def test_batched_greedy_equals_generate(tiny_model, config, ngram):
     prompts = _prompts(LENGTHS)
     prompts.append(prompts[1][:12] + [5, 6])  # shares three full blocks with prompt 1
     ref = [generate(tiny_model, p, max_new_tokens=20) for p in prompts]
-    engine = Engine(tiny_model, config)
+    engine = ServingEngine(tiny_model, config)
     out = engine.generate(prompts, SamplingParams(max_tokens=20, ngram=ngram))
     assert out == ref
     engine.blocks.check_all_free()
@@ -54,7 +54,7 @@ def test_eos_and_stop_strings_match_truncated_generate(tiny_model):
     prompts = _prompts(LENGTHS)
     ref = [generate(tiny_model, p, max_new_tokens=20) for p in prompts]
     eos = ref[2][4]
-    engine = Engine(
+    engine = ServingEngine(
         tiny_model, EngineConfig(num_blocks=64, block_size=4), eos_token_id=eos, detokenize=_text
     )
     assert engine.generate(prompts, SamplingParams(max_tokens=20, ngram=2)) == [
@@ -79,7 +79,7 @@ def test_eos_and_stop_strings_match_truncated_generate(tiny_model):
 def test_ngram_speculation_accepts_guesses_on_repetitive_prompt(tiny_model):
     prompt = [7, 8, 9, 10] * 8
     ref = generate(tiny_model, prompt, max_new_tokens=24)
-    engine = Engine(tiny_model, EngineConfig(num_blocks=32, block_size=4))
+    engine = ServingEngine(tiny_model, EngineConfig(num_blocks=32, block_size=4))
     req = engine.add_request("r", prompt, SamplingParams(max_tokens=24, ngram=3))
     steps = 0
     while engine.has_unfinished():
@@ -96,16 +96,16 @@ def test_seeded_sampling_alone_matches_generate_and_ignores_batch_mates(tiny_mod
     cfg = SamplingParams(temperature=0.9, top_k=20, top_p=0.9)
     params = SamplingParams(max_tokens=12, temperature=0.9, top_k=20, top_p=0.9, seed=123)
     ref = generate(tiny_model, prompts[0], max_new_tokens=12, sampling=cfg, seed=123)
-    alone = Engine(tiny_model, EngineConfig(num_blocks=32, block_size=4))
+    alone = ServingEngine(tiny_model, EngineConfig(num_blocks=32, block_size=4))
     assert alone.generate([prompts[0]], params) == [ref]
-    mixed = Engine(tiny_model, EngineConfig(num_blocks=32, block_size=4))
+    mixed = ServingEngine(tiny_model, EngineConfig(num_blocks=32, block_size=4))
     other = SamplingParams(max_tokens=12, temperature=1.0, seed=5)
     out = mixed.generate(prompts, [params, other, SamplingParams(max_tokens=12)])
     assert out[0] == ref
 
 
 def test_abort_frees_blocks_and_unknown_abort_is_false(tiny_model):
-    engine = Engine(tiny_model, EngineConfig(num_blocks=32, block_size=4))
+    engine = ServingEngine(tiny_model, EngineConfig(num_blocks=32, block_size=4))
     engine.add_request("a", _prompts([20])[0], SamplingParams(max_tokens=30))
     engine.step()
     assert engine.blocks.num_used > 0
@@ -132,14 +132,14 @@ def test_abort_frees_blocks_and_unknown_abort_is_false(tiny_model):
     ],
 )
 def test_bad_requests_are_refused_early(tiny_model, prompt, params, match):
-    engine = Engine(tiny_model, EngineConfig(num_blocks=32, block_size=4))
+    engine = ServingEngine(tiny_model, EngineConfig(num_blocks=32, block_size=4))
     with pytest.raises(InvalidRequestError, match=match):
         engine.add_request("r", prompt, params)
     assert not engine.has_unfinished()
 
 
 def test_request_larger_than_the_pool_is_refused(tiny_model):
-    engine = Engine(tiny_model, EngineConfig(num_blocks=4, block_size=4))
+    engine = ServingEngine(tiny_model, EngineConfig(num_blocks=4, block_size=4))
     with pytest.raises(InvalidRequestError, match="needs 5 KV blocks; the cache has 4"):
         engine.add_request("r", [1] * 10, SamplingParams(max_tokens=10))
 
@@ -182,7 +182,7 @@ def test_every_block_is_free_after_any_requests_aborts_and_preemptions(tiny_mode
         )
         for _ in range(rng.randint(5, 40))
     ]
-    engine = Engine(
+    engine = ServingEngine(
         tiny_model,
         EngineConfig(
             num_blocks=12,
@@ -223,7 +223,7 @@ def test_real_smollm2_batched_greedy_equals_generate():
     texts = ["The capital of France is", "1, 2, 3, 4, 5,", "def add(a, b):\n   "]
     prompts = [tok.encode(system + t) for t in texts] + [tok.encode("Once upon a time")]
     ref = [generate(model, p, max_new_tokens=8, eos_token_id=tok.eos_token_id) for p in prompts]
-    engine = Engine(
+    engine = ServingEngine(
         model,
         EngineConfig(num_blocks=7, block_size=8, max_num_seqs=4, max_batched_tokens=24),
         eos_token_id=tok.eos_token_id,
@@ -238,7 +238,9 @@ def test_prefix_of_a_finished_request_is_reused_exactly(tiny_model):
     system = _prompts([33], seed=7)[0]
     a, b = system + [1, 2], system + [3]
     ref = generate(tiny_model, b, max_new_tokens=6)
-    engine = Engine(tiny_model, EngineConfig(num_blocks=32, block_size=4, max_batched_tokens=64))
+    engine = ServingEngine(
+        tiny_model, EngineConfig(num_blocks=32, block_size=4, max_batched_tokens=64)
+    )
     engine.generate([a], SamplingParams(max_tokens=1))  # finishes on its prefill step
     engine.blocks.check_all_free()
     req = engine.add_request("b", b, SamplingParams(max_tokens=6))

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from llmopt.infer.batch import Engine, EngineConfig
+from llmopt.infer.batch import EngineConfig, ServingEngine
 from llmopt.models import ModelConfig, build_model
 from llmopt.models.loading import load_tokenizer
 from llmopt.serve.loadtest import read_metrics, run_load_test, serve_in_thread, wait_idle
@@ -40,7 +40,7 @@ def _worker(tokenizer, max_num_seqs: int = 64, num_blocks: int = 512) -> EngineW
         max_seq_len=512,
         eos_token_id=tokenizer.eos_token_id,
     )
-    engine = Engine(
+    engine = ServingEngine(
         build_model(cfg, seed=0),
         EngineConfig(num_blocks=num_blocks, block_size=16, max_num_seqs=max_num_seqs),
         eos_token_id=tokenizer.eos_token_id,

@@ -20,7 +20,7 @@ import openai
 import pytest
 import torch
 
-from llmopt.infer.batch import Engine, EngineConfig, SamplingParams
+from llmopt.infer.batch import EngineConfig, SamplingParams, ServingEngine
 from llmopt.infer.generate import generate
 from llmopt.models import ModelConfig, build_model
 from llmopt.models.loading import load_model, load_tokenizer, save_pretrained
@@ -268,7 +268,7 @@ def test_penalties_and_min_p_decode_as_the_engine_does(client, model, tok, field
         model="tiny", prompt=prompt, max_tokens=10, extra_body=extra, **args
     )
     params = SamplingParams(max_tokens=10, **(args | extra))
-    engine = Engine(
+    engine = ServingEngine(
         model,
         EngineConfig(num_blocks=64, runner="eager"),
         eos_token_id=tok.eos_token_id,

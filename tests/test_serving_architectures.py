@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from llmopt.infer.batch import Engine, EngineConfig, SamplingParams
+from llmopt.infer.batch import EngineConfig, SamplingParams, ServingEngine
 from llmopt.infer.generate import generate
 from llmopt.models.attention.paged import PagedAttention, PagedKVCache, SeqChunk, StepBatch
 from llmopt.models.attention.static import KVCache
@@ -42,7 +42,7 @@ def test_batched_greedy_equals_single_request_generate(arch):
     assert alone == [_static_greedy(model, p, 6) for p in PROMPTS]
     # 20-token budget: the 25-token prompt is prefilled in two chunks beside running decodes
     config = EngineConfig(num_blocks=24, block_size=4, max_batched_tokens=20, runner="eager")
-    engine = Engine(model, config)
+    engine = ServingEngine(model, config)
     batched = engine.generate(PROMPTS, SamplingParams(max_tokens=6, ignore_eos=True))
     assert batched == alone
     engine.blocks.check_all_free()

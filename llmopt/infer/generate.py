@@ -1,6 +1,6 @@
 """Autoregressive generation of one prompt: the serving engine at batch 1.
 
-There is one decode loop (`llmopt.infer.batch.Engine`); `generate` sizes a paged cache for
+There is one decode loop (`llmopt.infer.batch.ServingEngine`); `generate` sizes a paged cache for
 prompt + max_new_tokens, feeds the whole prompt in one step, then one token (plus a proposer's
 guesses when `draft` is given) per step. The runner is the fused CPU step whenever its kernels
 build and the model's weights are kernel kinds, else the eager model over the same cache;
@@ -74,7 +74,7 @@ def batch_one_engine(
     eos_token_id: int | Sequence[int] | None = None,
 ):
     """An engine whose cache holds exactly one sequence of `max_len` tokens."""
-    from llmopt.infer.batch import Engine, EngineConfig
+    from llmopt.infer.batch import EngineConfig, ServingEngine
 
     speculative = speculative or SpeculativeConfig()
     config = EngineConfig(
@@ -88,7 +88,7 @@ def batch_one_engine(
         int8_head=int8_head,
         speculative=speculative,
     )
-    return Engine(model, config, eos_token_id=eos_token_id)
+    return ServingEngine(model, config, eos_token_id=eos_token_id)
 
 
 @torch.inference_mode()

@@ -284,7 +284,7 @@ ENGINE_RULES: tuple[Rule, ...] = (
     Rule("llmopt's engine",
          "num_layers={L} over pp*virtual_stages={pv} interleaved chunks unevenly (a run config "
          "splits chunks evenly)",
-         "choose pp*virtual_stages dividing the layers, or pass layers_per_stage to the Engine",
+         "choose pp*virtual_stages dividing the layers, or pass layers_per_stage to the training engine",
          lambda g, m, n: ((g["v"] > 1) & (m.num_layers % (g["pp"] * g["v"]) != 0))
          | (m.num_layers < g["pp"] * g["v"]),
          "llmopt/parallel/pipeline/stage.py stage_layout"),

@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
     kv_summary = check_resources(args)
     import uvicorn
 
-    from llmopt.infer.batch import Engine, EngineConfig
+    from llmopt.infer.batch import EngineConfig, ServingEngine
     from llmopt.models.loading import load_model, load_tokenizer
     from llmopt.serve.app import create_app
     from llmopt.serve.worker import EngineWorker
@@ -189,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
             f"{model.config.max_seq_len} tokens"
         )
     tokenizer = load_tokenizer(args.model)
-    engine = Engine(
+    engine = ServingEngine(
         model,
         config,
         eos_token_id=tokenizer.eos_token_ids or tokenizer.eos_token_id,  # every end-of-turn id

@@ -1,4 +1,4 @@
-"""The engine thread: owns the `Engine`, takes requests and aborts from the HTTP side.
+"""The engine thread: owns the `ServingEngine`, takes requests and aborts from the HTTP side.
 
 PyTorch releases the GIL inside its kernels, so one engine thread next to the asyncio event
 loop keeps the server responsive while the model runs. Everything that touches the engine
@@ -7,7 +7,7 @@ happens on this thread; the HTTP side only enqueues (submit/abort under a lock) 
 
 Faults are contained where they can be attributed: a request whose admission or output
 handling raises fails alone (its client gets a 500, its KV blocks are freed) and the others go
-on. A failing `Engine.step()` cannot be pinned on one request of the batch: every request in
+on. A failing `ServingEngine.step()` cannot be pinned on one request of the batch: every request in
 flight fails, the worker marks itself failed (health and new requests answer 503) and the
 operator restarts the server, as vLLM does when its engine core dies. Every outcome is counted
 in `ServingMetrics` (finished by reason, rejected by HTTP status).
@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from llmopt.errors import UsageError
-from llmopt.infer.batch import Engine, InvalidRequestError, SamplingParams, StepOutput
+from llmopt.infer.batch import InvalidRequestError, SamplingParams, ServingEngine, StepOutput
 from llmopt.serve.metrics import ServingMetrics
 
 Sink = Callable[[StepOutput | BaseException], None]
@@ -45,7 +45,7 @@ class _Live:
 
 
 class EngineWorker:
-    def __init__(self, engine: Engine, max_queue: int = 256) -> None:
+    def __init__(self, engine: ServingEngine, max_queue: int = 256) -> None:
         if max_queue < 1:
             raise UsageError(f"max_queue={max_queue} must be >= 1")
         self.engine = engine
@@ -259,7 +259,7 @@ def _report(what: str, exc: BaseException) -> None:
     traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
 
 
-def engine_state(engine: Engine) -> dict[str, float]:
+def engine_state(engine: ServingEngine) -> dict[str, float]:
     """What /metrics reports of the engine's scheduler and KV cache. The one place the server
     reads engine internals (block manager, scheduler); a rewritten engine that lacks one of
     them reports NaN for it (never a reassuring 0) rather than breaking /metrics."""

@@ -50,7 +50,7 @@ from safetensors.torch import load_file, save_file
 from llmopt.artifacts import atomic_write, atomic_write_text, sha256_file
 from llmopt.config_files import read_manifest, read_pointer
 from llmopt.errors import LlmoptError
-from llmopt.parallel.engine import Engine
+from llmopt.parallel.engine import TrainingEngine
 from llmopt.parallel.grid import RankGrid
 from llmopt.parallel.optim import AdamW
 from llmopt.train.nonfinite import check_finite_state
@@ -83,7 +83,7 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 def save_checkpoint(
     root: str | Path,
     step: int,
-    engine: Engine,
+    engine: TrainingEngine,
     optimizer: AdamW,
     grid: RankGrid,
     extra: dict[str, Any],
@@ -177,7 +177,7 @@ def verify_files(path: Path, manifest: dict[str, Any], names: list[str]) -> None
             )
 
 
-def _state_tensors(engine: Engine, optimizer: AdamW):
+def _state_tensors(engine: TrainingEngine, optimizer: AdamW):
     """(name, tensor) of this rank's masters and optimizer moments: what must be finite."""
     yield from ((f"master/{k}", v) for k, v in engine.state_dict().items())
     for idx, per_param in optimizer.state_dict()["state"].items():
@@ -201,7 +201,7 @@ def checkpoint_parts(save_format: str) -> tuple[bool, bool, bool]:
     return parts[save_format]
 
 
-def _save_shard(partial: Path, engine: Engine, optimizer: AdamW, grid: RankGrid) -> None:
+def _save_shard(partial: Path, engine: TrainingEngine, optimizer: AdamW, grid: RankGrid) -> None:
     """This rank's masters, optimizer state and RNG."""
     tensors: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
@@ -228,7 +228,7 @@ def _save_shard(partial: Path, engine: Engine, optimizer: AdamW, grid: RankGrid)
     atomic_write(partial / name, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
 
 
-def _save_full(directory: Path, engine: Engine, optimizer: AdamW, grid: RankGrid) -> None:
+def _save_full(directory: Path, engine: TrainingEngine, optimizer: AdamW, grid: RankGrid) -> None:
     """Layout-independent state: the whole model's masters, trained buffers and AdamW
     moments by name, gathered over ZeRO, TP, EP and PP (collective; rank 0 writes)."""
     masters = engine.to_first_stage(engine.full_params(), buffers=True)
@@ -255,7 +255,9 @@ def _save_full(directory: Path, engine: Engine, optimizer: AdamW, grid: RankGrid
         )
 
 
-def _load_full(path: Path, engine: Engine, optimizer: AdamW, grid: RankGrid, why: str) -> None:
+def _load_full(
+    path: Path, engine: TrainingEngine, optimizer: AdamW, grid: RankGrid, why: str
+) -> None:
     full = path / "full"
     if not (full / "model.safetensors").is_file():
         raise CheckpointError(
@@ -290,7 +292,7 @@ def _load_full(path: Path, engine: Engine, optimizer: AdamW, grid: RankGrid, why
 
 
 def load_checkpoint(
-    path: str | Path, engine: Engine, optimizer: AdamW, grid: RankGrid
+    path: str | Path, engine: TrainingEngine, optimizer: AdamW, grid: RankGrid
 ) -> dict[str, Any]:
     """Restore this rank's state; returns the manifest.
 

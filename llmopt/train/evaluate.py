@@ -11,12 +11,14 @@ from __future__ import annotations
 import torch
 
 from llmopt.errors import UsageError
-from llmopt.parallel.engine import Engine
+from llmopt.parallel.engine import TrainingEngine
 from llmopt.parallel.pipeline.executor import IGNORE_INDEX
 
 
 @torch.no_grad()
-def eval_loss(engine: Engine, inputs: torch.Tensor, labels: torch.Tensor, micro: int) -> float:
+def eval_loss(
+    engine: TrainingEngine, inputs: torch.Tensor, labels: torch.Tensor, micro: int
+) -> float:
     """Held-out loss of this rank's rows `inputs`/`labels` [n, T], summed over DP; collective."""
     if engine.grid.pp.size != 1:
         raise UsageError("eval loss needs pp=1 (the stage computing the loss holds everything)")

@@ -1,6 +1,6 @@
 """Never train on NaN: a step whose loss or gradient norm is not finite updates nothing.
 
-`NonFiniteGuard.step` is `Engine.step(skip_nonfinite=True)` plus the count: the global loss
+`NonFiniteGuard.step` is `TrainingEngine.step(skip_nonfinite=True)` plus the count: the global loss
 and gradient norm are identical on every rank (both are reduced over the whole grid), so
 every rank takes the same decision without another collective. A bad step leaves
 masters and optimizer moments as they were; up to `skip_limit` of them are skipped (their
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmopt.errors import LlmoptError
-from llmopt.parallel.engine import Engine
+from llmopt.parallel.engine import TrainingEngine
 
 
 class NonFiniteError(LlmoptError, ValueError):
@@ -43,7 +43,7 @@ class NonFiniteGuard:
 
     def step(
         self,
-        engine: Engine,
+        engine: TrainingEngine,
         inputs: torch.Tensor,
         targets: torch.Tensor,
         optimizer: torch.optim.Optimizer,

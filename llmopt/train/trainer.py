@@ -1,5 +1,5 @@
 """The training loop: config -> ParallelPlan -> grid -> model -> `parallelize` -> AdamW, with
-logging, checkpoints and clean failure. The Engine (`llmopt.parallel.engine`) is all it talks
+logging, checkpoints and clean failure. The TrainingEngine (`llmopt.parallel.engine`) is all it talks
 to: one code path for every layout, pp=1 included.
 
 `train(config)` runs on every rank of a torchrun job (or alone). Rank 0 shows a rich progress
@@ -34,7 +34,7 @@ from llmopt.jsonout import dumps
 from llmopt.models.experts import set_routing
 from llmopt.models.llama import Transformer, build_model
 from llmopt.parallel.comm import CommCounter
-from llmopt.parallel.engine import DTYPES, Engine, Objective, parallelize
+from llmopt.parallel.engine import DTYPES, Objective, TrainingEngine, parallelize
 from llmopt.parallel.grid import ParallelDims, RankGrid, init_distributed
 from llmopt.parallel.optim import AdamW
 from llmopt.plan.flops import mfu, model_flops_per_token
@@ -318,7 +318,12 @@ def _train(
 
 
 def _save(
-    cfg: TrainConfig, root: Path, step: int, engine: Engine, optimizer: AdamW, grid: RankGrid
+    cfg: TrainConfig,
+    root: Path,
+    step: int,
+    engine: TrainingEngine,
+    optimizer: AdamW,
+    grid: RankGrid,
 ) -> Path:
     tokenizer = own_tokenizer(cfg) if cfg.tokenizer is None else cfg.tokenizer
     if cfg.corpus == "random" and cfg.data is None and cfg.tokenizer is None and not cfg.init_from:

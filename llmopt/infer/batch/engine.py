@@ -74,7 +74,7 @@ class EngineConfig:
             raise UsageError(f"threads={self.threads!r} must be an integer >= 1")
 
 
-class Engine:
+class ServingEngine:
     def __init__(
         self,
         model: nn.Module,

@@ -1,9 +1,17 @@
-"""The training engine: `parallelize(model, grid, plan) -> Engine` (`core`), what it refuses
+"""The training engine: `parallelize(model, grid, plan) -> TrainingEngine` (`core`), what it refuses
 (`checks`) and its checkpoint state (`state`)."""
 
 from llmopt.parallel.engine.checks import DTYPES, EngineError
-from llmopt.parallel.engine.core import Engine, StepOutput, parallelize
+from llmopt.parallel.engine.core import TrainingEngine, TrainStepOutput, parallelize
 from llmopt.parallel.engine.state import BUFFER
 from llmopt.parallel.loss import Objective
 
-__all__ = ["BUFFER", "DTYPES", "Engine", "EngineError", "Objective", "StepOutput", "parallelize"]
+__all__ = [
+    "BUFFER",
+    "DTYPES",
+    "TrainingEngine",
+    "EngineError",
+    "Objective",
+    "TrainStepOutput",
+    "parallelize",
+]

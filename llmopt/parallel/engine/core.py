@@ -1,4 +1,4 @@
-"""`parallelize(model, grid, plan) -> Engine`: the one way a model is mapped onto ranks.
+"""`parallelize(model, grid, plan) -> TrainingEngine`: the one way a model is mapped onto ranks.
 
 In order: FP8 linears (precision=fp8), tensor (+sequence) parallelism over `grid.tp`, expert
 parallelism over `grid.ep` (a MoE model: each rank keeps its experts, tokens go by
@@ -6,7 +6,7 @@ all-to-all), activation checkpointing, the stage split over `grid.pp`, and data 
 with the plan's ZeRO stage (dense weights over dp x cp, experts over the expert-data-parallel
 group), applied to *this rank's stages only*. pp=1 is a one-stage pipeline: the same executor
 runs its micro-batches (forward and backward of each, gradients accumulated under `no_sync`),
-so there is one code path for every layout. The Engine's methods are all a training loop
+so there is one code path for every layout. The TrainingEngine's methods are all a training loop
 needs:
 
     engine = parallelize(model, grid, ParallelPlan(tp=2, pp=2, dp=2, num_microbatches=4))
@@ -75,7 +75,7 @@ class _RankModule(nn.Module):
 
 
 @dataclass
-class StepOutput:
+class TrainStepOutput:
     loss: float  # global-batch mean, identical on every rank
     grad_norm: float | None
     pipeline: StepResult
@@ -84,7 +84,7 @@ class StepOutput:
     routing: dict[str, object] = field(default_factory=dict)  # MoE: `llmopt.parallel.routing`
 
 
-class Engine(EngineState):
+class TrainingEngine(EngineState):
     """This rank's part of a parallelized model and the machinery to train it."""
 
     def __init__(
@@ -243,7 +243,7 @@ class Engine(EngineState):
         max_norm: float | None = None,
         num_tokens: int | None = None,
         skip_nonfinite: bool = False,
-    ) -> StepOutput:
+    ) -> TrainStepOutput:
         """One optimizer step on this DP replica's batch; the logged loss is the global mean
         over supervised tokens (`forward_backward`). With `skip_nonfinite`, a NaN/inf loss or
         gradient norm applies no update; both are reduced over the grid, so ranks agree."""
@@ -257,7 +257,7 @@ class Engine(EngineState):
             self.update_params()
         self.zero_grad()
         metrics = self.objective_metrics() if applied else {}
-        return StepOutput(loss, norm, result, metrics, applied, self.routing_stats(applied))
+        return TrainStepOutput(loss, norm, result, metrics, applied, self.routing_stats(applied))
 
     def routing_stats(self, update_bias: bool = True) -> dict[str, object]:
         """The MoE routing statistics of the forwards since the last call (collective over
@@ -317,6 +317,6 @@ def parallelize(
     layers_per_stage: Sequence[int] | None = None,
     record_events: bool = False,
     objective: Objective | None = None,
-) -> Engine:
-    """FP8 -> TP/SP -> recompute -> stage split -> DP/ZeRO on this rank; see `Engine`."""
-    return Engine(model, grid, plan, layers_per_stage, record_events, objective)
+) -> TrainingEngine:
+    """FP8 -> TP/SP -> recompute -> stage split -> DP/ZeRO on this rank; see `TrainingEngine`."""
+    return TrainingEngine(model, grid, plan, layers_per_stage, record_events, objective)

@@ -1,4 +1,4 @@
-"""An Engine's state for checkpoints: this rank's shards as they are, and the whole model's
+"""An TrainingEngine's state for checkpoints: this rank's shards as they are, and the whole model's
 tensors by single-model name (what resuming in another layout cuts its own shards from).
 
 Full tensors are assembled in three steps, each collective and uncounted: ZeRO shards and TP
@@ -37,7 +37,7 @@ def persistent_buffers(stages: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
 
 
 class EngineState:
-    """Mixin of `Engine`: layout, shards and full tensors (needs dp, grid, plan, model,
+    """Mixin of `TrainingEngine`: layout, shards and full tensors (needs dp, grid, plan, model,
     layers_per_stage, extra_state, device)."""
 
     def units_layout(self) -> list[list]:
