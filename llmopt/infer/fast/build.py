@@ -25,6 +25,7 @@ SOURCES = (
     "coded_linear.cpp",
     "dense.cpp",
     "math.cpp",
+    "parallel.cpp",
 )
 _STATE: dict[str, object] = {}
 

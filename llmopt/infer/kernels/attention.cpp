@@ -176,7 +176,7 @@ void attention_t(const AttnShape& a, const StepMeta& m, const float* qkv, int64_
   const int64_t d = a.head_dim, hkv = a.kv_heads, group = a.heads / hkv;
   const int64_t row = hkv * d;  // elements per cache row
   const AttendFn<T> attend = attend_for<T>(d);
-  at::parallel_for(0, m.n_tok * hkv, 1, [&](int64_t w0, int64_t w1) {
+  parallel_for(0, m.n_tok * hkv, 1, [&](int64_t w0, int64_t w1) {
     std::vector<float> scores;
     std::vector<const T*> keys, values;
     for (int64_t w = w0; w < w1; ++w) {
@@ -234,7 +234,7 @@ void qkv_to_cache(const AttnShape& a, const StepMeta& m, float* qkv, int64_t ld,
   if (m.n_tok < kParallelRows)
     body(0, m.n_tok);
   else
-    at::parallel_for(0, m.n_tok, 1, body);
+    parallel_for(0, m.n_tok, 1, body);
   switch (cache.dtype) {
     case at::kFloat:
       return store_rows(a, m, qkv, ld, static_cast<float*>(cache.k), static_cast<float*>(cache.v));

@@ -234,7 +234,7 @@ template <int BITS, bool SF16, int MK, bool HALF = false>
 void run_tiles(const Linear& l, const QRows& qx, int64_t n_tok, float* y, int64_t ldy) {
   const int64_t tiles = l.tiles();
   // Few tiles per thread when decoding (n_tok small), so every thread gets work.
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+  parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t tile = t0; tile < t1; ++tile) {
       int64_t tok = 0;
       for (; tok + 8 <= n_tok; tok += 8) tile_any<BITS, SF16, MK, HALF, 8>(l, tile, qx, tok, y, ldy);

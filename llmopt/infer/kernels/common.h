@@ -8,7 +8,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
+#include "parallel.h"
 
 #include <cstdint>
 #include <cstring>

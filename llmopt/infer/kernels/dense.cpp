@@ -79,8 +79,8 @@ void dense_rows(const Linear& l, const float* x, int64_t n_tok, float* y, int64_
   const int64_t n = l.n, k = l.k;
   const float* bias = l.bias.defined() ? l.bias.data_ptr<float>() : nullptr;
   const int64_t blocks = (n + 3) / 4;
-  const int64_t grain = std::max<int64_t>(4, blocks / (8 * at::get_num_threads() + 1));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+  const int64_t grain = std::max<int64_t>(4, blocks / (8 * num_threads() + 1));
+  parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t r = blk * 4, rows = std::min<int64_t>(4, n - r);
       for (int64_t t = 0; t < n_tok; ++t) {

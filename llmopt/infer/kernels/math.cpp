@@ -168,7 +168,7 @@ void quantize_rows(const float* x, int64_t n, int64_t k, QRows& out) {
   if (n < kParallelRows) {
     body(0, n);
   } else {
-    at::parallel_for(0, n, 1, body);
+    parallel_for(0, n, 1, body);
   }
 }
 

@@ -40,21 +40,11 @@ void each_row(int64_t n, F fn) {
   if (n < kParallelRows) {
     for (int64_t t = 0; t < n; ++t) fn(t);
   } else {
-    at::parallel_for(0, n, 1, [&](int64_t a, int64_t b) {
+    parallel_for(0, n, 1, [&](int64_t a, int64_t b) {
       for (int64_t t = a; t < b; ++t) fn(t);
     });
   }
 }
-
-struct ThreadScope {  // the requested intra-op thread count for one call
-  int previous;
-  explicit ThreadScope(int64_t threads) : previous(at::get_num_threads()) {
-    if (threads > 0 && threads != previous) at::set_num_threads(static_cast<int>(threads));
-  }
-  ~ThreadScope() {
-    if (at::get_num_threads() != previous) at::set_num_threads(previous);
-  }
-};
 
 }  // namespace
 
