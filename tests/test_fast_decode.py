@@ -300,3 +300,22 @@ def _copy_to(model, dtype):
     import copy
 
     return copy.deepcopy(model).to(dtype)
+
+
+def test_a_killed_builds_lock_is_cleared_not_waited_on_forever(tmp_path):
+    """torch's build lock outlives a killed build; left there, every later load would wait on
+    it silently. An old one is removed with a warning; a fresh one (a build running) is kept."""
+    import os
+    import time
+
+    from llmopt.infer.fast.build import STALE_LOCK_S, _clear_stale_lock
+
+    assert not _clear_stale_lock(tmp_path)  # no lock: nothing to do
+    lock = tmp_path / "lock"
+    lock.touch()
+    assert not _clear_stale_lock(tmp_path) and lock.exists()  # another build may hold it
+    old = time.time() - STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    with pytest.warns(UserWarning, match="stale kernel build lock"):
+        assert _clear_stale_lock(tmp_path)
+    assert not lock.exists()

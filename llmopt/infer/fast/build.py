@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import time
+import warnings
 from pathlib import Path
 from types import ModuleType
 
@@ -87,6 +89,7 @@ def _compile(portable: bool, verbose: bool) -> ModuleType:
     name = _build_name(portable)
     build = cache_dir() / name
     build.mkdir(parents=True, exist_ok=True)
+    _clear_stale_lock(build)
     arch = "-march=x86-64-v2" if portable and platform.machine() == "x86_64" else "-march=native"
     return cpp_extension.load(
         name=name,
@@ -96,6 +99,28 @@ def _compile(portable: bool, verbose: bool) -> ModuleType:
         extra_ldflags=["-fopenmp"],
         verbose=verbose,
     )
+
+
+STALE_LOCK_S = 900.0  # a build takes 1-3 minutes; a lock this old belongs to a killed one
+
+
+def _clear_stale_lock(build: Path, max_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove torch's build lock left by a build that was killed (Ctrl-C, a timeout): its
+    `FileBaton` would make every later load wait forever, silently. True if one was removed."""
+    lock = build / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < max_age_s:
+        return False
+    warnings.warn(
+        f"removing a stale kernel build lock ({age / 60:.0f} min old) left by a killed build: "
+        f"{lock}",
+        stacklevel=3,
+    )
+    lock.unlink(missing_ok=True)
+    return True
 
 
 def build_error() -> str | None:
