@@ -133,6 +133,7 @@ async def run_level(
     counter = iter(range(requests))
     stats: list[RequestStats] = []
     errors: list[str] = []
+    retried = [0]
     deadline = time.perf_counter() + time_limit
 
     async def client_loop(client) -> None:
@@ -149,7 +150,13 @@ async def run_level(
                 "ignore_eos": True,
             }
             try:
-                stats.append(await _one(client, url, body))
+                try:
+                    stats.append(await _one(client, url, body))
+                except httpx.RemoteProtocolError:
+                    # the server closed a kept-alive connection before answering (llama-server
+                    # does at times): what a client does is resend once on a new connection
+                    retried[0] += 1
+                    stats.append(await _one(client, url, body))
             except (RuntimeError, httpx.HTTPError, json.JSONDecodeError) as exc:
                 errors.append(str(exc))
 
@@ -160,6 +167,7 @@ async def run_level(
         await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
     out = summarize(stats, len(errors), time.perf_counter() - start, concurrency)
     out["first_errors"] = errors[:3]
+    out["retried"] = retried[0]
     return out
 
 
