@@ -1,9 +1,10 @@
 """Batch-1 decode and prefill speed: llmopt vs HF transformers `generate`, same weights/threads.
 
-Also measures the machine's memory read bandwidth and reports the fraction of the bandwidth
-roofline each run reaches: a batch-1 decode step must read every weight once, so
-tokens/s <= bandwidth / bytes of weights. Runs are interleaved (ours, HF, ours, HF, ...) and
-the median is kept, so a machine shared with other jobs slows both sides alike.
+Also measures the machine's memory read bandwidth (`llmopt.profile.peaks.read_bytes_per_s`) and
+reports the fraction of the bandwidth roofline each run reaches: a batch-1 decode step must
+read every weight once, so tokens/s <= bandwidth / bytes of weights. Runs are interleaved
+(ours, HF, ours, HF, ...) and the median is kept, so a machine shared with other jobs slows
+both sides alike.
 
     python benchmarks/decode.py --threads 2 --out runs/decode.json
 
@@ -26,19 +27,6 @@ import time
 from pathlib import Path
 
 import torch
-
-
-def measure_read_bandwidth(threads: int, mbytes: int = 512, repeats: int = 7) -> float:
-    """Bytes/s of streaming reads (a sum over a buffer far larger than the caches)."""
-    torch.set_num_threads(threads)
-    buf = torch.ones(mbytes * 2**20 // 4, dtype=torch.float32)
-    buf.sum()  # fault the pages in
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        buf.sum()
-        best = min(best, time.perf_counter() - t0)
-    return buf.numel() * 4 / best
 
 
 def weight_bytes_per_token(model: torch.nn.Module) -> int:
@@ -200,10 +188,11 @@ def main() -> None:
 
     from llmopt.data.corpus import load_text
     from llmopt.models.loading import load_model, load_tokenizer, save_pretrained
+    from llmopt.profile.peaks import read_bytes_per_s
 
     torch.set_num_threads(args.threads)
     console = Console()
-    bandwidth = measure_read_bandwidth(args.threads)
+    bandwidth = read_bytes_per_s(threads=args.threads)
     console.print(f"memory read bandwidth ({args.threads} threads): {bandwidth / 1e9:.1f} GB/s")
     tokenizer = load_tokenizer(args.model)
     prompt = tokenizer.encode(load_text("corpus:web-bible", max_chars=20_000))[: args.prompt_tokens]

@@ -41,9 +41,9 @@ def _rank(rank: int, world: int, case: dict, data_file: str) -> dict:
     from llmopt.parallel.engine import parallelize
     from llmopt.parallel.grid import ParallelDims, RankGrid
     from llmopt.parallel.optim import AdamW
-    from llmopt.parallel.pipeline.measure import SavedTensorMeter
     from llmopt.parallel.plan import ParallelPlan
     from llmopt.train.lora import LoraSettings, apply_lora
+    from llmopt.validate.pipeline_measure import SavedTensorMeter
 
     grid = RankGrid.create(ParallelDims(world))
     model = load_model("smollm2-135m", dtype=torch.float32).train()

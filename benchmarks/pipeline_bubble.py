@@ -31,9 +31,9 @@ def _worker(rank, world, cases, t_fwd, t_bwd, steps):
     from llmopt.models import ModelConfig, build_model
     from llmopt.parallel.comm import CommCounter, Group
     from llmopt.parallel.pipeline.executor import PipelineExecutor
-    from llmopt.parallel.pipeline.measure import add_uniform_delay
     from llmopt.parallel.pipeline.schedule import build_schedule
     from llmopt.parallel.pipeline.stage import split_model
+    from llmopt.validate.pipeline_measure import add_uniform_delay
 
     group = Group("pp", tuple(range(world)), rank, dist.group.WORLD, CommCounter())
     out = []
@@ -79,10 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    from llmopt.parallel.pipeline.measure import measure_bubble
     from llmopt.parallel.pipeline.schedule import build_schedule
     from llmopt.parallel.pipeline.simulate import simulate, theoretical_bubble
     from llmopt.parallel.pipeline.timeline import render_png
+    from llmopt.validate.pipeline_measure import measure_bubble
 
     pp, m, v = args.pp, args.num_microbatches, args.virtual_stages
     cases = [("gpipe", m, 1), ("1f1b", m, 1), ("interleaved", m, v)]

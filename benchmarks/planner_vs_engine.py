@@ -21,7 +21,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from llmopt.parallel.pipeline.crosscheck import MB, SEQ, crosscheck_model
+from llmopt.validate.crosscheck import MB, SEQ, crosscheck_model
 from llmopt.validate.planner_engine import planner_prediction
 
 CONFIGS = {
@@ -44,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names")
     parser.add_argument("--out", default="runs/planner_vs_engine.json")
     args = parser.parse_args(argv)
-    from llmopt.parallel.pipeline.crosscheck import engine_step
     from llmopt.train.launch import spawn
+    from llmopt.validate.crosscheck import engine_step
 
     names = args.configs.split(",")
     unknown = [n for n in names if n not in CONFIGS]

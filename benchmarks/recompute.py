@@ -26,9 +26,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from llmopt.models import ModelConfig, build_model
 from llmopt.models.spec import spec_for
-from llmopt.parallel.pipeline.measure import SavedTensorMeter
 from llmopt.parallel.recompute import RECOMPUTE_MODES, apply_activation_checkpointing
 from llmopt.parallel.tensor_parallel import lm_loss
+from llmopt.validate.pipeline_measure import SavedTensorMeter
 
 BACKENDS = {"fused": None, "math": SDPBackend.MATH}
 

@@ -232,7 +232,7 @@ def main() -> int:
     prompts = read_prompts()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
-    peaks = {t: _peak_bandwidth(t, measure_peaks) for t in args.threads}
+    peaks = {t: measure_peaks("cpu", copy_mib=256, threads=t).bytes_per_s for t in args.threads}
     rows = []
     for threads in args.threads:
         rows += race(args, threads, prompts, console)
@@ -283,17 +283,6 @@ def main() -> int:
     write_report(console, args.out, payload)
     plot(summary, args.out.with_suffix(".png"), title)
     return 0
-
-
-def _peak_bandwidth(threads: int, measure) -> float:
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return measure("cpu", copy_mib=256).bytes_per_s
-    finally:
-        torch.set_num_threads(before)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmopt.parallel.pipeline.crosscheck import (
+from llmopt.validate.crosscheck import (
     MB,
     SEQ,
     crosscheck_model,

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from llmopt.models import ModelConfig, build_model
-from llmopt.parallel.pipeline.measure import measure_bubble
 from llmopt.parallel.pipeline.schedule import Action, build_schedule
 from llmopt.parallel.pipeline.simulate import Event, simulate
+from llmopt.validate.pipeline_measure import measure_bubble
 from tests.dist_helpers import run_distributed
 
 
@@ -32,8 +32,8 @@ def _delayed_worker(rank: int, world: int, name: str, m: int):
 
     from llmopt.parallel.comm import CommCounter, Group
     from llmopt.parallel.pipeline.executor import PipelineExecutor
-    from llmopt.parallel.pipeline.measure import add_uniform_delay
     from llmopt.parallel.pipeline.stage import split_model
+    from llmopt.validate.pipeline_measure import add_uniform_delay
 
     cfg = ModelConfig("d", 32, 16, 32, 2, num_heads=2, num_kv_heads=2, max_seq_len=8)
     stages = [add_uniform_delay(s, T_FWD, T_BWD) for s in split_model(build_model(cfg), rank, 2)]

@@ -15,7 +15,6 @@ import torch
 from llmopt.models import build_model
 from llmopt.models.config import ModelConfig
 from llmopt.models.presets import get_preset
-from llmopt.parallel.pipeline.measure import SavedTensorMeter
 from llmopt.parallel.pipeline.schedule import build_schedule
 from llmopt.parallel.pipeline.simulate import simulate
 from llmopt.parallel.plan import ParallelPlan
@@ -35,6 +34,7 @@ from llmopt.plan.memory import (
     rope_table_bytes,
 )
 from llmopt.plan.workload import Workload
+from llmopt.validate.pipeline_measure import SavedTensorMeter
 
 # name, layers, hidden, heads, pp, micro_batch, virtual stages; t = 8, s = 2048, V = 51200.
 KORTHIKANTI = [

@@ -1,14 +1,20 @@
-"""This machine's attainable peaks, measured (not typed in): matmul FLOP/s and copy bandwidth.
+"""This machine's attainable peaks, measured (not typed in): matmul FLOP/s and memory bandwidth.
 
 A roofline is only as honest as its roofs. Datasheet numbers are unreachable on a shared CPU or a
 clock-throttled GPU, so both roofs are the best of a few timed runs of the two kernels that
 define them: a square matrix product (compute roof) and a large tensor copy (memory roof; a
-copy reads and writes every byte once).
+copy reads and writes every byte once). `read_bytes_per_s` is the read-only roof a batch-1
+decode step meets (it reads every weight once, writes almost nothing). These are the one
+definition of each probe: `llmopt profile`, benchmarks/decode.py and
+benchmarks/serve_vs_llamacpp.py all measure through them; `threads` pins torch's CPU thread
+count for the measurement and restores it after.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch
@@ -61,6 +67,40 @@ def _copy_seconds(elems: int, device: torch.device, dtype: torch.dtype, repeats:
     return _best_seconds(lambda: dst.copy_(src), device, repeats)
 
 
+@contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """Run the block with torch's CPU thread count set to `threads` (None: leave it)."""
+    if threads is None:
+        yield
+        return
+    if threads < 1:
+        raise UsageError(f"threads={threads} must be >= 1 (or None for torch's current count)")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def read_bytes_per_s(
+    device: torch.device | str = "cpu",
+    *,
+    mib: int = 512,
+    repeats: int = 7,
+    threads: int | None = None,
+) -> float:
+    """Bytes/s of streaming reads: the best of `repeats` sums over `mib` MiB of float32, a
+    buffer far larger than the caches (the warm-up sum faults its pages in)."""
+    device = torch.device(device)
+    if mib < 1 or repeats < 1:
+        raise UsageError(f"mib={mib} must be >= 1 and repeats={repeats} >= 1")
+    buf = torch.ones(mib * 2**20 // 4, dtype=torch.float32, device=device)
+    with torch_threads(threads):
+        seconds = _best_seconds(buf.sum, device, repeats)
+    return buf.numel() * 4 / seconds
+
+
 def measure_peaks(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
@@ -68,6 +108,7 @@ def measure_peaks(
     matmul_n: int | None = None,
     copy_mib: int | None = None,
     repeats: int = 5,
+    threads: int | None = None,
 ) -> MachinePeaks:
     """Time an n x n matmul and a copy of `copy_mib` MiB; sizes default by device type."""
     device = torch.device(device)
@@ -76,9 +117,10 @@ def measure_peaks(
     mib = copy_mib or (1024 if cuda else 64)
     if n < 16 or mib < 1 or repeats < 1:
         raise UsageError(f"matmul_n={n} must be >= 16, copy_mib={mib} >= 1, repeats={repeats} >= 1")
-    mm_s = _matmul_seconds(n, device, dtype, repeats)
     elems = mib * 2**20 // torch.empty(0, dtype=dtype).element_size()
-    copy_s = _copy_seconds(elems, device, dtype, repeats)
+    with torch_threads(threads):
+        mm_s = _matmul_seconds(n, device, dtype, repeats)
+        copy_s = _copy_seconds(elems, device, dtype, repeats)
     moved = 2 * elems * torch.empty(0, dtype=dtype).element_size()
     return MachinePeaks(
         flops_per_s=2 * n**3 / mm_s,

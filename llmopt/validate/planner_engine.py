@@ -1,6 +1,6 @@
 """The planner's side of the planner-vs-engine crosscheck: what `llmopt.plan` predicts for a small
 3D config (bytes and calls per process group and op, activation bytes per pipeline stage), in
-the shape the engine's counted step reports (`llmopt.parallel.pipeline.crosscheck`), so the two
+the shape the engine's counted step reports (`llmopt.validate.crosscheck`), so the two
 are compared key by key (tests/test_pipeline_crosscheck.py, benchmarks/planner_vs_engine.py).
 A case is a dict: tp, pp, sp, zero, m (micro-batches), schedule, v (virtual stages), rc
 (recompute), and optionally tied, seq, mb.
@@ -8,9 +8,9 @@ A case is a dict: tp, pp, sp, zero, m (micro-batches), schedule, v (virtual stag
 
 from __future__ import annotations
 
-from llmopt.parallel.pipeline.crosscheck import MB, SEQ, crosscheck_model
 from llmopt.parallel.plan import ParallelPlan
 from llmopt.plan.predict import STAGES, predicted_activation_bytes, predicted_comm
+from llmopt.validate.crosscheck import MB, SEQ, crosscheck_model
 
 
 def planner_prediction(case: dict, dp: int) -> dict:

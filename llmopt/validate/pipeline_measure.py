@@ -1,4 +1,9 @@
-"""Measured pipeline bubbles: uniform synthetic stage times and idle fractions from events.
+"""Measured pipeline bubbles and activation bytes, to check the engine against theory and plan.
+
+Bubbles: uniform synthetic stage times and idle fractions from the executor's events
+(benchmarks/pipeline_bubble.py); activations: `SavedTensorMeter` (the planner-vs-engine
+crosscheck, benchmarks/recompute.py, benchmarks/finetune_memory.py). Nothing here runs at train
+time, so it lives in llmopt.validate, not llmopt.parallel.
 
 To compare a real run with the (p-1)/(m+p-1) theory the stages must cost the same; a tiny model
 plus a fixed sleep per forward/backward makes that so regardless of which rank holds the

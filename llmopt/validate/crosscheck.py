@@ -3,9 +3,10 @@
 `engine_step(rank, world, case)` runs one optimizer step on this rank (inside an initialised
 gloo world) and returns its counted communication per (group, op) and the peak bytes its
 transformer blocks saved for backward, in bf16 with fp32 gradient reduction (the planner's
-"megatron" numerics). The planner's prediction of the same numbers lives outside the engine
-package (`benchmarks/planner_vs_engine.py: planner_prediction`): llmopt.parallel does not
-import the planner.
+"megatron" numerics). The planner's prediction of the same numbers is
+`llmopt.validate.planner_engine.planner_prediction`, on the same case (`crosscheck_model`,
+SEQ, MB defined here once). Both sides live in llmopt.validate, above the engine and the
+planner, so llmopt.parallel never imports the planner nor the check.
 
 `case` keys: tp, pp, sp, zero, m (micro-batches), schedule, v, rc (recompute), and optionally
 seq (sequence length), mb (micro-batch size) and tied (tied embeddings).
@@ -48,8 +49,8 @@ def engine_step(rank: int, world: int, case: dict) -> dict:
     from llmopt.parallel.comm import CommCounter
     from llmopt.parallel.engine import parallelize
     from llmopt.parallel.grid import ParallelDims, RankGrid
-    from llmopt.parallel.pipeline.measure import SavedTensorMeter
     from llmopt.parallel.plan import ParallelPlan
+    from llmopt.validate.pipeline_measure import SavedTensorMeter
 
     cfg = crosscheck_model(case.get("tied", False))
     seq, mb = case.get("seq", SEQ), case.get("mb", MB)
