@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from llmopt.compress.quant.progress import layer_progress
-from llmopt.models.spec import spec_for
+from llmopt.models.spec import ModelSpec, spec_for
 
 
 @dataclass
@@ -63,6 +63,20 @@ class BlockMethod:
     def finish(self, step: BlockStep) -> None:
         """After the next block's inputs were computed from this block (e.g. swap in packed
         layers that calibration should not run through)."""
+
+
+def sequential_stages(
+    spec: ModelSpec, names: list[str], sort_rest: bool = False
+) -> list[list[str]]:
+    """The spec's `gptq_order` restricted to `names`, then a last stage of the names it does
+    not mention (in the given order, or sorted: GPTQ's report order)."""
+    stages = [[n for n in stage if n in names] for stage in spec.gptq_order]
+    stages = [stage for stage in stages if stage]
+    staged = {n for stage in stages for n in stage}
+    rest = [n for n in names if n not in staged]
+    if sort_rest:
+        rest = sorted(rest)
+    return stages + ([rest] if rest else [])
 
 
 class _Captured(Exception):

@@ -19,7 +19,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmopt.compress.calibration_walk import BlockMethod, BlockStep, hessian, walk_blocks
+from llmopt.compress.calibration_walk import (
+    BlockMethod,
+    BlockStep,
+    hessian,
+    sequential_stages,
+    walk_blocks,
+)
 from llmopt.compress.prune.masks import (
     check_nm_shape,
     magnitude_score,
@@ -40,14 +46,6 @@ def prunable_linears(spec: ModelSpec, block: nn.Module) -> dict[str, nn.Linear]:
         if isinstance(module, nn.Linear):
             found[name] = module
     return found
-
-
-def prune_stages(spec: ModelSpec, linears: dict[str, nn.Linear]) -> list[list[str]]:
-    """`gptq_order` restricted to the block's linears, plus any linear it does not mention."""
-    stages = [[n for n in stage if n in linears] for stage in spec.gptq_order]
-    stages = [s for s in stages if s]
-    rest = [n for n in linears if all(n not in s for s in stages)]
-    return stages + ([rest] if rest else [])
 
 
 def _check_shapes(model: nn.Module, spec: ModelSpec, sparsity: Sparsity) -> None:
@@ -99,7 +97,7 @@ class _Prune(BlockMethod):
 
     def stages(self, step: BlockStep) -> list[list[str]]:
         self.linears, self.losses = prunable_linears(self.spec, step.block), {}
-        return prune_stages(self.spec, self.linears)
+        return sequential_stages(self.spec, list(self.linears))
 
     def apply(self, step: BlockStep, stage: list[str], stats: dict[str, Any]) -> None:
         for name in stage:

@@ -27,7 +27,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmopt.compress.calibration_walk import BlockMethod, BlockStep, hessian, walk_blocks
+from llmopt.compress.calibration_walk import (
+    BlockMethod,
+    BlockStep,
+    hessian,
+    sequential_stages,
+    walk_blocks,
+)
 from llmopt.compress.calibration_walk import collect_hessians as collect_hessians
 from llmopt.compress.quant.rtn import rtn_quantize
 from llmopt.compress.quant.targets import block_linears, replace_with_packed
@@ -190,10 +196,7 @@ class _GPTQ(BlockMethod):
         self.linears, self.packed, self.losses = linears, {}, {}
         if not self.config.gptq_true_sequential:
             return [list(linears)]
-        order = [[n for n in stage if n in linears] for stage in self.spec.gptq_order]
-        order = [stage for stage in order if stage]
-        rest = set(linears) - {n for stage in order for n in stage}
-        return order + [sorted(rest)] if rest else order
+        return sequential_stages(self.spec, list(linears), sort_rest=True)
 
     observe = staticmethod(hessian)
 
