@@ -19,6 +19,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmopt.compress.calibration_walk import (
+    BlockMethod,
+    BlockStep,
+    hessian,
+    sequential_stages,
+    walk_blocks,
+)
 from llmopt.compress.prune.masks import (
     check_nm_shape,
     magnitude_score,
@@ -27,8 +34,6 @@ from llmopt.compress.prune.masks import (
 )
 from llmopt.compress.prune.sparsegpt import sparsegpt_solve
 from llmopt.compress.quant.calibration import check_calibration_tokens
-from llmopt.compress.quant.gptq import collect_hessians
-from llmopt.compress.quant.progress import layer_progress
 from llmopt.models.packed.sparse.config import PruneConfig, PruneConfigError, Sparsity
 from llmopt.models.spec import ModelSpec, spec_for
 
@@ -41,14 +46,6 @@ def prunable_linears(spec: ModelSpec, block: nn.Module) -> dict[str, nn.Linear]:
         if isinstance(module, nn.Linear):
             found[name] = module
     return found
-
-
-def prune_stages(spec: ModelSpec, linears: dict[str, nn.Linear]) -> list[list[str]]:
-    """`gptq_order` restricted to the block's linears, plus any linear it does not mention."""
-    stages = [[n for n in stage if n in linears] for stage in spec.gptq_order]
-    stages = [s for s in stages if s]
-    rest = [n for n in linears if all(n not in s for s in stages)]
-    return stages + ([rest] if rest else [])
 
 
 def _check_shapes(model: nn.Module, spec: ModelSpec, sparsity: Sparsity) -> None:
@@ -84,6 +81,35 @@ def _prune_linear(
     return keep, 0.0
 
 
+class _Prune(BlockMethod):
+    """Pruning in the calibration walk: Hessians per `gptq_order` stage (none for magnitude),
+    pruned blocks' outputs fed forward."""
+
+    observe = staticmethod(hessian)
+
+    def __init__(self, config: PruneConfig, spec: ModelSpec) -> None:
+        self.config, self.spec = config, spec
+        self.label = f"{config.method} {config.sparsity}"
+        self.masks: dict[str, torch.Tensor] = {}
+        self.layers: list[dict[str, Any]] = []
+        self.linears: dict[str, nn.Linear] = {}
+        self.losses: dict[str, float] = {}
+
+    def stages(self, step: BlockStep) -> list[list[str]]:
+        self.linears, self.losses = prunable_linears(self.spec, step.block), {}
+        return sequential_stages(self.spec, list(self.linears))
+
+    def apply(self, step: BlockStep, stage: list[str], stats: dict[str, Any]) -> None:
+        for name in stage:
+            keep, self.losses[name] = _prune_linear(
+                self.linears[name], self.config, stats.get(name)
+            )
+            self.masks[f"{step.name}.{name}"] = keep.cpu()
+
+    def finish(self, step: BlockStep) -> None:
+        self.layers.append({"layer": step.index, "loss": self.losses})
+
+
 def prune_model(
     model: nn.Module,
     method: str = "sparsegpt",
@@ -112,28 +138,10 @@ def prune_model(
     pruned = copy.deepcopy(model).eval()
     dtype = next(pruned.parameters()).dtype
     pruned.float()
-    blocks = spec.blocks_of(pruned)
-    masks: dict[str, torch.Tensor] = {}
-    layers: list[dict[str, Any]] = []
-    x = cos = sin = None
-    if config.needs_calibration:
-        device = next(pruned.parameters()).device
-        x = spec.top_module(pruned, "embedding")(calib_tokens.to(device)).float()
-        cos, sin = pruned.rotary(0, calib_tokens.shape[1], x.dtype)
-    label = f"{config.method} {config.sparsity}"
-    with torch.no_grad(), layer_progress(len(blocks), label, progress) as advance:
-        for i, block in enumerate(blocks):
-            linears = prunable_linears(spec, block)
-            losses: dict[str, float] = {}
-            for stage in prune_stages(spec, linears):
-                hessians = collect_hessians(block, stage, x, cos, sin) if x is not None else {}
-                for name in stage:
-                    keep, losses[name] = _prune_linear(linears[name], config, hessians.get(name))
-                    masks[f"{spec.blocks}.{i}.{name}"] = keep.cpu()
-            if x is not None:
-                x = block(x, cos, sin)
-            layers.append({"layer": i, "loss": losses})
-            advance()
+    method = _Prune(config, spec)
+    calib = calib_tokens if config.needs_calibration else None
+    walk_blocks(pruned, calib, method, progress)
+    masks, layers = method.masks, method.layers
     pruned.to(dtype)
     if getattr(pruned.config, "tie_embeddings", False):
         head = spec.top_module(pruned, "head")

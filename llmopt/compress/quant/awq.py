@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmopt.compress.calibration_walk import BlockMethod, BlockStep, walk_blocks
 from llmopt.compress.quant.gptq import rtn_fallback_report
-from llmopt.compress.quant.progress import layer_progress
 from llmopt.compress.quant.targets import block_linears, replace_with_packed
 from llmopt.models.packed.quant.config import QuantConfig
 from llmopt.models.packed.quant.format import (
@@ -53,27 +53,6 @@ class BoundGroup:
     prev: nn.Module
     names: list[str]
     inspect: Callable[[torch.Tensor], torch.Tensor]
-
-
-def _capture_inputs(
-    block: nn.Module, names: list[str], x: torch.Tensor, cos, sin
-) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Inputs of each named linear and the block's output, from one forward pass."""
-    feats: dict[str, torch.Tensor] = {}
-    hooks = []
-    for name in names:
-        module = block.get_submodule(name)
-
-        def hook(_m, args, _out, name=name):
-            feats[name] = args[0].detach()
-
-        hooks.append(module.register_forward_hook(hook))
-    try:
-        out = block(x, cos, sin)
-    finally:
-        for h in hooks:
-            h.remove()
-    return feats, out
 
 
 def scaling_groups(
@@ -223,69 +202,81 @@ def search_clip(
     return best_max, first_err.sum(1).mean().item(), best_err.sum(1).mean().item()
 
 
+class _AWQ(BlockMethod):
+    """AWQ in the calibration walk: every selected linear's inputs from one full forward,
+    whose (full-precision) outputs feed the next block."""
+
+    feed_original = True
+
+    def __init__(self, config: QuantConfig, spec: ModelSpec, n_search: int) -> None:
+        self.config, self.spec, self.n_search = config, spec, n_search
+        self.label = f"AWQ W{config.bits}"
+        self.gen = torch.Generator().manual_seed(config.calib_seed)
+        self.layers: list[dict[str, Any]] = []
+        self.scales: dict[str, torch.Tensor] = {}
+        self.fallback: list[str] = []
+        self.linears: dict[str, nn.Linear] = {}
+
+    def stages(self, step: BlockStep) -> list[list[str]]:
+        self.linears = block_linears(step.block, self.spec, self.config)
+        return [list(self.linears)]
+
+    def apply(self, step: BlockStep, stage: list[str], stats: dict[str, Any]) -> None:
+        block, spec, config = step.block, self.spec, self.config
+        feats = dict(stats)
+        layer_report: dict[str, Any] = {"layer": step.index, "groups": [], "clip": {}}
+        for group in scaling_groups(block, spec, set(self.linears), step.cos, step.sin):
+            inp = feats[group.names[0]]
+            if inp.numel() == 0:  # no calibration input (an unrouted expert): no scale
+                continue
+            s, alpha, losses = _search_scale(group, block, inp, self.n_search, config)
+            _apply_scale(group, block, s)
+            scaled = inp / s  # the linears now see x / s
+            for name in group.names:
+                feats[name] = scaled
+            self.scales[f"{step.name}.{group.prev_name}"] = s
+            top = torch.topk(s, k=min(4, s.numel()))
+            layer_report["groups"].append(
+                {
+                    "prev": group.prev_name,
+                    "linears": group.names,
+                    "alpha": alpha,
+                    "loss_rtn": losses[0],
+                    "loss_awq": min(losses),
+                    "scale_max": s.max().item(),
+                    "scale_min": s.min().item(),
+                    "top_channels": top.indices.tolist(),
+                }
+            )
+        for name, lin in self.linears.items():
+            w = lin.weight.data
+            max_abs = None
+            tokens = feats[name].reshape(-1, w.shape[1])
+            if tokens.shape[0] == 0:  # an expert no calibration token was routed to
+                self.fallback.append(f"{step.name}.{name}")
+            elif config.awq_clip and name not in spec.awq_no_clip:
+                limit = config.awq_clip_tokens
+                if limit is not None and tokens.shape[0] > limit:
+                    pick = torch.randperm(tokens.shape[0], generator=self.gen)
+                    tokens = tokens[pick[:limit]]
+                max_abs, before, after = search_clip(w, tokens, config)
+                layer_report["clip"][name] = {"mse_noclip": before, "mse_clip": after}
+            scale, zero = compute_qparams(
+                w, config.bits, config.group_size, config.sym, max_abs=max_abs
+            )
+            packed = pack_weight(
+                w, config.bits, config.group_size, config.sym, scale=scale, zero=zero
+            )
+            replace_with_packed(block, name, packed, config)
+        self.layers.append(layer_report)
+
+
 def awq_quantize(
     model: nn.Module, config: QuantConfig, calib_tokens: torch.Tensor, progress: bool
 ) -> dict[str, Any]:
     """Scale, clip and quantize every block in place; returns the per-layer report."""
-    spec = spec_for(model)
-    n, t = calib_tokens.shape
-    x = spec.top_module(model, "embedding")(calib_tokens).float()
-    cos, sin = model.rotary(0, t, x.dtype)
-    n_search = min(config.awq_search_samples, n)
-    gen = torch.Generator().manual_seed(config.calib_seed)
-    layers_report = []
-    scales: dict[str, torch.Tensor] = {}
-    fallback: list[str] = []
-    blocks = spec.named_blocks(model)
-    with layer_progress(len(blocks), f"AWQ W{config.bits}", progress) as advance:
-        for i, (block_name, block) in enumerate(blocks):
-            linears = block_linears(block, spec, config)
-            feats, out = _capture_inputs(block, list(linears), x, cos, sin)
-            layer_report: dict[str, Any] = {"layer": i, "groups": [], "clip": {}}
-            for group in scaling_groups(block, spec, set(linears), cos, sin):
-                inp = feats[group.names[0]]
-                if inp.numel() == 0:  # no calibration input (an unrouted expert): no scale
-                    continue
-                s, alpha, losses = _search_scale(group, block, inp, n_search, config)
-                _apply_scale(group, block, s)
-                scaled = inp / s  # the linears now see x / s
-                for name in group.names:
-                    feats[name] = scaled
-                scales[f"{block_name}.{group.prev_name}"] = s
-                top = torch.topk(s, k=min(4, s.numel()))
-                layer_report["groups"].append(
-                    {
-                        "prev": group.prev_name,
-                        "linears": group.names,
-                        "alpha": alpha,
-                        "loss_rtn": losses[0],
-                        "loss_awq": min(losses),
-                        "scale_max": s.max().item(),
-                        "scale_min": s.min().item(),
-                        "top_channels": top.indices.tolist(),
-                    }
-                )
-            for name, lin in linears.items():
-                w = lin.weight.data
-                max_abs = None
-                tokens = feats[name].reshape(-1, w.shape[1])
-                if tokens.shape[0] == 0:  # an expert no calibration token was routed to
-                    fallback.append(f"{block_name}.{name}")
-                elif config.awq_clip and name not in spec.awq_no_clip:
-                    limit = config.awq_clip_tokens
-                    if limit is not None and tokens.shape[0] > limit:
-                        pick = torch.randperm(tokens.shape[0], generator=gen)
-                        tokens = tokens[pick[:limit]]
-                    max_abs, before, after = search_clip(w, tokens, config)
-                    layer_report["clip"][name] = {"mse_noclip": before, "mse_clip": after}
-                scale, zero = compute_qparams(
-                    w, config.bits, config.group_size, config.sym, max_abs=max_abs
-                )
-                packed = pack_weight(
-                    w, config.bits, config.group_size, config.sym, scale=scale, zero=zero
-                )
-                replace_with_packed(block, name, packed, config)
-            layers_report.append(layer_report)
-            x = out
-            advance()
-    return {"layers": layers_report, "scales": scales, **rtn_fallback_report(fallback, "AWQ")}
+    n_search = min(config.awq_search_samples, calib_tokens.shape[0])
+    method = _AWQ(config, spec_for(model), n_search)
+    walk_blocks(model, calib_tokens, method, progress)
+    report = rtn_fallback_report(method.fallback, "AWQ")
+    return {"layers": method.layers, "scales": method.scales, **report}

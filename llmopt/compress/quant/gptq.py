@@ -27,7 +27,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmopt.compress.quant.progress import layer_progress
+from llmopt.compress.calibration_walk import (
+    BlockMethod,
+    BlockStep,
+    hessian,
+    sequential_stages,
+    walk_blocks,
+)
+from llmopt.compress.calibration_walk import collect_hessians as collect_hessians
 from llmopt.compress.quant.rtn import rtn_quantize
 from llmopt.compress.quant.targets import block_linears, replace_with_packed
 from llmopt.errors import UsageError
@@ -39,40 +46,7 @@ from llmopt.models.packed.quant.format import (
     num_groups,
     pack_codes,
 )
-from llmopt.models.spec import spec_for
-
-
-class _Captured(Exception):
-    """Raised by a hook once every requested input was seen: the rest of the block is skipped."""
-
-
-def collect_hessians(
-    block: nn.Module, names: list[str], x: torch.Tensor, cos, sin
-) -> dict[str, torch.Tensor]:
-    """H = 2 X X^T / n for each named linear's input, from one (truncated) block forward."""
-    hessians: dict[str, torch.Tensor] = {}
-    hooks = []
-    for name in names:
-
-        def hook(_m, args, name=name):
-            inp = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-            # zero rows (an expert no calibration token chose): an all-zero H
-            hessians[name] = 2.0 * (inp.t() @ inp) / max(inp.shape[0], 1)
-            if len(hessians) == len(names):
-                raise _Captured
-
-        hooks.append(block.get_submodule(name).register_forward_pre_hook(hook))
-    try:
-        block(x, cos, sin)
-    except _Captured:
-        pass
-    finally:
-        for h in hooks:
-            h.remove()
-    missing = set(names) - set(hessians)
-    if missing:
-        raise RuntimeError(f"block forward never reached {sorted(missing)}")
-    return hessians
+from llmopt.models.spec import ModelSpec, spec_for
 
 
 @torch.no_grad()
@@ -205,65 +179,69 @@ def _search_qparams(
     return best_s, best_z
 
 
+class _GPTQ(BlockMethod):
+    """GPTQ in the calibration walk: Hessians per stage, quantized weights fed forward."""
+
+    def __init__(self, config: QuantConfig, spec: ModelSpec) -> None:
+        self.config, self.spec = config, spec
+        self.label = f"GPTQ W{config.bits}"
+        self.layers: list[dict[str, Any]] = []
+        self.fallback: list[str] = []
+        self.linears: dict[str, nn.Linear] = {}
+        self.packed: dict[str, PackedWeight] = {}
+        self.losses: dict[str, float] = {}
+
+    def stages(self, step: BlockStep) -> list[list[str]]:
+        linears = block_linears(step.block, self.spec, self.config)
+        self.linears, self.packed, self.losses = linears, {}, {}
+        if not self.config.gptq_true_sequential:
+            return [list(linears)]
+        return sequential_stages(self.spec, list(linears), sort_rest=True)
+
+    observe = staticmethod(hessian)
+
+    def apply(self, step: BlockStep, stage: list[str], stats: dict[str, Any]) -> None:
+        config = self.config
+        for name in stage:
+            lin = self.linears[name]
+            if not bool(stats[name].any()):  # no calibration input: nothing to fit
+                packed = rtn_quantize(lin.weight, config.bits, config.group_size, config.sym)
+                lin.weight.data = packed.dequantize()
+                self.packed[name] = packed
+                self.fallback.append(f"{step.name}.{name}")
+                continue
+            packed, loss = gptq_solve(
+                lin.weight,
+                stats[name],
+                config.bits,
+                config.group_size,
+                config.sym,
+                damp=config.gptq_damp,
+                block_size=config.gptq_block_size,
+                act_order=config.gptq_act_order,
+                groups=config.gptq_groups,
+                range_grid=config.gptq_range_grid,
+                max_shrink=config.gptq_max_shrink,
+            )
+            # later stages see this layer's quantized output (fp matmul of the
+            # dequantised weight: same numbers as QuantLinear, faster for calibration)
+            lin.weight.data = packed.dequantize()
+            self.packed[name], self.losses[name] = packed, loss
+
+    def finish(self, step: BlockStep) -> None:
+        for name, packed in self.packed.items():
+            replace_with_packed(step.block, name, packed, self.config)
+        losses = {k: _finite(v) for k, v in self.losses.items()}
+        self.layers.append({"layer": step.index, "loss": losses})
+
+
 def gptq_quantize(
     model: nn.Module, config: QuantConfig, calib_tokens: torch.Tensor, progress: bool
 ) -> dict[str, Any]:
     """Quantize every block in place, feeding quantized outputs forward; returns a report."""
-    spec = spec_for(model)
-    _, t = calib_tokens.shape
-    x = spec.top_module(model, "embedding")(calib_tokens).float()
-    cos, sin = model.rotary(0, t, x.dtype)
-    layers_report = []
-    fallback: list[str] = []
-    blocks = spec.named_blocks(model)
-    with layer_progress(len(blocks), f"GPTQ W{config.bits}", progress) as advance:
-        for i, (block_name, block) in enumerate(blocks):
-            linears = block_linears(block, spec, config)
-            if config.gptq_true_sequential:
-                order = [[n for n in stage if n in linears] for stage in spec.gptq_order]
-                order = [stage for stage in order if stage]
-                rest = set(linears) - {n for stage in order for n in stage}
-                if rest:
-                    order.append(sorted(rest))
-            else:
-                order = [list(linears)]
-            packed_all: dict[str, PackedWeight] = {}
-            losses = {}
-            for stage in order:
-                hessians = collect_hessians(block, stage, x, cos, sin)
-                for name in stage:
-                    lin = linears[name]
-                    if not bool(hessians[name].any()):  # no calibration input: nothing to fit
-                        packed = rtn_quantize(
-                            lin.weight, config.bits, config.group_size, config.sym
-                        )
-                        lin.weight.data = packed.dequantize()
-                        packed_all[name] = packed
-                        fallback.append(f"{block_name}.{name}")
-                        continue
-                    packed, loss = gptq_solve(
-                        lin.weight,
-                        hessians[name],
-                        config.bits,
-                        config.group_size,
-                        config.sym,
-                        damp=config.gptq_damp,
-                        block_size=config.gptq_block_size,
-                        act_order=config.gptq_act_order,
-                        groups=config.gptq_groups,
-                        range_grid=config.gptq_range_grid,
-                        max_shrink=config.gptq_max_shrink,
-                    )
-                    # later stages see this layer's quantized output (fp matmul of the
-                    # dequantised weight: same numbers as QuantLinear, faster for calibration)
-                    lin.weight.data = packed.dequantize()
-                    packed_all[name], losses[name] = packed, loss
-            x = block(x, cos, sin)
-            for name, packed in packed_all.items():
-                replace_with_packed(block, name, packed, config)
-            layers_report.append({"layer": i, "loss": {k: _finite(v) for k, v in losses.items()}})
-            advance()
-    return {"layers": layers_report, **rtn_fallback_report(fallback, "GPTQ")}
+    method = _GPTQ(config, spec_for(model))
+    walk_blocks(model, calib_tokens, method, progress)
+    return {"layers": method.layers, **rtn_fallback_report(method.fallback, "GPTQ")}
 
 
 def rtn_fallback_report(names: list[str], method: str) -> dict[str, Any]:
