@@ -132,3 +132,27 @@ def test_a_linear_the_forward_never_reaches_is_an_error():
     model.layers[0].mlp.forward = lambda x: x  # the MLP's linears never run
     with pytest.raises(RuntimeError, match=r"block forward never reached \['mlp.down_proj'\]"):
         walk_blocks(model, tokens, Missing())
+
+
+def test_expert_linears_are_sequential_too():
+    """`mlp.experts.*.gate_proj` in the spec's order stands for every expert: the experts'
+    down projections are observed after their gate/up projections were transformed."""
+    from llmopt.compress.calibration_walk import sequential_stages
+    from llmopt.models.moe import MoEConfig
+    from llmopt.models.spec import spec_for
+
+    config = ModelConfig(
+        name="t-mixtral", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1,
+        num_heads=4, num_kv_heads=2, max_seq_len=32, architecture="mixtral",
+        moe=MoEConfig(num_experts=3, top_k=2, expert_ffn_hidden=16),
+    )  # fmt: skip
+    model = build_model(config, seed=0)
+    spec = spec_for(model)
+    block = spec.blocks_of(model)[0]
+    names = [n for n, m in block.named_modules() if isinstance(m, torch.nn.Linear)]
+    stages = sequential_stages(spec, names)
+    where = {n: i for i, stage in enumerate(stages) for n in stage}
+    for e in range(3):
+        gate, down = f"mlp.experts.{e}.gate_proj", f"mlp.experts.{e}.down_proj"
+        assert where[gate] < where[down], stages
+    assert sorted(n for stage in stages for n in stage) == sorted(names)

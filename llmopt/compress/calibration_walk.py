@@ -17,6 +17,7 @@ quantization would differ).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -69,14 +70,23 @@ def sequential_stages(
     spec: ModelSpec, names: list[str], sort_rest: bool = False
 ) -> list[list[str]]:
     """The spec's `gptq_order` restricted to `names`, then a last stage of the names it does
-    not mention (in the given order, or sorted: GPTQ's report order)."""
-    stages = [[n for n in stage if n in names] for stage in spec.gptq_order]
+    not mention (in the given order, or sorted: GPTQ's report order). A `*` in the order
+    (`mlp.experts.*.gate_proj`) stands for every expert, so experts are sequential too."""
+    stages = [
+        [n for pattern in stage for n in names if _matches(pattern, n)] for stage in spec.gptq_order
+    ]
     stages = [stage for stage in stages if stage]
     staged = {n for stage in stages for n in stage}
     rest = [n for n in names if n not in staged]
     if sort_rest:
         rest = sorted(rest)
     return stages + ([rest] if rest else [])
+
+
+def _matches(pattern: str, name: str) -> bool:
+    if "*" not in pattern:
+        return pattern == name
+    return re.fullmatch(re.escape(pattern).replace(r"\*", r"\d+"), name) is not None
 
 
 class _Captured(Exception):
