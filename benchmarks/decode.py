@@ -1,6 +1,6 @@
 """Batch-1 decode and prefill speed: llmopt vs HF transformers `generate`, same weights/threads.
 
-Also measures the machine's memory read bandwidth (`llmopt.profile.peaks.read_bytes_per_s`) and
+Also measures the machine's memory read bandwidth (`llmopt.peaks.read_bytes_per_s`) and
 reports the fraction of the bandwidth roofline each run reaches: a batch-1 decode step must
 read every weight once, so tokens/s <= bandwidth / bytes of weights. Runs are interleaved
 (ours, HF, ours, HF, ...) and the median is kept, so a machine shared with other jobs slows
@@ -188,7 +188,7 @@ def main() -> None:
 
     from llmopt.data.corpus import load_text
     from llmopt.models.loading import load_model, load_tokenizer, save_pretrained
-    from llmopt.profile.peaks import read_bytes_per_s
+    from llmopt.peaks import read_bytes_per_s
 
     torch.set_num_threads(args.threads)
     console = Console()

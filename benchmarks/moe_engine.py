@@ -153,18 +153,6 @@ def _bandwidth_worker(rank: int, world: int, nbytes: int) -> float:
     return nbytes * (world - 1) / world / statistics.median(times)
 
 
-def _matmul_tflops() -> float:
-    n = 512
-    x, y = torch.randn(n, n), torch.randn(n, n)
-    x @ y
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        x @ y
-        times.append(time.perf_counter() - t0)
-    return 2 * n**3 / statistics.median(times) / 1e12
-
-
 def predicted_share(a, tflops: float, a2a_bytes_per_s: float) -> dict[str, float]:
     """The planner's ep_comm_exposed / total for this run on a profile of this machine."""
     from llmopt.parallel.plan import ParallelPlan
@@ -198,7 +186,9 @@ def main(argv=None) -> int:
     ep = spawn(_ep_worker, a.nproc, a, timeout_s=900)
     row_bytes = a.batch * a.seq_len * a.top_k * a.hidden * 4
     bw = statistics.median(spawn(_bandwidth_worker, a.nproc, row_bytes, timeout_s=300))
-    tflops = _matmul_tflops()
+    from llmopt.peaks import measure_peaks
+
+    tflops = measure_peaks("cpu", torch.float32, matmul_n=512, copy_mib=16).flops_per_s / 1e12
     planner = predicted_share(a, tflops, bw)
     load_after = os.getloadavg()
     result = {

@@ -226,7 +226,7 @@ def main() -> int:
         parser.error("--threads, --streams, --rounds and --max-tokens must be >= 1")
     from rich.console import Console
 
-    from llmopt.profile.peaks import measure_peaks
+    from llmopt.peaks import measure_peaks
 
     console = Console()
     prompts = read_prompts()

@@ -9,8 +9,8 @@ import torch
 
 from llmopt.cli import main
 from llmopt.models.spec import get_spec, spec_for
+from llmopt.peaks import measure_peaks
 from llmopt.profile.costs import op_cost
-from llmopt.profile.peaks import measure_peaks
 from llmopt.profile.phases import DECODE_STEP, PREFILL, PhaseMarker
 from llmopt.profile.session import profile_generate
 

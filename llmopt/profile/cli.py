@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     from llmopt.artifacts import atomic_write_json
     from llmopt.models.loading import load_model, load_tokenizer
     from llmopt.output_dir import record_in_place
-    from llmopt.profile.peaks import measure_peaks
+    from llmopt.peaks import measure_peaks
     from llmopt.profile.plots import plot_memory, plot_roofline
     from llmopt.profile.session import profile_generate
 

@@ -1,7 +1,7 @@
 """Roofline and memory-timeline figures of a profile summary (`llmopt.profile.session`).
 
 The roofline places each main operator of a phase at (arithmetic intensity, achieved FLOP/s)
-under the two roofs this machine actually reached (`llmopt.profile.peaks`): an op near the
+under the two roofs this machine actually reached (`llmopt.peaks`): an op near the
 slanted roof is bandwidth-bound, near the flat one compute-bound, far below both it is bound by
 something else (launch overhead, poor kernels, Python).
 """

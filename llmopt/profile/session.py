@@ -18,8 +18,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from llmopt.errors import UsageError
 from llmopt.infer.generate import generate
+from llmopt.peaks import MachinePeaks
 from llmopt.profile.optable import memory_timeline, phase_stats
-from llmopt.profile.peaks import MachinePeaks
 from llmopt.profile.phases import DECODE_STEP, PREFILL, PhaseMarker
 
 

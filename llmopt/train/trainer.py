@@ -37,6 +37,7 @@ from llmopt.parallel.comm import CommCounter
 from llmopt.parallel.engine import DTYPES, Objective, TrainingEngine, parallelize
 from llmopt.parallel.grid import ParallelDims, RankGrid, init_distributed
 from llmopt.parallel.optim import AdamW
+from llmopt.peaks import measure_peaks
 from llmopt.plan.flops import mfu, model_flops_per_token
 from llmopt.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from llmopt.train.config import TrainConfig, TrainConfigError
@@ -116,24 +117,6 @@ def _fault(point: str, step: int, rank: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _measured_peak_tflops(device: torch.device, dtype: torch.dtype) -> float:
-    """Dense matmul throughput of this device (the MFU denominator when none is stated)."""
-    n = 1024
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(2):
-        a @ b
-    reps = 8
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e12
-
-
 def _memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
@@ -207,7 +190,11 @@ def _train(
             result.checkpoint = str(found)
     result.start_step = start
 
-    peak = cfg.peak_tflops or _measured_peak_tflops(device, engine.param_dtype)
+    # the MFU denominator when none is stated: this device's measured matmul peak (`llmopt.peaks`)
+    peak = (
+        cfg.peak_tflops
+        or measure_peaks(device, engine.param_dtype, matmul_n=1024, copy_mib=16).flops_per_s / 1e12
+    )
     log = None
     reporter = None
     if rank0:
