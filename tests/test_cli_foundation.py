@@ -10,28 +10,16 @@ import torch
 
 from llmopt.cli import main
 from llmopt.infer.generate import generate
-from llmopt.models import ModelConfig, build_model
-from llmopt.models.loading import load_tokenizer, save_pretrained
+from llmopt.models.loading import load_tokenizer
 
 
 @pytest.fixture(scope="module")
-def small_dir(tmp_path_factory):
+def small_dir(tiny_hf_dir):
     """A random 1-layer model with SmolLM2's real tokenizer, saved as a HF directory."""
-    cfg = ModelConfig(
-        name="small",
-        vocab_size=49152,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=1,
-        num_heads=4,
-        num_kv_heads=2,
-        max_seq_len=64,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    out = tmp_path_factory.mktemp("small")
-    save_pretrained(build_model(cfg, seed=0), out, tokenizer=load_tokenizer("smollm2-135m"))
-    return out
+    return tiny_hf_dir(
+        "small", seed=0, hidden_size=32, intermediate_size=64, num_layers=1, max_seq_len=64,
+        bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
 
 
 def test_generate_smollm_says_paris(capsys):

@@ -18,8 +18,8 @@ from llmopt.compress.distill.objective import (
 from llmopt.compress.distill.run import DistillSettings, check_out, prepare, run_rank
 from llmopt.compress.distill.student import make_student, parse_layers
 from llmopt.infer.drafts import EarlyExitModel
-from llmopt.models import ModelConfig, build_model
-from llmopt.models.loading import load_model, load_tokenizer, save_pretrained
+from llmopt.models import build_model
+from llmopt.models.loading import load_model, save_pretrained
 from llmopt.train.config import TrainConfig
 from tests.dist_helpers import run_distributed
 
@@ -147,21 +147,11 @@ TINY = dict(
 
 
 @pytest.fixture(scope="module")
-def teacher_dir(tmp_path_factory):
-    config = ModelConfig(
-        name="tiny-teacher",
-        vocab_size=49152,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=3,
-        num_heads=4,
-        num_kv_heads=2,
-        max_seq_len=64,
-        tie_embeddings=True,
-    )
-    path = tmp_path_factory.mktemp("teacher") / "t"
-    save_pretrained(build_model(config, seed=5), path, load_tokenizer("smollm2-135m"))
-    return path
+def teacher_dir(tiny_hf_dir):
+    return tiny_hf_dir(
+        "tiny-teacher", seed=5, hidden_size=32, intermediate_size=64, num_layers=3,
+        max_seq_len=64, tie_embeddings=True,
+    )  # fmt: skip
 
 
 def _rank(rank: int, world: int, config_file: str) -> dict:

@@ -26,14 +26,10 @@ from llmopt.models.packed.quant.linear import QuantLinear  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
+def _one_thread(one_thread):
     """One intra-op thread: on a shared 2-core machine each of the ~120 parallel regions of a
     2-thread decode step waits for a descheduled thread (the path's results do not depend on
     the thread count)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -49,11 +49,8 @@ CONFIGS = {
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_thread):
+    """Every test here runs on one intra-op thread (conftest's `one_thread`)."""
 
 
 def tiny_model(name: str) -> torch.nn.Module:

@@ -91,17 +91,9 @@ def test_bad_prompts_are_rejected_early(tiny_model):
 
 # ---------------------------------------------------------------- `llmopt generate --json`
 @pytest.fixture(scope="module")
-def small_dir(tmp_path_factory):
+def small_dir(tiny_hf_dir):
     """A random 2-layer model with SmolLM2's real tokenizer, saved as a HF directory."""
-    from llmopt.models import ModelConfig, build_model
-    from llmopt.models.loading import load_tokenizer, save_pretrained
-
-    cfg = ModelConfig(name="small", vocab_size=49152, hidden_size=64, intermediate_size=128,
-                      num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=64,
-                      bos_token_id=1, eos_token_id=2)  # fmt: skip
-    out = tmp_path_factory.mktemp("small")
-    save_pretrained(build_model(cfg, seed=0), out, tokenizer=load_tokenizer("smollm2-135m"))
-    return out
+    return tiny_hf_dir("small", seed=0, max_seq_len=64, bos_token_id=1, eos_token_id=2)
 
 
 def _cli_json(capsys, *args: str) -> dict:

@@ -13,8 +13,9 @@ import torch
 
 from llmopt.infer.batch import EngineConfig, SamplingParams, ServingEngine
 from llmopt.infer.guided import GrammarCompiler, GrammarError
-from llmopt.models import ModelConfig, build_model
+from llmopt.models import build_model
 from llmopt.models.loading import load_tokenizer
+from tests.tiny_models import smol_config
 
 SCHEMA = {
     "type": "object",
@@ -40,10 +41,7 @@ def compiler(tok):
 
 @pytest.fixture(scope="module")
 def engine(tok):
-    cfg = ModelConfig(
-        name="g", vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=2,
-        num_heads=4, num_kv_heads=2, max_seq_len=512,
-    )  # fmt: skip
+    cfg = smol_config("g", max_seq_len=512)
     model = build_model(cfg, seed=1).eval()
     return ServingEngine(
         model,

@@ -15,12 +15,13 @@ from llmopt.cli import main as cli_main
 from llmopt.compress.quant.apply import quantize_model
 from llmopt.compress.quant.autoawq import export_autoawq
 from llmopt.compress.quant.io import save_quantized
-from llmopt.models import ModelConfig, build_model
-from llmopt.models.loading import load_model, load_tokenizer, save_pretrained
+from llmopt.models import build_model
+from llmopt.models.loading import load_model, save_pretrained
 from llmopt.models.packed.quant.directory import WEIGHTS, QuantFileError
 from llmopt.models.packed.quant.hf import PermutedQuantLinear, QuantImportError
 from llmopt.models.packed.quant.linear import QuantLinear
 from llmopt.models.spec import spec_for
+from tests.tiny_models import smol_config
 
 
 def _fp16_exact(model: nn.Module) -> nn.Module:
@@ -194,20 +195,10 @@ def test_gptq_g_idx_with_unequal_groups_is_refused(tmp_path, quantized):
         load_model(tmp_path / "g")
 
 
-def test_eval_kl_reads_an_awq_directory(tmp_path, capsys):
-    config = ModelConfig(
-        name="smollm-vocab",
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        max_seq_len=128,
-        tie_embeddings=True,
-    )
+def test_eval_kl_reads_an_awq_directory(tmp_path, capsys, smollm2_tokenizer):
+    config = smol_config("smollm-vocab", tie_embeddings=True)
     model = _fp16_exact(build_model(config, seed=0).eval())
-    tokenizer = load_tokenizer("smollm2-135m")
+    tokenizer = smollm2_tokenizer
     save_pretrained(model, tmp_path / "ref", tokenizer)
     export_autoawq(quantize_model(model, "rtn", bits=4, group_size=32), tmp_path / "awq", tokenizer)
     argv = ["eval", "kl", "--model", str(tmp_path / "awq"), "--ref", str(tmp_path / "ref")]

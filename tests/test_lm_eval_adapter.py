@@ -9,8 +9,9 @@ import pytest
 from lm_eval.tasks import TaskManager  # the `lm-eval` package (a test dependency)
 
 import llmopt.eval.lm_eval_adapter  # noqa: F401  (registers the `llmopt` backend)
-from llmopt.models import ModelConfig, build_model
+from llmopt.models import build_model
 from llmopt.models.loading import load_tokenizer, save_pretrained
+from tests.tiny_models import smol_config
 
 QUESTIONS = [
     ("The capital of France is", [" Paris", " Berlin", " a small green frog"], 0),
@@ -61,15 +62,12 @@ def _write_tasks(root):
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def model_dir(tmp_path_factory, smollm2_tokenizer):
     root = tmp_path_factory.mktemp("lmeval")
-    config = ModelConfig(
-        name="tiny-smol", vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=2,
-        num_heads=4, num_kv_heads=2, max_seq_len=256, rope_theta=10000.0, tie_embeddings=True,
-    )  # fmt: skip
+    config = smol_config("tiny-smol", max_seq_len=256, tie_embeddings=True)
     model = build_model(config, seed=None)
     model.init_weights(seed=3, std=0.3)  # peaked enough that greedy choices are not near-ties
-    save_pretrained(model, root / "model", tokenizer=load_tokenizer("smollm2-135m"))
+    save_pretrained(model, root / "model", tokenizer=smollm2_tokenizer)
     _write_tasks(root)
     return root
 

@@ -21,6 +21,7 @@ from llmopt.models.config import ConfigError
 from llmopt.models.gguf import GGUFError, permute_rope_rows
 from llmopt.models.loading import load_model, load_tokenizer, save_pretrained
 from llmopt.models.registry import resolve
+from tests.tiny_models import add_gguf_llama_header
 
 SMOLLM = resolve("smollm2-135m")
 PROMPTS = [
@@ -184,14 +185,7 @@ def _write_gguf(
         writer.add_tensor(name, array)
     if orig_ctx is not None:
         writer.add_rope_scaling_orig_ctx_len(orig_ctx)
-    writer.add_block_count(cfg.num_layers)
-    writer.add_context_length(cfg.max_seq_len)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_heads)
-    writer.add_head_count_kv(cfg.num_kv_heads)
-    writer.add_rope_freq_base(cfg.rope_theta)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    add_gguf_llama_header(writer, cfg)
     writer.add_rope_dimension_count(cfg.head_dim)
     if cfg.sliding_window is not None:
         writer.add_sliding_window(cfg.sliding_window)

@@ -25,17 +25,15 @@ from llmopt.models.loading import load_model  # noqa: E402
 from llmopt.models.packed import BlockQuantEmbedding, BlockQuantLinear  # noqa: E402
 from llmopt.models.packed.block import BUFFERS  # noqa: E402
 from llmopt.models.packed.gguf_blocks import packed_tensors  # noqa: E402
+from tests.tiny_models import add_gguf_llama_header
 
 Q = gguf.GGMLQuantizationType
 TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_thread):
+    """Every test here runs on one intra-op thread (conftest's `one_thread`)."""
 
 
 def raw_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -156,14 +154,7 @@ KINDS = {
 def write_gguf(path: Path) -> None:
     cfg = CFG
     writer = gguf.GGUFWriter(str(path), arch="llama")
-    writer.add_block_count(cfg.num_layers)
-    writer.add_context_length(cfg.max_seq_len)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_heads)
-    writer.add_head_count_kv(cfg.num_kv_heads)
-    writer.add_rope_freq_base(cfg.rope_theta)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    add_gguf_llama_header(writer, cfg)
     h, f, kv = cfg.hidden_size, cfg.intermediate_size, cfg.kv_size
     shapes = {"token_embd": (cfg.vocab_size, h), "output": (cfg.vocab_size, h)}
     block = {"attn_q": (h, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_output": (h, h)}

@@ -18,24 +18,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmopt.models import ModelConfig, build_model
+from llmopt.models import build_model
 from llmopt.parallel.engine import parallelize
 from llmopt.parallel.grid import ParallelDims, RankGrid
 from llmopt.parallel.optim import AdamW
 from llmopt.parallel.plan import ParallelPlan
 from llmopt.parallel.tensor_parallel import lm_loss
 from tests.dist_helpers import run_distributed
+from tests.tiny_models import tiny_gqa_config
 
-CFG = ModelConfig(
-    name="tiny",
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_heads=8,
-    num_kv_heads=4,
-    max_seq_len=64,
-)
+CFG = tiny_gqa_config()
 GLOBAL_BATCH, SEQ, STEPS, LR, CLIP = 4, 16, 3, 1e-3, 0.5
 TOL = 1e-5
 

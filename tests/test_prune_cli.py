@@ -8,27 +8,14 @@ import torch
 
 from llmopt.cli import main as cli_main
 from llmopt.compress.prune import load_pruned
-from llmopt.models import ModelConfig, build_model
-from llmopt.models.loading import load_tokenizer, save_pretrained
+from llmopt.models.loading import load_tokenizer
 from llmopt.models.packed.sparse.config import PruneConfig, PruneConfigError, Sparsity
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
+def hf_dir(tiny_hf_dir):
     """A tiny model with SmolLM2's vocabulary and real tokenizer, saved HF-style (once)."""
-    config = ModelConfig(
-        name="tiny-smollm2-vocab",
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=8,
-        num_kv_heads=4,
-        max_seq_len=128,
-    )
-    directory = tmp_path_factory.mktemp("hf")
-    model = build_model(config, seed=0)
-    return save_pretrained(model, directory, tokenizer=load_tokenizer("smollm2-135m"))
+    return tiny_hf_dir("tiny-smollm2-vocab", seed=0, num_heads=8, num_kv_heads=4)
 
 
 @pytest.mark.parametrize(

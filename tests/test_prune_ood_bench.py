@@ -16,8 +16,7 @@ from llmopt.compress.prune import PruneConfig, Sparsity, prune_model
 from llmopt.compress.quant.calibration import calibration_tokens
 from llmopt.data.corpus import EVAL_ONLY, load_text
 from llmopt.eval.kl import kl_divergence
-from llmopt.models import ModelConfig, build_model
-from llmopt.models.loading import load_model, load_tokenizer, save_pretrained
+from llmopt.models.loading import load_model, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPORA = ["web-bible", "torch-docs", "pkg-readmes"]
@@ -36,21 +35,9 @@ MIX_SOURCES = ("web-bible", "py-docs", "stdlib-docs", "stdlib-comments")
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def model_dir(tiny_hf_dir):
     """A tiny model with SmolLM2's vocabulary and tokenizer (compress_order's ctx is 256)."""
-    config = ModelConfig(
-        name="tiny-ood",
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        max_seq_len=512,
-    )
-    path = tmp_path_factory.mktemp("ood") / "model"
-    save_pretrained(build_model(config, seed=3), path, load_tokenizer("smollm2-135m"))
-    return path
+    return tiny_hf_dir("tiny-ood", seed=3, max_seq_len=512)
 
 
 @pytest.mark.slow

@@ -11,8 +11,8 @@ from llmopt.cli import main as cli_main
 from llmopt.compress.quant.apply import quantize_model
 from llmopt.compress.quant.autoawq import export_autoawq
 from llmopt.compress.quant.io import save_quantized
-from llmopt.models import ModelConfig, build_model
-from llmopt.models.loading import load_model, load_tokenizer, save_pretrained
+from llmopt.models import build_model
+from llmopt.models.loading import load_model, load_tokenizer
 from llmopt.models.packed.quant.directory import WEIGHTS, QuantFileError, load_quantized_model
 from llmopt.models.packed.quant.linear import QuantLinear
 
@@ -126,21 +126,9 @@ def test_autoawq_rejects_what_its_layout_cannot_hold(tmp_path, tiny_model):
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
+def hf_dir(tiny_hf_dir):
     """A tiny model with SmolLM2's vocabulary and real tokenizer, saved HF-style (once)."""
-    config = ModelConfig(
-        name="tiny-smollm2-vocab",
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=8,
-        num_kv_heads=4,
-        max_seq_len=128,
-    )
-    model = build_model(config, seed=0)
-    directory = tmp_path_factory.mktemp("hf")
-    return save_pretrained(model, directory, tokenizer=load_tokenizer("smollm2-135m"))
+    return tiny_hf_dir("tiny-smollm2-vocab", seed=0, num_heads=8, num_kv_heads=4)
 
 
 def test_cli_quantize_awq_then_load(tmp_path, hf_dir, capsys):

@@ -10,27 +10,12 @@ import torch
 
 from llmopt.cli import main
 from llmopt.compress.prune import load_pruned
-from llmopt.models import ModelConfig, build_model
-from llmopt.models.loading import load_tokenizer, save_pretrained
 from llmopt.recipe import Recipe, RecipeError, run_recipe
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    config = ModelConfig(
-        name="tiny",
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        max_seq_len=128,
-        tie_embeddings=True,
-    )
-    path = tmp_path_factory.mktemp("recipe") / "model"
-    save_pretrained(build_model(config, seed=2), path, load_tokenizer("smollm2-135m"))
-    return path
+def model_dir(tiny_hf_dir):
+    return tiny_hf_dir("tiny", seed=2, tie_embeddings=True)
 
 
 def _recipe(model_dir, out, stages):

@@ -25,7 +25,7 @@ from llmopt.compress.quant.apply import quantize_model
 from llmopt.compress.quant.io import save_quantized
 from llmopt.infer.sampling import SamplingParams
 from llmopt.jsonout import dumps
-from llmopt.models import ModelConfig, build_model
+from llmopt.models import build_model
 from llmopt.models.finite import NonFiniteWeightsError
 from llmopt.models.loading import load_model, load_tokenizer, save_pretrained
 from llmopt.models.packed.quant.directory import MARKER, WEIGHTS, load_quantized_model
@@ -44,22 +44,9 @@ def _listing(root: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
+def hf_dir(tiny_hf_dir):
     """A tiny model with SmolLM2's tokenizer, saved HF-style: a `--model DIR` for the CLI."""
-    config = ModelConfig(
-        name="tiny-reliability",
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=1,
-        num_heads=4,
-        num_kv_heads=2,
-        max_seq_len=64,
-    )
-    directory = tmp_path_factory.mktemp("hf")
-    return save_pretrained(
-        build_model(config, seed=0), directory, tokenizer=load_tokenizer("smollm2-135m")
-    )
+    return tiny_hf_dir("tiny-reliability", seed=0, num_layers=1, max_seq_len=64)
 
 
 # ---- finding 1: --out that is, contains or lies inside the input ----

@@ -10,29 +10,17 @@ import httpx
 import pytest
 
 from llmopt.infer.generate import generate
-from llmopt.models import ModelConfig, build_model
-from llmopt.models.loading import load_model, load_tokenizer, save_pretrained
+from llmopt.models.loading import load_model, load_tokenizer
 from tests.serve_fixtures import Server
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def model_dir(tiny_hf_dir):
     """A small random model with SmolLM2's real tokenizer and chat template."""
-    cfg = ModelConfig(
-        name="small",
-        vocab_size=49152,
-        hidden_size=128,
-        intermediate_size=256,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        max_seq_len=4096,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    out = tmp_path_factory.mktemp("serve-model")
-    save_pretrained(build_model(cfg, seed=0), out, tokenizer=load_tokenizer("smollm2-135m"))
-    return out
+    return tiny_hf_dir(
+        "small", seed=0, hidden_size=128, intermediate_size=256, max_seq_len=4096,
+        bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")

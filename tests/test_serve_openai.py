@@ -22,10 +22,10 @@ import torch
 
 from llmopt.infer.batch import EngineConfig, SamplingParams, ServingEngine
 from llmopt.infer.generate import generate
-from llmopt.models import ModelConfig, build_model
-from llmopt.models.loading import load_model, load_tokenizer, save_pretrained
+from llmopt.models.loading import load_model, load_tokenizer
 from llmopt.models.tokenizer import Tokenizer
 from tests.serve_fixtures import Server
+from tests.tiny_models import save_model_dir, smol_config
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
 WEATHER = {
@@ -82,13 +82,9 @@ def _qwen_template_tokenizer() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    cfg = ModelConfig(
-        name="small", vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=2,
-        num_heads=4, num_kv_heads=2, max_seq_len=1024, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
+    cfg = smol_config("small", max_seq_len=1024, bos_token_id=1, eos_token_id=2)
     out = tmp_path_factory.mktemp("openai-model")
-    save_pretrained(build_model(cfg, seed=0), out, tokenizer=_qwen_template_tokenizer())
-    return out
+    return save_model_dir(out, cfg, seed=0, tokenizer=_qwen_template_tokenizer())
 
 
 @pytest.fixture(scope="module")

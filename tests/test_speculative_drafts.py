@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from fixtures_speculative import one_thread_fixture, target_fixture  # noqa: E402, F401
 
 from llmopt.infer.drafts import (
     EarlyExitModel,
@@ -29,20 +30,6 @@ from llmopt.infer.speculative import (
 )
 from llmopt.models import build_model
 from llmopt.models.loading import save_pretrained
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture
-def target(tiny_config):
-    return build_model(tiny_config.replace(num_layers=4), seed=3).eval()
-
 
 PROMPT = [5, 17, 99, 3, 42, 8]
 
