@@ -11,15 +11,14 @@ from llmopt.cli import main as cli_main
 from llmopt.compress.quant.calibration import calibration_set, calibration_tokens
 from llmopt.data.corpus import CORPORA, EVAL_ONLY, CorpusError, load_text
 from llmopt.data.mix import DEFAULT_MIX, MixError, MixPart, allocate, parse_mix
-from llmopt.models.loading import load_tokenizer
 from llmopt.models.packed.quant.config import QuantConfig
 
 WORDS = {"a": "apple", "b": "banana", "c": "cherry"}
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer("smollm2-135m")
+def tok(smollm2_tokenizer):
+    return smollm2_tokenizer
 
 
 @pytest.fixture

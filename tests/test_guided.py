@@ -14,7 +14,6 @@ import torch
 from llmopt.infer.batch import EngineConfig, SamplingParams, ServingEngine
 from llmopt.infer.guided import GrammarCompiler, GrammarError
 from llmopt.models import build_model
-from llmopt.models.loading import load_tokenizer
 from tests.tiny_models import smol_config
 
 SCHEMA = {
@@ -30,8 +29,8 @@ SCHEMA = {
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer("smollm2-135m")
+def tok(smollm2_tokenizer):
+    return smollm2_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -39,8 +39,8 @@ def ours():
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer("smollm2-135m")
+def tokenizer(smollm2_tokenizer):
+    return smollm2_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ import pytest
 
 from llmopt.infer.batch import EngineConfig, ServingEngine
 from llmopt.models import ModelConfig, build_model
-from llmopt.models.loading import load_tokenizer
 from llmopt.serve.loadtest import read_metrics, run_load_test, serve_in_thread, wait_idle
 from llmopt.serve.worker import EngineWorker
 
@@ -24,8 +23,8 @@ BODY_LIMIT = 64 << 10
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer("smollm2-135m")
+def tokenizer(smollm2_tokenizer):
+    return smollm2_tokenizer
 
 
 def _worker(tokenizer, max_num_seqs: int = 64, num_blocks: int = 512) -> EngineWorker:
