@@ -61,8 +61,8 @@ def tiny_hf_dir(tmp_path_factory, smollm2_tokenizer):
     return make
 
 
-# Hypothesis budgets (tests/test_fuzz_*.py): the default keeps the fuzz suite within CI's
-# minutes on 2 cores; `pytest --hypothesis-profile llmopt-long tests/test_fuzz_*.py` digs deeper.
+# Hypothesis budgets (tests/house/test_fuzz_*.py): the default keeps the fuzz suite within CI's
+# minutes on 2 cores; `pytest --hypothesis-profile llmopt-long tests/house/test_fuzz_*.py` digs deeper.
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 _FUZZ = {"deadline": None, "database": None, "suppress_health_check": [HealthCheck.too_slow]}

@@ -81,7 +81,7 @@ def tp_gradient_errors(rank: int, world: int, arch: str) -> dict[str, float]:
     without sequence parallelism) and the unsharded one, for `arch`'s tiny model."""
     from llmopt.parallel.grid import ParallelDims, RankGrid
     from llmopt.parallel.tensor_parallel import apply_tensor_parallel, lm_loss
-    from tests.test_architectures import tiny, tokens
+    from tests.models.test_architectures import tiny, tokens
 
     grid = RankGrid.create(ParallelDims(world, tp=world))
     errors = {}
