@@ -7,7 +7,7 @@ Serves a tiny random model (SmolLM2's tokenizer) in this process on 127.0.0.1 an
 `--per-stream` requests each, with clients disconnecting mid-stream and oversize bodies beside
 them. Prints the end-to-end latency p50/p99, TTFT p50/p99, errors and leaked KV blocks (the
 blocks still referenced once every request is done), writes the JSON. The same scenario is
-asserted by tests/test_serve_load.py; this script reports its numbers. Exit 1 on any error
+asserted by tests/serve/test_serve_load.py; this script reports its numbers. Exit 1 on any error
 or leaked block.
 """
 

@@ -5,18 +5,14 @@ registered under their `name`, so test arguments do not shadow the imported name
 """
 
 import pytest
-import torch
 
 from llmopt.models import build_model
 
 
-@pytest.fixture(autouse=True, scope="module", name="one_thread")
-def one_thread_fixture():
-    """Tiny models: thread hand-offs would cost more than the math on a shared 2-core box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+@pytest.fixture(autouse=True, scope="module", name="_speculative_one_thread")
+def one_thread_fixture(one_thread):
+    """Tiny models: thread hand-offs would cost more than the math on a shared 2-core box
+    (conftest's `one_thread`, for every test of the importing module)."""
 
 
 @pytest.fixture(name="target")

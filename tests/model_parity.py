@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from llmopt.models.llama import KVCache
-from llmopt.models.loading import load_model
+from llmopt.models.loading import load_model, save_pretrained
 
 TOKENS = 16  # greedy tokens compared
 
@@ -76,12 +76,25 @@ def check_parity(
         assert greedy(ours, prompt) == expected_tokens
 
 
+def check_save_round_trip(directory: Path, out: Path, vocab: int) -> None:
+    """llmopt's model from `directory`, written by our `save_pretrained` to `out` and read
+    back by transformers, gives the same logits (to 1e-5)."""
+    from transformers import AutoModelForCausalLM
+
+    ours = load_model(directory)
+    save_pretrained(ours, out)
+    again = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.arange(20).view(1, 20) % vocab
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), again(ids).logits, atol=1e-5, rtol=1e-5)
+
+
 def tp_gradient_errors(rank: int, world: int, arch: str) -> dict[str, float]:
     """Max |grad| difference, over all parameters, between a tp=`world` model (gloo, with and
     without sequence parallelism) and the unsharded one, for `arch`'s tiny model."""
     from llmopt.parallel.grid import ParallelDims, RankGrid
     from llmopt.parallel.tensor_parallel import apply_tensor_parallel, lm_loss
-    from tests.test_architectures import tiny, tokens
+    from tests.models.test_architectures import tiny, tokens
 
     grid = RankGrid.create(ParallelDims(world, tp=world))
     errors = {}
