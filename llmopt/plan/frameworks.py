@@ -141,7 +141,7 @@ def _ceil_div(a: np.ndarray | int, b: np.ndarray) -> np.ndarray:
 # Megatron-Bridge: NVIDIA-NeMo/Megatron-Bridge@067f987df03b8355b03192d88d70f1709fedf51a (its
 # performance configs @b7b4e11b054e73fa3cfc52e5df14cd6b4d50e02e); torchtitan:
 # pytorch/torchtitan@238fa9953e4aec2a62582121564273d7cbb1e9f1; DeepSpeed: the deepspeed==0.19.8
-# package (installed as a dev dependency, so its own checks run in tests/test_plan_emit.py).
+# package (installed as a dev dependency, so its own checks run in tests/plan/test_plan_emit.py).
 MEGATRON_LM = "NVIDIA/Megatron-LM@d98e8a64"
 BRIDGE = "NVIDIA-NeMo/Megatron-Bridge@067f987d"
 TITAN = "pytorch/torchtitan@238fa995"

@@ -1,7 +1,7 @@
 """The planner's side of the planner-vs-engine crosscheck: what `llmopt.plan` predicts for a small
 3D config (bytes and calls per process group and op, activation bytes per pipeline stage), in
 the shape the engine's counted step reports (`llmopt.validate.crosscheck`), so the two
-are compared key by key (tests/test_pipeline_crosscheck.py, benchmarks/planner_vs_engine.py).
+are compared key by key (tests/validate/test_pipeline_crosscheck.py, benchmarks/planner_vs_engine.py).
 A case is a dict: tp, pp, sp, zero, m (micro-batches), schedule, v (virtual stages), rc
 (recompute), and optionally tied, seq, mb.
 """

@@ -4,7 +4,7 @@ as written; swap in your data).
 
 Option names and choices are those of Megatron-LM's own parser (megatron/training/arguments.py,
 NVIDIA/Megatron-LM@d98e8a64; the parity test lists the ones used), and the values pass
-Megatron-Core's own TransformerConfig validation (tests/test_plan_emit.py builds one from the
+Megatron-Core's own TransformerConfig validation (tests/plan/test_plan_emit.py builds one from the
 emitted line). What the search prices is what is written:
 - the pipeline split `llmopt.plan.split` prices, as `--pipeline-model-parallel-layout` when it
   is uneven (or holds DeepSeek-V3's MTP module), else `--num-virtual-stages-per-pipeline-rank`;
