@@ -71,7 +71,7 @@ def sequential_stages(
 ) -> list[list[str]]:
     """The spec's `gptq_order` restricted to `names`, then a last stage of the names it does
     not mention (in the given order, or sorted: GPTQ's report order). A `*` in the order
-    (`mlp.experts.*.gate_proj`) stands for every expert, so experts are sequential too."""
+    (an expert container's projection) stands for every expert, so experts are sequential too."""
     stages = [
         [n for pattern in stage for n in names if _matches(pattern, n)] for stage in spec.gptq_order
     ]

@@ -91,7 +91,7 @@ class _Prune(BlockMethod):
         self.config, self.spec = config, spec
         self.label = f"{config.method} {config.sparsity}"
         self.masks: dict[str, torch.Tensor] = {}
-        self.layers: list[dict[str, Any]] = []
+        self.layer_reports: list[dict[str, Any]] = []
         self.linears: dict[str, nn.Linear] = {}
         self.losses: dict[str, float] = {}
 
@@ -107,7 +107,7 @@ class _Prune(BlockMethod):
             self.masks[f"{step.name}.{name}"] = keep.cpu()
 
     def finish(self, step: BlockStep) -> None:
-        self.layers.append({"layer": step.index, "loss": self.losses})
+        self.layer_reports.append({"layer": step.index, "loss": self.losses})
 
 
 def prune_model(
@@ -141,7 +141,7 @@ def prune_model(
     method = _Prune(config, spec)
     calib = calib_tokens if config.needs_calibration else None
     walk_blocks(pruned, calib, method, progress)
-    masks, layers = method.masks, method.layers
+    masks, layers = method.masks, method.layer_reports
     pruned.to(dtype)
     if getattr(pruned.config, "tie_embeddings", False):
         head = spec.top_module(pruned, "head")

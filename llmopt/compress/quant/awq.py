@@ -212,7 +212,7 @@ class _AWQ(BlockMethod):
         self.config, self.spec, self.n_search = config, spec, n_search
         self.label = f"AWQ W{config.bits}"
         self.gen = torch.Generator().manual_seed(config.calib_seed)
-        self.layers: list[dict[str, Any]] = []
+        self.layer_reports: list[dict[str, Any]] = []
         self.scales: dict[str, torch.Tensor] = {}
         self.fallback: list[str] = []
         self.linears: dict[str, nn.Linear] = {}
@@ -268,7 +268,7 @@ class _AWQ(BlockMethod):
                 w, config.bits, config.group_size, config.sym, scale=scale, zero=zero
             )
             replace_with_packed(block, name, packed, config)
-        self.layers.append(layer_report)
+        self.layer_reports.append(layer_report)
 
 
 def awq_quantize(
@@ -279,4 +279,4 @@ def awq_quantize(
     method = _AWQ(config, spec_for(model), n_search)
     walk_blocks(model, calib_tokens, method, progress)
     report = rtn_fallback_report(method.fallback, "AWQ")
-    return {"layers": method.layers, "scales": method.scales, **report}
+    return {"layers": method.layer_reports, "scales": method.scales, **report}

@@ -185,7 +185,7 @@ class _GPTQ(BlockMethod):
     def __init__(self, config: QuantConfig, spec: ModelSpec) -> None:
         self.config, self.spec = config, spec
         self.label = f"GPTQ W{config.bits}"
-        self.layers: list[dict[str, Any]] = []
+        self.layer_reports: list[dict[str, Any]] = []
         self.fallback: list[str] = []
         self.linears: dict[str, nn.Linear] = {}
         self.packed: dict[str, PackedWeight] = {}
@@ -232,7 +232,7 @@ class _GPTQ(BlockMethod):
         for name, packed in self.packed.items():
             replace_with_packed(step.block, name, packed, self.config)
         losses = {k: _finite(v) for k, v in self.losses.items()}
-        self.layers.append({"layer": step.index, "loss": losses})
+        self.layer_reports.append({"layer": step.index, "loss": losses})
 
 
 def gptq_quantize(
@@ -241,7 +241,7 @@ def gptq_quantize(
     """Quantize every block in place, feeding quantized outputs forward; returns a report."""
     method = _GPTQ(config, spec_for(model))
     walk_blocks(model, calib_tokens, method, progress)
-    return {"layers": method.layers, **rtn_fallback_report(method.fallback, "GPTQ")}
+    return {"layers": method.layer_reports, **rtn_fallback_report(method.fallback, "GPTQ")}
 
 
 def rtn_fallback_report(names: list[str], method: str) -> dict[str, Any]:
