@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmopt.export.output import check_output, staged_directory
+from llmopt.export.output import ExportError, check_output, staged_directory
 from llmopt.export.tensors import checked, dense_state_dict, float_dtype
 from llmopt.models.attention.past import PastKeyValues
 
@@ -78,8 +78,14 @@ def export_onnx(
     from llmopt.artifacts import atomic_write_text
 
     torch_dtype = float_dtype(dtype)
-    out = check_output(out, source, KIND, overwrite)
     cfg = model.config
+    if getattr(cfg, "moe", None) is not None:
+        raise ExportError(
+            f"ONNX export of mixture-of-experts models ({cfg.architecture!r}) is not supported: "
+            "dropless routing has data-dependent shapes torch.export cannot trace; export it as "
+            "safetensors (`llmopt export --format hf`)"
+        )
+    out = check_output(out, source, KIND, overwrite)
     dense = dense_copy(model, torch_dtype)
     decoder = KVDecoder(dense).eval()
     inputs, outputs = io_names(cfg.num_layers)

@@ -67,3 +67,20 @@ def test_onnx_refuses_bad_dtype(tmp_path):
     with pytest.raises(ExportError, match=r"dtype='int4' is not supported"):
         export_onnx(tiny_llama(), tmp_path / "x", dtype="int4")
     assert not (tmp_path / "x").exists()
+
+
+def test_mixture_of_experts_is_refused_by_name_before_writing(tmp_path):
+    from llmopt.models import ModelConfig, build_model
+    from llmopt.models.moe import MoEConfig
+
+    config = ModelConfig(
+        name="t-mixtral", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+        num_heads=4, num_kv_heads=2, max_seq_len=32, architecture="mixtral",
+        moe=MoEConfig(num_experts=4, top_k=2, expert_ffn_hidden=16),
+    )  # fmt: skip
+    model = build_model(config, seed=0).eval()
+    with pytest.raises(
+        ExportError, match="ONNX export of mixture-of-experts models \\('mixtral'\\)"
+    ):
+        export_onnx(model, tmp_path / "onnx")
+    assert not (tmp_path / "onnx").exists()
