@@ -261,7 +261,10 @@ def check_vocabularies(
             )
 
 
-DRAFT_SPECS = "a model spec (name, .gguf, HF dir), early-exit:K, int8, int4, ngram[:N]"
+DRAFT_SPECS = (
+    "a model spec (name, .gguf, HF dir), a feature-head directory (llmopt distill "
+    "--feature-head), early-exit:K, int8, int4, ngram[:N]"
+)
 
 
 def make_draft(

@@ -56,6 +56,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="n-gram speculation size of requests that set none (0: off)",
     )
     p.add_argument(
+        "--speculative-max-batch",
+        type=int,
+        default=0,
+        help="speculation turns itself off while more requests than this run (0: never)",
+    )
+    p.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -97,6 +103,7 @@ def check_args(args: argparse.Namespace) -> None:
     cli_args.text(args, "host")
     cli_args.integer(args, "port", 0, 65535)
     cli_args.integer(args, "ngram", 0)
+    cli_args.integer(args, "speculative_max_batch", 0)
     if args.threads is not None:
         cli_args.integer(args, "threads", 1)
     for dest in ("max_num_seqs", "kv_blocks", "max_num_batched_tokens", "max_queue"):
@@ -177,6 +184,7 @@ def run(args: argparse.Namespace) -> int:
         prefix_caching=args.enable_prefix_caching,
         runner=args.runner,
         threads=args.threads,
+        speculative_max_batch=args.speculative_max_batch,
     )
     if args.threads:
         import torch

@@ -91,6 +91,26 @@ def test_ngram_speculation_accepts_guesses_on_repetitive_prompt(tiny_model):
     assert steps == len(ref) - req.spec_accepted
 
 
+def test_speculation_turns_itself_off_past_the_batch_threshold(tiny_model):
+    """With speculative_max_batch=1, a speculating request proposes while it runs alone and
+    stops proposing while a second request runs beside it; outputs stay the greedy ones."""
+    prompt = [7, 8, 9, 10] * 8
+    ref = generate(tiny_model, prompt, max_new_tokens=24)
+    other = _prompts([5])[0]
+    other_ref = generate(tiny_model, other, max_new_tokens=6)
+    config = EngineConfig(num_blocks=32, block_size=4, speculative_max_batch=1)
+    engine = ServingEngine(tiny_model, config)
+    req = engine.add_request("r", prompt, SamplingParams(max_tokens=24, ngram=3))
+    mate = engine.add_request("m", other, SamplingParams(max_tokens=6))
+    while engine.has_unfinished():
+        engine.step()
+    assert req.output == ref and mate.output == other_ref
+    assert req.spec.off_rounds > 0  # while the mate ran
+    assert req.spec_proposed > 0  # after it finished
+    with pytest.raises(ValueError, match="speculative_max_batch=-1"):
+        EngineConfig(speculative_max_batch=-1)
+
+
 def test_seeded_sampling_alone_matches_generate_and_ignores_batch_mates(tiny_model):
     prompts = _prompts([6, 11, 4])
     cfg = SamplingParams(temperature=0.9, top_k=20, top_p=0.9)

@@ -3,6 +3,10 @@ with the LM loss), with the trainer (DP/ZeRO on torchrun), resumable.
 
     llmopt distill --teacher smollm2-135m --student init:teacher-layers=0,1,29 \\
         --text corpus:web-bible --steps 200 --seq-len 256 --out runs/draft3
+
+`--feature-head` trains an EAGLE-style feature draft head instead (no --student): the
+teacher's own features over --text and its own continuations of prompts from it
+(`llmopt.compress.distill.feature`); `llmopt generate --draft <out>/head` uses it.
 """
 
 from __future__ import annotations
@@ -24,7 +28,22 @@ def register(subparsers) -> None:
         description=__doc__.split("\n\n")[0],
     )
     p.add_argument("--teacher", required=True, help="teacher model spec (name, .gguf, dir)")
-    p.add_argument("--student", required=True, help=f"student: {STUDENT_SPECS}")
+    p.add_argument("--student", default=None, help=f"student: {STUDENT_SPECS}")
+    p.add_argument(
+        "--feature-head",
+        action="store_true",
+        help="train a feature draft head (one layer over the teacher's features) instead of "
+        "a student; --draft-vocab sets its vocabulary (default 8192)",
+    )
+    p.add_argument(
+        "--windows", type=int, default=400, help="--feature-head: text windows of --seq-len"
+    )
+    p.add_argument(
+        "--generations",
+        type=int,
+        default=40,
+        help="--feature-head: prompts from the text the teacher continues (its own outputs)",
+    )
     p.add_argument("--text", default="corpus:web-bible", help="corpus:NAME or a text file")
     p.add_argument("--out", required=True, help="output directory (not the teacher's)")
     p.add_argument("--temperature", type=float, default=1.0, help="KD temperature T (> 0)")
@@ -87,6 +106,12 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
 def handle(args: argparse.Namespace) -> int:
     if args.draft_vocab is not None and args.draft_vocab < 1:
         raise DistillConfigError(f"--draft-vocab {args.draft_vocab} must be a positive token count")
+    if args.feature_head:
+        return _feature_head(args)
+    if args.student is None:
+        raise DistillConfigError(
+            f"--student is required (or --feature-head); valid: {STUDENT_SPECS}"
+        )
     settings = DistillSettings(args.teacher, args.student, args.temperature, args.alpha)
     summary = distill(settings, train_config(args), nproc=args.nproc_per_node)
     if "returncode" in summary:
@@ -117,4 +142,25 @@ def handle(args: argparse.Namespace) -> int:
             f"{summary['last_loss']}; KL {kl[0] if kl else None} -> {kl[-1] if kl else None}; "
             f"model {summary['model']}"
         )
+    return 0
+
+
+def _feature_head(args: argparse.Namespace) -> int:
+    from llmopt.compress.distill.feature import FeatureTrainConfig, train_on_text
+    from llmopt.compress.distill.run import check_out
+
+    if args.student is not None:
+        raise DistillConfigError("--feature-head trains a head, not a --student; drop one of them")
+    cfg = FeatureTrainConfig(
+        draft_vocab=args.draft_vocab or 8192, seq_len=args.seq_len, steps=args.steps,
+        batch=args.global_batch, lr=args.lr, min_lr=args.min_lr,
+        warmup=max(1, args.warmup_steps), save_every=args.save_every or 100, seed=args.seed,
+    )  # fmt: skip
+    out = check_out(args.out, args.teacher)
+    summary = train_on_text(
+        args.teacher, args.text, out, cfg, windows=args.windows, generations=args.generations,
+        max_chars=args.max_chars, resume=args.resume, quiet=args.json,
+    )  # fmt: skip
+    print(json.dumps(summary) if args.json else f"feature head: {summary['head']} "
+          f"(step {summary['step']}, eval top-1 agreement {summary.get('eval_top1')})")  # fmt: skip
     return 0

@@ -62,12 +62,24 @@ class EngineConfig:
     threads: int | None = None
     int8_head: bool = False
     speculative: SpeculativeConfig = SpeculativeConfig()  # noqa: RUF009 (frozen)
+    # speculation turns itself off while more requests than this run (0: never): past a
+    # few streams a step is compute-bound and a verify pass costs what its tokens cost
+    speculative_max_batch: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_batched_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise UsageError(f"{name}={value!r} must be an integer >= 1")
+        if (
+            isinstance(self.speculative_max_batch, bool)
+            or not isinstance(self.speculative_max_batch, int)
+            or self.speculative_max_batch < 0
+        ):
+            raise UsageError(
+                f"speculative_max_batch={self.speculative_max_batch!r} must be an integer >= 0 "
+                "(0: speculation never turns itself off)"
+            )
         if self.runner not in RUNNERS:
             raise UsageError(f"runner={self.runner!r} is not valid; choose one of {RUNNERS}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
@@ -213,6 +225,10 @@ class ServingEngine:
     # ---- one step ----
     def _propose(self, request: Request, room: int) -> list[int]:
         if request.draft is None:
+            return []
+        limit = self.config.speculative_max_batch
+        if limit and len(self.scheduler.running) > limit:
+            request.spec.off_rounds += 1
             return []
         gamma = min(request.gamma, room)
         t0 = time.perf_counter()

@@ -141,9 +141,21 @@ class FusedModel:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         block_size: int,
+        *,
+        parents: torch.Tensor | None = None,
+        hidden: torch.Tensor | None = None,
+        inputs: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`forward` with the metadata as plain tensors: tokens, positions, slots [N];
-        query_start [S + 1]; seq_lens [S]; block_tables [S, max_blocks]; logits_rows [R]."""
+        query_start [S + 1]; seq_lens [S]; block_tables [S, max_blocks]; logits_rows [R].
+
+        `parents` [N] makes the step a tree (speculative draft trees): each token's parent
+        is an earlier token of its sequence (or -1: the last cached token), its position its
+        parent's + 1, and it attends to the cached keys plus its own ancestors'; the i-th
+        token of a sequence is stored at row seq_len - n + i of its block table (n: its
+        tokens in the step). `hidden` [R, hidden] (fp32) receives the final-norm hidden state
+        of each logits row (what a feature draft head reads). `inputs` [N, hidden] replaces
+        the embedding lookup (a draft head's fused inputs)."""
         long = torch.long
         return self._cpp.forward(
             _as(tokens, long),
@@ -157,6 +169,9 @@ class FusedModel:
             v_cache,
             int(block_size),
             self.threads or 0,
+            None if parents is None else _as(parents, long),
+            hidden,
+            None if inputs is None else _as(inputs, torch.float32),
         )
 
 

@@ -8,6 +8,7 @@
 // same whatever else is in the step (batched rows equal batch-1 rows). The cache holds fp32,
 // bf16 or fp16 (the model's dtype, as the engine allocates it); math is fp32 throughout.
 #include "attention.h"
+#include "avx2.h"
 
 #include <algorithm>
 #include <cmath>
@@ -34,6 +35,8 @@ struct Elem<float> {
   static void put(float v, float* p) { *p = v; }
 #ifdef LLMOPT_AVX512
   static __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+#elif defined(LLMOPT_AVX2)
+  static __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 #endif
 };
 template <>
@@ -45,6 +48,8 @@ struct Elem<at::BFloat16> {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
+#elif defined(LLMOPT_AVX2)
+  static __m256 load8(const at::BFloat16* p) { return load8_bf16(reinterpret_cast<const uint16_t*>(p)); }
 #endif
 };
 template <>
@@ -55,6 +60,8 @@ struct Elem<at::Half> {
   static __m512 load16(const at::Half* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
+#elif defined(LLMOPT_AVX2)
+  static __m256 load8(const at::Half* p) { return load8_f16(reinterpret_cast<const uint16_t*>(p)); }
 #endif
 };
 
@@ -134,6 +141,47 @@ void attend_avx512(const AttnShape& a, int64_t group, const float* q, const T* c
     for (int c = 0; c < ND; ++c) _mm512_storeu_ps(out + g * d + 16 * c, o[c]);
   }
 }
+#elif defined(LLMOPT_AVX2)
+// sums of the 8 lanes of a, b, c, d (in that order)
+inline __m128 reduce4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+// head_dim = 8 * ND: the AVX-512 kernel's scheme with 8-lane vectors.
+template <typename T, int ND>
+void attend_avx2(const AttnShape& a, int64_t group, const float* q, const T* const* k,
+                 const T* const* v, int64_t len, float* scores, float* out) {
+  constexpr int64_t d = 8 * ND;
+  const __m128 scale = _mm_set1_ps(a.scale);
+  for (int64_t g = 0; g < group; ++g) {
+    __m256 qv[ND];
+    for (int c = 0; c < ND; ++c) qv[c] = _mm256_loadu_ps(q + g * d + 8 * c);
+    float* sc = scores + g * len;
+    int64_t j = 0;
+    for (; j + 4 <= len; j += 4) {
+      __m256 acc[4];
+      for (int r = 0; r < 4; ++r) {
+        acc[r] = _mm256_mul_ps(qv[0], Elem<T>::load8(k[j + r]));
+        for (int c = 1; c < ND; ++c) acc[r] = _mm256_fmadd_ps(qv[c], Elem<T>::load8(k[j + r] + 8 * c), acc[r]);
+      }
+      _mm_storeu_ps(sc + j, _mm_mul_ps(reduce4(acc[0], acc[1], acc[2], acc[3]), scale));
+    }
+    for (; j < len; ++j) {
+      __m256 acc = _mm256_mul_ps(qv[0], Elem<T>::load8(k[j]));
+      for (int c = 1; c < ND; ++c) acc = _mm256_fmadd_ps(qv[c], Elem<T>::load8(k[j] + 8 * c), acc);
+      sc[j] = hsum256(acc) * a.scale;
+    }
+    softmax(sc, len, a.softcap);
+    __m256 o[ND];
+    for (int c = 0; c < ND; ++c) o[c] = _mm256_setzero_ps();
+    for (j = 0; j < len; ++j) {
+      const __m256 p = _mm256_set1_ps(sc[j]);
+      for (int c = 0; c < ND; ++c) o[c] = _mm256_fmadd_ps(p, Elem<T>::load8(v[j] + 8 * c), o[c]);
+    }
+    for (int c = 0; c < ND; ++c) _mm256_storeu_ps(out + g * d + 8 * c, o[c]);
+  }
+}
 #endif
 
 template <typename T>
@@ -149,6 +197,15 @@ AttendFn<T> attend_for(int64_t head_dim) {
     case 64: return attend_avx512<T, 4>;
     case 128: return attend_avx512<T, 8>;
     case 256: return attend_avx512<T, 16>;
+    default: break;
+  }
+#elif defined(LLMOPT_AVX2)
+  switch (head_dim) {
+    case 16: return attend_avx2<T, 2>;
+    case 32: return attend_avx2<T, 4>;
+    case 64: return attend_avx2<T, 8>;
+    case 128: return attend_avx2<T, 16>;
+    case 256: return attend_avx2<T, 32>;
     default: break;
   }
 #endif
@@ -179,14 +236,24 @@ void attention_t(const AttnShape& a, const StepMeta& m, const float* qkv, int64_
   parallel_for(0, m.n_tok * hkv, 1, [&](int64_t w0, int64_t w1) {
     std::vector<float> scores;
     std::vector<const T*> keys, values;
+    std::vector<int64_t> chain;
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t t = w / hkv, h = w % hkv, seq = m.seq_of[t], pos = m.positions[t];
       const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
       const int64_t len = pos - lo + 1;
       keys.resize(len);
       values.resize(len);
+      // positions before `cached_end` come from the block table, the rest from the chain
+      int64_t cached_end = pos + 1;
+      if (m.parents) {
+        chain.clear();
+        for (int64_t u = t; u >= 0; u = m.parents[u]) chain.push_back(u);  // t, ..., root
+        cached_end = pos + 1 - static_cast<int64_t>(chain.size());
+      }
       for (int64_t j = 0; j < len; ++j) {
-        const int64_t off = m.slot_of(seq, lo + j) * row + h * d;
+        const int64_t p = lo + j;
+        const int64_t slot = p < cached_end ? m.slot_of(seq, p) : m.slots[chain[pos - p]];
+        const int64_t off = slot * row + h * d;
         keys[j] = k_layer + off;
         values[j] = v_layer + off;
       }

@@ -19,6 +19,11 @@ struct StepMeta {
   const int64_t* slots = nullptr;      // [n_tok] cache rows the new keys/values go to
   const int64_t* seq_of = nullptr;     // [n_tok] sequence of each token
   const int32_t* block_tables = nullptr;  // [n_seq, max_blocks]
+  // Tree steps (speculative draft trees): the step index of each token's parent, or -1 for
+  // a token whose parent is the last cached one. Null: every sequence's tokens are a chain.
+  // A token sees its sequence's cached keys before the step and its own ancestors' (and its
+  // own) keys, which sit at those tokens' slots.
+  const int64_t* parents = nullptr;       // [n_tok] or null
   int64_t slot_of(int64_t seq, int64_t pos) const;
 };
 

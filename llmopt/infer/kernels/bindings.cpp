@@ -42,6 +42,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       false
 #endif
   );
+  m.attr("SIMD") = py::str(
+#if defined(LLMOPT_AVX512)
+      "avx512-vnni"
+#elif defined(LLMOPT_AVX2)
+      "avx2"
+#else
+      "scalar"
+#endif
+  );
   py::register_local_exception<llmopt::StepError>(m, "StepError", PyExc_ValueError);
   py::class_<Linear>(m, "Linear", py::module_local())
       .def_readonly("kind", &Linear::kind)
@@ -86,7 +95,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &Model::forward, py::arg("tokens"), py::arg("positions"), py::arg("slots"),
            py::arg("query_start"), py::arg("seq_lens"), py::arg("block_tables"),
            py::arg("logits_rows"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_size"),
-           py::arg("threads") = 0, py::call_guard<py::gil_scoped_release>())
+           py::arg("threads") = 0, py::arg("parents") = py::none(), py::arg("hidden") = py::none(),
+           py::arg("inputs") = py::none(),
+           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("weight_bytes", &Model::weight_bytes)
       .def_property_readonly("num_layers", &Model::num_layers);
 }

@@ -13,12 +13,19 @@
 // The weights of a block are unpacked once and reused for up to 8 tokens (GEMM); each token's
 // arithmetic is the same whatever the batch, so batched rows equal batch-1 rows bit for bit.
 #include "coded.h"
+#include "avx2.h"
 
 #include <algorithm>
 
 namespace llmopt {
 
 namespace {
+
+inline int32_t load4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
 
 #ifdef LLMOPT_AVX512
 inline __m512 load_i8_lanes(const void* p, int64_t tile, int64_t groups, int64_t g) {
@@ -48,12 +55,6 @@ inline __m512 load_lanes(const void* p, int64_t tile, int64_t groups, int64_t g)
 // load average 6-11 on the 2 cores): none 12.0-15.0, 512 B 14.2-14.6, 1 KiB 12.6-14.5,
 // 2 KiB 10.5-13.0, 4 KiB 9.1-11.1, 8 KiB 9.3-11.1, 16 KiB 12.0-12.4.
 constexpr int64_t kPrefetchBytes = 4096;
-
-inline int32_t load4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
 
 // One tile of 16 rows for TT tokens starting at tok0 (rows of y are ldy apart). HALF (Q6_K,
 // BITS 6): one scale per 16 columns (lines 0-3 and 4-7 of a block are summed apart).
@@ -159,6 +160,181 @@ void tile_avx512(const Linear& l, int64_t tile, const QRows& qx, int64_t tok0, f
 }
 #endif
 
+#ifdef LLMOPT_AVX2
+// 16 lanes of fp16 / fp32 scales or mins as two 8-lane halves
+template <bool F16>
+inline void load_lanes2(const void* p, int64_t tile, int64_t groups, int64_t g, __m256* out) {
+  const int64_t off = (tile * groups + g) * kTile;
+  if (F16) {
+    const uint16_t* h = static_cast<const uint16_t*>(p) + off;
+    out[0] = load8_f16(h);
+    out[1] = load8_f16(h + 8);
+  } else {
+    const float* f = static_cast<const float*>(p) + off;
+    out[0] = _mm256_loadu_ps(f);
+    out[1] = _mm256_loadu_ps(f + 8);
+  }
+}
+
+template <bool SIGNED>
+inline void load_byte_lanes2(const void* p, int64_t tile, int64_t groups, int64_t g, __m256* out) {
+  const uint8_t* q = static_cast<const uint8_t*>(p) + (tile * groups + g) * kTile;
+  for (int h = 0; h < 2; ++h) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * h));
+    out[h] = _mm256_cvtepi32_ps(SIGNED ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+  }
+}
+
+constexpr int64_t kPrefetchBytes2 = 4096;  // as kPrefetchBytes of the AVX-512 kernel
+
+// The AVX-512 tile kernel's arithmetic with 8-lane vectors: half h of a 64-byte line holds
+// rows 8h..8h+7. vpmaddubsw multiplies unsigned codes by signed int8 activations into int16
+// pairs; 4-bit codes (|pair| <= 2*15*127) sum all 8 lines in int16 before vpmaddwd widens,
+// 6-bit codes two lines at a time; 8-bit codes are flipped to signed (code - 128) and use the
+// sign trick (|w| * sign(x, w): |pair| <= 2*128*127), the 128 * sum(x) term added back in
+// int32. The int32 sums equal the VNNI ones exactly, so every build agrees on them.
+template <int BITS, bool SF16, int MK, bool HALF, int TT>
+void tile_avx2(const Linear& l, int64_t tile, const QRows& qx, int64_t tok0, float* y,
+               int64_t ldy) {
+  const int64_t nb = l.blocks(), groups = l.groups(), k = l.k;
+  const int64_t per = HALF ? 1 : l.group / kBlock;
+  const int64_t line_bytes = block_bytes(BITS);
+  const uint8_t* wp = l.codes.data_ptr<uint8_t>() + tile * nb * line_bytes;
+  const void* sp = l.scales.data_ptr();
+  const void* mp = MK == MIN_ZERO ? nullptr : l.mins.data_ptr();
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  const __m256i ones16 = _mm256_set1_epi16(1);
+  const __m256 negzero = _mm256_set1_ps(-l.zero);
+  __m256 acc[TT][2];
+  for (int t = 0; t < TT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+  __m256 ws[2] = {}, wm[2] = {}, ws2[2] = {}, wm2[2] = {};
+  __m256 dv[2] = {}, dmv[2] = {};
+  for (int64_t b = 0; b < nb; ++b, wp += line_bytes) {
+    for (int64_t i = 0; i < line_bytes; i += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(wp + kPrefetchBytes2 + i), _MM_HINT_T0);
+    if (HALF) {
+      if (b % 8 == 0) load_lanes2<true>(l.super_scales.data_ptr(), tile, nb / 8, b / 8, dv);
+      __m256 s1[2], s2[2];
+      load_byte_lanes2<true>(sp, tile, groups, 2 * b, s1);
+      load_byte_lanes2<true>(sp, tile, groups, 2 * b + 1, s2);
+      for (int h = 0; h < 2; ++h) {
+        ws[h] = _mm256_mul_ps(s1[h], dv[h]);
+        ws2[h] = _mm256_mul_ps(s2[h], dv[h]);
+        wm[h] = _mm256_mul_ps(ws[h], negzero);
+        wm2[h] = _mm256_mul_ps(ws2[h], negzero);
+      }
+    } else if (MK == MIN_KQ) {
+      if (b % 8 == 0) {
+        load_lanes2<true>(l.super_scales.data_ptr(), tile, nb / 8, b / 8, dv);
+        load_lanes2<true>(l.super_mins.data_ptr(), tile, nb / 8, b / 8, dmv);
+      }
+      __m256 sc[2], mn[2];
+      load_byte_lanes2<false>(sp, tile, groups, b, sc);
+      load_byte_lanes2<false>(mp, tile, groups, b, mn);
+      for (int h = 0; h < 2; ++h) {
+        ws[h] = _mm256_mul_ps(sc[h], dv[h]);
+        wm[h] = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(mn[h], dmv[h]));
+      }
+    } else if (b % per == 0) {
+      load_lanes2<SF16>(sp, tile, groups, b / per, ws);
+      if (MK == MIN_ZERO) {
+        for (int h = 0; h < 2; ++h) wm[h] = _mm256_mul_ps(ws[h], negzero);
+      } else {
+        load_lanes2<MK == MIN_F16>(mp, tile, groups, b / per, wm);
+      }
+    }
+    // integer block sums of the activation codes (8-bit codes only: the -128 shift)
+    int32_t xsum_i[TT];
+    if (BITS == 8) {
+      for (int t = 0; t < TT; ++t) {
+        const int8_t* xq = qx.q.data() + (tok0 + t) * k + b * kBlock;
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+        const __m256i w16 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), xv), ones16);
+        xsum_i[t] = hsum256_epi32(w16);
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      __m256i w[8];
+      if (BITS == 4 || BITS == 6) {
+        for (int m = 0; m < 4; ++m) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 64 * m + 32 * h));
+          w[m] = _mm256_and_si256(v, nib);
+          w[m + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+        }
+        if (BITS == 6) {
+          const __m256i top = _mm256_set1_epi8(0x30);
+          for (int m = 0; m < 8; ++m) {
+            const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 256 + 64 * (m / 4) + 32 * h));
+            const int q = m % 4;
+            const __m256i hb = q == 0 ? _mm256_slli_epi16(p, 4)
+                               : q == 1 ? _mm256_slli_epi16(p, 2)
+                               : q == 2 ? p
+                                        : _mm256_srli_epi16(p, 2);
+            w[m] = _mm256_or_si256(w[m], _mm256_and_si256(hb, top));
+          }
+        }
+      } else {
+        const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+        for (int m = 0; m < 8; ++m)
+          w[m] = _mm256_xor_si256(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 64 * m + 32 * h)), flip);
+      }
+      for (int t = 0; t < TT; ++t) {
+        const int64_t row = tok0 + t;
+        const int8_t* xq = qx.q.data() + row * k + b * kBlock;
+        const __m256 xs = _mm256_set1_ps(qx.scale[row * nb + b]);
+        if (HALF) {
+          __m256i s = _mm256_setzero_si256(), s2 = _mm256_setzero_si256();
+          for (int m = 0; m < 4; m += 2) {
+            __m256i p = _mm256_add_epi16(
+                _mm256_maddubs_epi16(w[m], _mm256_set1_epi32(load4(xq + 4 * m))),
+                _mm256_maddubs_epi16(w[m + 1], _mm256_set1_epi32(load4(xq + 4 * m + 4))));
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones16));
+            p = _mm256_add_epi16(
+                _mm256_maddubs_epi16(w[m + 4], _mm256_set1_epi32(load4(xq + 16 + 4 * m))),
+                _mm256_maddubs_epi16(w[m + 5], _mm256_set1_epi32(load4(xq + 16 + 4 * m + 4))));
+            s2 = _mm256_add_epi32(s2, _mm256_madd_epi16(p, ones16));
+          }
+          const float* xsum = qx.sum16.data() + 2 * (row * nb + b);
+          __m256 a = acc[t][h];
+          a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(ws[h], xs), a);
+          a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s2), _mm256_mul_ps(ws2[h], xs), a);
+          a = _mm256_fmadd_ps(wm[h], _mm256_set1_ps(xsum[0]), a);
+          acc[t][h] = _mm256_fmadd_ps(wm2[h], _mm256_set1_ps(xsum[1]), a);
+          continue;
+        }
+        __m256i s;
+        if (BITS == 4) {
+          __m256i p = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(load4(xq)));
+          for (int m = 1; m < 8; ++m)
+            p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[m], _mm256_set1_epi32(load4(xq + 4 * m))));
+          s = _mm256_madd_epi16(p, ones16);
+        } else {  // 8-bit: sum (code - 128) x + 128 sum x
+          s = _mm256_set1_epi32(128 * xsum_i[t]);
+          for (int m = 0; m < 8; ++m) {
+            const __m256i xb = _mm256_set1_epi32(load4(xq + 4 * m));
+            const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(w[m]), _mm256_sign_epi8(xb, w[m]));
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones16));
+          }
+        }
+        const float xsum = qx.sum[row * nb + b];
+        __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(ws[h], xs), acc[t][h]);
+        acc[t][h] = _mm256_fmadd_ps(wm[h], _mm256_set1_ps(xsum), a);
+      }
+    }
+  }
+  const int64_t r0 = tile * kTile, valid = std::min<int64_t>(kTile, l.n - r0);
+  const float* bias = l.bias.defined() ? l.bias.data_ptr<float>() : nullptr;
+  for (int t = 0; t < TT; ++t) {
+    alignas(32) float out[kTile];
+    _mm256_store_ps(out, acc[t][0]);
+    _mm256_store_ps(out + 8, acc[t][1]);
+    float* yt = y + (tok0 + t) * ldy + r0;
+    for (int i = 0; i < valid; ++i) yt[i] = out[i] + (bias ? bias[r0 + i] : 0.f);
+  }
+}
+#endif
+
 // Portable version of the same arithmetic (any CPU; the reference for the layout).
 template <int BITS, bool SF16, int MK, bool HALF, int TT>
 void tile_scalar(const Linear& l, int64_t tile, const QRows& qx, int64_t tok0, float* y,
@@ -223,8 +399,10 @@ void tile_scalar(const Linear& l, int64_t tile, const QRows& qx, int64_t tok0, f
 template <int BITS, bool SF16, int MK, bool HALF, int TT>
 inline void tile_any(const Linear& l, int64_t tile, const QRows& qx, int64_t tok0, float* y,
                      int64_t ldy) {
-#ifdef LLMOPT_AVX512
+#if defined(LLMOPT_AVX512)
   tile_avx512<BITS, SF16, MK, HALF, TT>(l, tile, qx, tok0, y, ldy);
+#elif defined(LLMOPT_AVX2)
+  tile_avx2<BITS, SF16, MK, HALF, TT>(l, tile, qx, tok0, y, ldy);
 #else
   tile_scalar<BITS, SF16, MK, HALF, TT>(l, tile, qx, tok0, y, ldy);
 #endif

@@ -18,6 +18,11 @@
     defined(__AVX512BW__)
 #define LLMOPT_AVX512 1
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// AVX2 without AVX-512 (AMD Zen 1-3, Intel client cores): 8-lane versions of the same
+// arithmetic (avx2.h); coded tiles multiply with vpmaddubsw instead of VNNI.
+#define LLMOPT_AVX2 1
+#include <immintrin.h>
 #endif
 
 namespace llmopt {

@@ -4,7 +4,7 @@
 // eight FMA chains stay in flight. For several tokens the four rows are reused from L1 for
 // every token (the weights are streamed from memory once per call); each token's result is
 // the same as a batch-1 call.
-#include "common.h"
+#include "avx2.h"
 
 #include <algorithm>
 
@@ -47,6 +47,21 @@ inline void dot4_f32(const float* w, int64_t k, const float* x, float* out) {
     for (int j = 0; j < 4; ++j) a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(r[j] + i), xv, a[j]);
   }
   for (int j = 0; j < 4; ++j) s[j] = _mm512_reduce_add_ps(_mm512_add_ps(a[j], b[j]));
+#elif defined(LLMOPT_AVX2)
+  __m256 a[4], b[4];
+  for (int j = 0; j < 4; ++j) a[j] = b[j] = _mm256_setzero_ps();
+  for (; i + 16 <= k; i += 16) {
+    const __m256 xv = _mm256_loadu_ps(x + i), xw = _mm256_loadu_ps(x + i + 8);
+    for (int j = 0; j < 4; ++j) {
+      a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(r[j] + i), xv, a[j]);
+      b[j] = _mm256_fmadd_ps(_mm256_loadu_ps(r[j] + i + 8), xw, b[j]);
+    }
+  }
+  for (; i + 8 <= k; i += 8) {
+    const __m256 xv = _mm256_loadu_ps(x + i);
+    for (int j = 0; j < 4; ++j) a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(r[j] + i), xv, a[j]);
+  }
+  for (int j = 0; j < 4; ++j) s[j] = hsum256(_mm256_add_ps(a[j], b[j]));
 #endif
   for (; i < k; ++i)
     for (int j = 0; j < 4; ++j) s[j] += r[j][i] * x[i];
@@ -68,6 +83,14 @@ inline float dot_bf16(const uint16_t* w, const float* x, int64_t k) {
   }
   for (; i + 16 <= k; i += 16) a0 = _mm512_fmadd_ps(load(w + i), _mm512_loadu_ps(x + i), a0);
   s = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+#elif defined(LLMOPT_AVX2)
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  for (; i + 16 <= k; i += 16) {
+    a0 = _mm256_fmadd_ps(load8_bf16(w + i), _mm256_loadu_ps(x + i), a0);
+    a1 = _mm256_fmadd_ps(load8_bf16(w + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+  }
+  for (; i + 8 <= k; i += 8) a0 = _mm256_fmadd_ps(load8_bf16(w + i), _mm256_loadu_ps(x + i), a0);
+  s = hsum256(_mm256_add_ps(a0, a1));
 #endif
   for (; i < k; ++i) s += bf16_to_f32(w[i]) * x[i];
   return s;

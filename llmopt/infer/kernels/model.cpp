@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 namespace llmopt {
 
@@ -119,7 +120,8 @@ void Model::project(const std::vector<Linear>& parts, const float* x, int64_t n_
 }
 
 void Model::run(const StepMeta& m, const int64_t* tokens, const int64_t* rows, int64_t n_rows,
-                const at::Tensor& k_cache, const at::Tensor& v_cache, float* logits) {
+                const at::Tensor& k_cache, const at::Tensor& v_cache, float* logits,
+                float* hidden, const float* inputs) {
   const auto& s = shape_;
   const int64_t n = m.n_tok, hd = s.hidden, qd = s.heads * s.head_dim;
   x_.resize(n * hd);
@@ -132,6 +134,10 @@ void Model::run(const StepMeta& m, const int64_t* tokens, const int64_t* rows, i
   float *x = x_.data(), *h = h_.data(), *tmp = tmp_.data();
   const float embed_scale = static_cast<float>(s.embed_scale);
   each_row(n, [&](int64_t t) {
+    if (inputs) {  // the caller's input vectors (a feature draft head's fused inputs)
+      std::memcpy(x + t * hd, inputs + t * hd, hd * sizeof(float));
+      return;
+    }
     weight_row(embed_, tokens[t], x + t * hd);
     if (embed_scale != 1.f)
       for (int64_t i = 0; i < hd; ++i) x[t * hd + i] *= embed_scale;
@@ -188,6 +194,7 @@ void Model::run(const StepMeta& m, const int64_t* tokens, const int64_t* rows, i
   last_.resize(n_rows * hd);
   const float* fw = final_norm_.data_ptr<float>();
   each_row(n_rows, [&](int64_t r) { rmsnorm_row(x + rows[r] * hd, fw, last_.data() + r * hd, hd, s.eps); });
+  if (hidden) std::memcpy(hidden, last_.data(), n_rows * hd * sizeof(float));
   project(head_, last_.data(), n_rows, logits);
   if (s.final_softcap > 0)
     each_row(n_rows, [&](int64_t r) {
@@ -199,10 +206,31 @@ at::Tensor Model::forward(const at::Tensor& tokens, const at::Tensor& positions,
                           const at::Tensor& slots, const at::Tensor& query_start,
                           const at::Tensor& seq_lens, const at::Tensor& block_tables,
                           const at::Tensor& logits_rows, at::Tensor k_cache, at::Tensor v_cache,
-                          int64_t block_size, int64_t threads) {
+                          int64_t block_size, int64_t threads,
+                          const c10::optional<at::Tensor>& parents,
+                          const c10::optional<at::Tensor>& hidden,
+                          const c10::optional<at::Tensor>& inputs) {
   std::lock_guard<std::mutex> lock(mutex_);
+  const at::Tensor tree = parents.has_value() ? *parents : at::Tensor();
   check_step(tokens, positions, slots, query_start, seq_lens, block_tables, logits_rows, k_cache,
-             v_cache, block_size);
+             v_cache, block_size, tree);
+  const int64_t r = logits_rows.numel();
+  float* hidden_out = nullptr;
+  if (hidden.has_value() && hidden->defined()) {
+    const auto& hd = *hidden;
+    if (hd.scalar_type() != at::kFloat || !hd.is_contiguous() || hd.dim() != 2 ||
+        hd.size(0) != r || hd.size(1) != shape_.hidden)
+      throw StepError("hidden must be a contiguous float32 [len(logits_rows), hidden] tensor");
+    hidden_out = hd.data_ptr<float>();
+  }
+  const float* inputs_in = nullptr;
+  if (inputs.has_value() && inputs->defined()) {
+    const auto& in = *inputs;
+    if (in.scalar_type() != at::kFloat || !in.is_contiguous() || in.dim() != 2 ||
+        in.size(0) != tokens.numel() || in.size(1) != shape_.hidden)
+      throw StepError("inputs must be a contiguous float32 [len(tokens), hidden] tensor");
+    inputs_in = in.data_ptr<float>();
+  }
   ThreadScope scope(threads);
   StepMeta m;
   m.n_tok = tokens.numel();
@@ -213,10 +241,12 @@ at::Tensor Model::forward(const at::Tensor& tokens, const at::Tensor& positions,
   m.slots = slots.data_ptr<int64_t>();
   m.seq_of = seq_of_.data();
   m.block_tables = block_tables.data_ptr<int32_t>();
-  const int64_t r = logits_rows.numel();
+  if (tree.defined()) {
+    m.parents = tree.data_ptr<int64_t>();
+  }
   auto logits = at::empty({r, shape_.vocab}, at::TensorOptions().dtype(at::kFloat));
   run(m, tokens.data_ptr<int64_t>(), logits_rows.data_ptr<int64_t>(), r, k_cache, v_cache,
-      logits.data_ptr<float>());
+      logits.data_ptr<float>(), hidden_out, inputs_in);
   return logits;
 }
 

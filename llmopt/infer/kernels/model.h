@@ -48,7 +48,10 @@ class Model {
                      const at::Tensor& slots, const at::Tensor& query_start,
                      const at::Tensor& seq_lens, const at::Tensor& block_tables,
                      const at::Tensor& logits_rows, at::Tensor k_cache, at::Tensor v_cache,
-                     int64_t block_size, int64_t threads);
+                     int64_t block_size, int64_t threads,
+                     const c10::optional<at::Tensor>& parents = c10::nullopt,
+                     const c10::optional<at::Tensor>& hidden = c10::nullopt,
+                     const c10::optional<at::Tensor>& inputs = c10::nullopt);
 
   int64_t weight_bytes() const;  // bytes of every weight one token reads (one embedding row)
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -58,10 +61,12 @@ class Model {
   void check_step(const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& slots,
                   const at::Tensor& query_start, const at::Tensor& seq_lens,
                   const at::Tensor& block_tables, const at::Tensor& logits_rows,
-                  const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t block_size);
+                  const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t block_size,
+                  const at::Tensor& parents);
   void project(const std::vector<Linear>& parts, const float* x, int64_t n_tok, float* y);
   void run(const StepMeta& m, const int64_t* tokens, const int64_t* rows, int64_t n_rows,
-           const at::Tensor& k_cache, const at::Tensor& v_cache, float* logits);
+           const at::Tensor& k_cache, const at::Tensor& v_cache, float* logits, float* hidden,
+           const float* inputs);
 
   ModelShape shape_;
   AttnShape attn_;

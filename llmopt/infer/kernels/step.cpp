@@ -28,7 +28,8 @@ void Model::check_step(const at::Tensor& tokens, const at::Tensor& positions,
                        const at::Tensor& slots, const at::Tensor& query_start,
                        const at::Tensor& seq_lens, const at::Tensor& block_tables,
                        const at::Tensor& logits_rows, const at::Tensor& k_cache,
-                       const at::Tensor& v_cache, int64_t block_size) {
+                       const at::Tensor& v_cache, int64_t block_size,
+                       const at::Tensor& parents) {
   const auto& s = shape_;
   want(tokens, "tokens", at::kLong, 1);
   want(positions, "positions", at::kLong, 1);
@@ -69,6 +70,13 @@ void Model::check_step(const at::Tensor& tokens, const at::Tensor& positions,
   if (qs[0] != 0 || qs[n_seq] != n)
     fail("query_start must start at 0 and end at the token count ", n, ", got ", qs[0], " .. ",
          qs[n_seq]);
+  const bool tree = parents.defined();
+  const int64_t* par = nullptr;
+  if (tree) {
+    want(parents, "parents", at::kLong, 1);
+    if (parents.numel() != n) fail("parents (", parents.numel(), ") must have one entry per token (", n, ")");
+    par = parents.data_ptr<int64_t>();
+  }
   seq_of_.resize(n);
   for (int64_t q = 0; q < n_seq; ++q) {
     if (qs[q + 1] <= qs[q])
@@ -89,11 +97,24 @@ void Model::check_step(const at::Tensor& tokens, const at::Tensor& positions,
         fail("token ", tok[t], " at row ", t, " outside the vocabulary [0, ", s.vocab, ")");
       if (pos[t] < 0 || pos[t] >= lens[q])
         fail("position ", pos[t], " at row ", t, " outside its sequence's [0, ", lens[q], ")");
+      // a chain stores position p at p's row; a tree stores its i-th token at row base + i
+      const int64_t base = lens[q] - (qs[q + 1] - qs[q]);
+      const int64_t at = tree ? base + (t - qs[q]) : pos[t];
       const int64_t expect =
-          int64_t(bt[q * max_blocks + pos[t] / block_size]) * block_size + pos[t] % block_size;
+          int64_t(bt[q * max_blocks + at / block_size]) * block_size + at % block_size;
       if (slot[t] != expect)
-        fail("slot ", slot[t], " at row ", t, " is not where block_tables puts position ",
-             pos[t], " of sequence ", q, " (", expect, ")");
+        fail("slot ", slot[t], " at row ", t, " is not where block_tables puts ",
+             tree ? "tree row " : "position ", at, " of sequence ", q, " (", expect, ")");
+      if (tree) {
+        const int64_t u = par[t];
+        if (u != -1 && (u < qs[q] || u >= t))
+          fail("parents[", t, "] = ", u, " must be -1 or an earlier token of its sequence [",
+               qs[q], ", ", t, ")");
+        const int64_t want_pos = u == -1 ? base : pos[u] + 1;
+        if (pos[t] != want_pos)
+          fail("position ", pos[t], " at row ", t, " must be ", want_pos,
+               u == -1 ? " (the cached length: a root of the tree)" : " (its parent's + 1)");
+      }
     }
   }
   const int64_t* rows = logits_rows.data_ptr<int64_t>();

@@ -31,6 +31,13 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
         help="grow gamma after a fully accepted round, shrink it after a rejection",
     )
     group.add_argument(
+        "--tree",
+        metavar="DxKxN",
+        default="3x2x4",
+        help="with a feature-head --draft: expansion depth D, top-K per node, N nodes "
+        "verified per pass (DxK... 'D x 1 x D' is a chain; default 3x2x4)",
+    )
+    group.add_argument(
         "--stats",
         action="store_true",
         help="also run plain decoding and report acceptance, costs, measured and predicted "
@@ -54,6 +61,10 @@ def run_speculative_from_args(
         raise UsageError(f"--draft is required for speculative decoding; valid: {DRAFT_SPECS}")
     if args.gamma < 1:
         raise UsageError(f"--gamma {args.gamma} must be >= 1")
+    from llmopt.infer.speculative.feature_head import is_feature_head
+
+    if is_feature_head(args.draft):
+        return _run_feature_head(args, model, tokenizer, prompt_ids, sampling)
     config = SpeculativeConfig(
         gamma=args.gamma, adaptive=args.adaptive_gamma, gamma_max=max(12, args.gamma)
     )
@@ -77,3 +88,57 @@ def run_speculative_from_args(
         "top_p": sampling.top_p,
     }
     return result.tokens, stats
+
+
+def parse_tree(text: str):
+    """`DxKxN` -> TreeConfig(depth=D, top_k=K, budget=N)."""
+    from llmopt.infer.speculative.tree_decode import TreeConfig
+
+    parts = text.lower().split("x")
+    if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+        raise UsageError(f"--tree {text!r}: want DEPTHxTOPKxBUDGET, e.g. 3x2x4")
+    return TreeConfig(*(int(p) for p in parts))
+
+
+def _run_feature_head(args, model, tokenizer, prompt_ids, sampling):
+    """`--draft DIR` naming a feature head: tree speculation on the fused kernels."""
+    import time
+
+    import torch
+
+    from llmopt.infer.fast import FastDecoder
+    from llmopt.infer.speculative.feature_head import load_feature_head
+    from llmopt.infer.speculative.tree_decode import FeatureTreeDecoder, calibrate_tree
+
+    tree = parse_tree(args.tree)
+    head = load_feature_head(args.draft, model)
+    eos_ids = (
+        None if getattr(args, "ignore_eos", False) else getattr(tokenizer, "eos_token_ids", None)
+    )
+    eos = eos_ids[0] if eos_ids else None
+    n = args.max_new_tokens
+    max_len = min(model.config.max_seq_len, len(prompt_ids) + n + tree.depth + 2)
+    seed = getattr(args, "seed", None)
+    gen = torch.Generator().manual_seed(seed if seed is not None else 0)
+    decoder = FeatureTreeDecoder(model, head, max_len, tree)
+    ids = decoder.generate(prompt_ids, n, sampling, gen, eos)
+    if not getattr(args, "stats", False):
+        return ids, {}
+    stats = decoder.stats.to_dict()
+    if sampling.greedy:  # plain decoding on the same kernels, for the speedup and identity
+        plain = FastDecoder(model, max_len)
+        logits = plain.prefill(prompt_ids)
+        t0 = time.perf_counter()
+        want: list[int] = []
+        while len(want) < len(ids):
+            want.append(int(logits.argmax()))
+            if len(want) < len(ids):
+                logits = plain.step(want[-1])
+        plain_s = time.perf_counter() - t0
+        stats["identical_to_plain"] = want == ids
+        stats["measured_speedup"] = plain_s / stats["decode_s"] if stats["decode_s"] else None
+    costs = calibrate_tree(FeatureTreeDecoder(model, head, max_len, tree), prompt_ids)
+    stats["costs"] = costs.to_dict()
+    stats["predicted_speedup"] = costs.predict(decoder.stats.tokens_per_pass, tree.depth)
+    stats["tree"] = {"depth": tree.depth, "top_k": tree.top_k, "budget": tree.budget}
+    return ids, stats

@@ -146,3 +146,44 @@ class PassCosts:
             "draft_c": self.draft,
             "draft_c2": self.draft_2,
         }
+
+
+def predicted_tree_speedup(tokens_per_pass: float, verify_cost: float, draft_cost: float) -> float:
+    """Speedup of draft trees (or a feature head's chains) over plain decoding: τ / (draft +
+    verify), all per 1-token target step.
+
+    tokens_per_pass: τ, the mean tokens one verify pass yields (accepted guesses + 1);
+    verify_cost: v(1 + budget), the tree pass; draft_cost: the head's calls of one round — one
+    catch-up chain over the accepted tokens (which also scores the root's children) and one
+    expansion call per further depth (`TreeCosts.round_draft`)."""
+    if not (math.isfinite(tokens_per_pass) and tokens_per_pass >= 1):
+        raise ValueError(f"tokens_per_pass={tokens_per_pass} must be finite and >= 1")
+    if not (math.isfinite(verify_cost) and verify_cost > 0):
+        raise ValueError(f"verify_cost={verify_cost} must be finite and > 0")
+    if not (math.isfinite(draft_cost) and draft_cost >= 0):
+        raise ValueError(f"draft_cost={draft_cost} must be finite and >= 0")
+    return tokens_per_pass / (verify_cost + draft_cost)
+
+
+@dataclass(frozen=True)
+class TreeCosts:
+    """Pass costs of a feature head and its target, per 1-token target step, measured apart
+    from the timed run (`llmopt.infer.speculative.tree_decode.calibrate_tree`).
+
+    verify: the (1 + budget)-token tree pass; chain: the head's catch-up call; expand: one
+    expansion call (top_k nodes at once)."""
+
+    step_s: float
+    verify: float
+    chain: float
+    expand: float
+
+    def round_draft(self, depth: int) -> float:
+        return self.chain + (depth - 1) * self.expand
+
+    def predict(self, tokens_per_pass: float, depth: int) -> float:
+        return predicted_tree_speedup(tokens_per_pass, self.verify, self.round_draft(depth))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step_s": self.step_s, "verify": self.verify, "chain": self.chain,
+                "expand": self.expand}  # fmt: skip

@@ -44,6 +44,7 @@ class SpeculativeStats:
     adaptive: bool = False
     rounds: int = 0  # target verify passes
     proposing_rounds: int = 0  # rounds in which the draft proposed at least one token
+    off_rounds: int = 0  # rounds the engine ran without asking the draft (batch too large)
     proposed: int = 0
     accepted: int = 0
     rejections: int = 0  # rounds that stopped at a rejected guess
