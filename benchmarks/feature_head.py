@@ -232,7 +232,9 @@ def cmd_bench(args) -> int:
             t = TreeConfig(*map(int, r["tree"].split("x")))
             c = calib[r["tree"]]
             r["predicted"] = predicted_tree_speedup(
-                r["tokens_per_pass"], c["verify"], c["chain"] + (t.depth - 1) * c["expand"]
+                r["tokens_per_pass"],
+                c["verify"],
+                c["chain"] + (min(t.depth, t.budget) - 1) * c["expand"],
             )
     print(json.dumps(calib, indent=1))
     if args.json:

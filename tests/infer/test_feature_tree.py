@@ -191,6 +191,10 @@ def test_sampled_decoding_runs_and_stays_in_vocabulary(target, head):
 
 def test_heads_round_trip_with_a_version_and_refuse_another_target(target, head, tmp_path):
     head.save(tmp_path / "h", step=0)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    for name in ("feature_head.safetensors", "feature_head.json"):  # files follow the umask
+        assert (tmp_path / "h" / name).stat().st_mode & 0o777 == 0o666 & ~mask
     back = load_feature_head(tmp_path / "h", target)
     for (name, a), (_, b) in zip(head.state_dict().items(), back.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
@@ -250,7 +254,7 @@ def test_distill_feature_head_cli_trains_a_head_generate_uses(tiny_hf_dir, tmp_p
     model_dir = tiny_hf_dir("fh-cli")
     out = tmp_path / "fh"
     rc = main(["distill", "--feature-head", "--teacher", str(model_dir), "--text",
-               "corpus:web-bible", "--max-chars", "40000", "--seq-len", "32", "--windows", "12",
+               "mix:default", "--seq-len", "32", "--windows", "12",
                "--generations", "2", "--steps", "6", "--global-batch", "2", "--draft-vocab", "512",
                "--save-every", "3", "--out", str(out), "--json"])  # fmt: skip
     assert rc == 0

@@ -159,7 +159,7 @@ def _feature_head(args: argparse.Namespace) -> int:
     out = check_out(args.out, args.teacher)
     summary = train_on_text(
         args.teacher, args.text, out, cfg, windows=args.windows, generations=args.generations,
-        max_chars=args.max_chars, resume=args.resume, quiet=args.json,
+        resume=args.resume, quiet=args.json,
     )  # fmt: skip
     print(json.dumps(summary) if args.json else f"feature head: {summary['head']} "
           f"(step {summary['step']}, eval top-1 agreement {summary.get('eval_top1')})")  # fmt: skip

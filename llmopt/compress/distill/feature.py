@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from llmopt.artifacts import atomic_write_text
+from llmopt.artifacts import atomic_write, atomic_write_text
 from llmopt.errors import LlmoptError
 from llmopt.infer.speculative.feature_head import (
     FeatureHead,
@@ -82,9 +82,8 @@ class FeatureData:
     def save(self, path: str | Path) -> None:
         from safetensors.torch import save_file
 
-        tmp = Path(str(path) + ".tmp")
-        save_file({k: v.contiguous() for k, v in asdict(self).items()}, str(tmp))
-        tmp.replace(path)
+        tensors = {k: v.contiguous() for k, v in asdict(self).items()}
+        atomic_write(path, lambda tmp: save_file(tensors, str(tmp)))
 
     @classmethod
     def load(cls, path: str | Path) -> FeatureData:
@@ -250,8 +249,8 @@ def train_feature_head(
                 fh.write(json.dumps(rec) + "\n")
         if done % cfg.save_every == 0 or done == cfg.steps:
             head.save(out / "head", step=done, train=asdict(cfg))
-            save_file(_flat_optimizer(opt), str(state_file) + ".tmp")
-            Path(str(state_file) + ".tmp").replace(state_file)
+            flat = _flat_optimizer(opt)
+            atomic_write(state_file, lambda tmp, flat=flat: save_file(flat, str(tmp)))
             atomic_write_text(out / "progress.json", json.dumps({"step": done, "steps": cfg.steps}))
     return head.eval()
 
@@ -282,16 +281,12 @@ def train_on_text(
     *,
     windows: int = 400,
     generations: int = 40,
-    max_chars: int | None = None,
     resume: bool = False,
     quiet: bool = False,
 ) -> dict:
     """`llmopt distill --feature-head`: data from `text` (a corpus, file or mix) and the
     teacher's own continuations, then training; the data is built once per --out."""
-    import random
-
     from llmopt.compress.distill.draft import frequent_tokens
-    from llmopt.data.corpus import load_text
     from llmopt.models.loading import load_model, load_tokenizer
 
     out = Path(out)
@@ -301,21 +296,14 @@ def train_on_text(
     if data_file.is_file():
         data = FeatureData.load(data_file)
     else:
+        from llmopt.compress.quant.calibration import calibration_set
+
         tok = load_tokenizer(teacher)
-        ids = tok.encode(load_text(text, max_chars), add_bos=False)
-        need = cfg.seq_len + 1
-        if len(ids) < need * 2:
-            raise FeatureTrainError(
-                f"--text {text!r} has {len(ids)} tokens; a feature head needs at least "
-                f"{need * 2} (two windows of --seq-len {cfg.seq_len})"
-            )
-        rng = random.Random(cfg.seed)
-        starts = [rng.randrange(0, len(ids) - cfg.seq_len) for _ in range(windows)]
-        rows = [ids[s : s + cfg.seq_len] for s in starts]
+        # windows of the mix (or one source) drawn the way calibration draws them
+        rows = calibration_set(tok, text, windows, cfg.seq_len, cfg.seed).tokens.tolist()
         prompt_len = max(1, cfg.seq_len // 4)
-        prompts = [ids[s : s + prompt_len] for s in
-                   (rng.randrange(0, len(ids) - prompt_len) for _ in range(generations))]  # fmt: skip
-        rows += own_generations(target, prompts, cfg.seq_len - prompt_len)
+        starts = calibration_set(tok, text, generations, prompt_len, cfg.seed + 7).tokens
+        rows += own_generations(target, starts.tolist(), cfg.seq_len - prompt_len)
         progress = None if quiet else (lambda i, n: i % 50 == 0 and print(f"features {i}/{n}"))
         data = target_windows(target, torch.tensor(rows), cfg.top_k, progress)
         data.save(data_file)

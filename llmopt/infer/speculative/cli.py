@@ -139,6 +139,8 @@ def _run_feature_head(args, model, tokenizer, prompt_ids, sampling):
         stats["measured_speedup"] = plain_s / stats["decode_s"] if stats["decode_s"] else None
     costs = calibrate_tree(FeatureTreeDecoder(model, head, max_len, tree), prompt_ids)
     stats["costs"] = costs.to_dict()
-    stats["predicted_speedup"] = costs.predict(decoder.stats.tokens_per_pass, tree.depth)
+    stats["predicted_speedup"] = costs.predict(
+        decoder.stats.tokens_per_pass, tree.depth, tree.budget
+    )
     stats["tree"] = {"depth": tree.depth, "top_k": tree.top_k, "budget": tree.budget}
     return ids, stats

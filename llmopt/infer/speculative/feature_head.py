@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from llmopt.artifacts import atomic_write_text
+from llmopt.artifacts import atomic_write, atomic_write_text
 from llmopt.errors import LlmoptError
 from llmopt.models import ModelConfig, build_model
 
@@ -136,9 +136,7 @@ class FeatureHead(nn.Module):
         out.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
         tensors.pop("layer.lm_head.weight", None)  # tied to the layer's embedding
-        tmp = out / (WEIGHTS_FILE + ".tmp")
-        save_file(tensors, str(tmp))
-        tmp.replace(out / WEIGHTS_FILE)
+        atomic_write(out / WEIGHTS_FILE, lambda tmp: save_file(tensors, str(tmp)))
         meta = {"format": FORMAT, "version": VERSION, **asdict(self.config), **info}
         atomic_write_text(out / CONFIG_FILE, json.dumps(meta, indent=1))
         return out

@@ -181,7 +181,9 @@ class TreeCosts:
     def round_draft(self, depth: int) -> float:
         return self.chain + (depth - 1) * self.expand
 
-    def predict(self, tokens_per_pass: float, depth: int) -> float:
+    def predict(self, tokens_per_pass: float, depth: int, budget: int | None = None) -> float:
+        """`depth` expansions, of which at most `budget` can matter (a path of d nodes)."""
+        depth = depth if budget is None else min(depth, budget)
         return predicted_tree_speedup(tokens_per_pass, self.verify, self.round_draft(depth))
 
     def to_dict(self) -> dict[str, Any]:

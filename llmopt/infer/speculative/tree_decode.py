@@ -196,7 +196,8 @@ class FeatureTreeDecoder:
         ]
         node_row: dict[int, int] = {}
         next_row = context
-        for _ in range(1, cfg.depth):
+        # a node at depth d needs d nodes of the budget: deeper expansions could never be kept
+        for _ in range(1, min(cfg.depth, cfg.budget)):
             chosen = sorted(frontier, key=lambda i: -tree.scores[i])[: cfg.top_k]
             for i in chosen:
                 node_row[i] = next_row
