@@ -70,3 +70,63 @@ def test_unreadable_rows_are_reported_never_guessed(change, reason):
     results, failed = vs.evaluate([good, bad])
     assert [r["row_id"] for r in results if r["metric"] == "output_tokens_per_s"] == ["1"]
     assert len(failed) == 1 and failed[0][0] == "2" and reason in failed[0][1]
+
+
+def test_finite_rate_rows_are_split_by_source_and_all_understood():
+    cal = vs.load_rows(vs.ONLINE_CALIBRATION)
+    val = vs.load_rows(vs.ONLINE_VALIDATION)
+    assert len(val) >= 10 and len(cal) >= 6
+    for rows in (cal, val):
+        assert all(r["source"].strip() and r["locator"].strip() and r["source_id"] for r in rows)
+    assert not {r["source_id"] for r in cal} & {r["source_id"] for r in val}
+    assert all(r["load"].startswith("rate=") and r["ttft_ms"] and r["itl_ms"] for r in val)
+    results, bad = vs.evaluate(val, "validation")
+    assert bad == [] and {r["set"] for r in results} == {"validation"}
+    # each held-out row is predicted for every metric it reports
+    assert len(results) == sum(bool(r[m].strip()) for r in val for m in vs.METRICS)
+
+
+def test_ranges_and_engine_columns_are_read():
+    row = dict.fromkeys(HEADER, "")
+    row.update(
+        row_id="1", model="Llama-3.1-8B", gpu="H100", tp="1", precision="BF16",
+        input_len="1-1024", output_len="128", load="rate=2", num_requests="50",
+        scheduler="Prefill-First", multi_step="10", engine="vllm-2024", max_num_tokens="4096",
+    )  # fmt: skip
+    _, _, sc = vs.scenario_of(row)
+    assert (sc.input_len_min, sc.input_len, sc.output_len_min) == (1, 1024, None)
+    assert (sc.scheduler, sc.multi_step, sc.engine, sc.num_requests) == (
+        "prefill-first",
+        10,
+        "vllm-2024",
+        50,
+    )
+    assert sc.max_num_tokens == 4096
+    with pytest.raises(vs.RowError, match="range"):
+        vs.length_of("9-3", "input_len")
+
+
+def test_fit_engine_recovers_a_profile_from_rows_it_generated(monkeypatch):
+    from llmopt.plan.serve import step
+
+    truth = step.EngineProfile(gpu_time_scale=1.3, request_s=0.012)
+    monkeypatch.setitem(step.ENGINE_PROFILES, "probe", truth)
+    rows = []
+    for i, (rate, inp) in enumerate(((2.0, 256), (6.0, 256), (3.0, 1024))):
+        row = dict.fromkeys(HEADER, "")
+        row.update(
+            row_id=str(i), model="Llama-3.1-8B", gpu="H100", tp="1", precision="BF16",
+            input_len=str(inp), output_len="64", load=f"rate={rate}", num_requests="60",
+            engine="probe", source="s", locator="l", ttft_ms="1", itl_ms="1",
+            output_tokens_per_s="1",
+        )  # fmt: skip
+        rows.append(row)
+    results, _ = vs.evaluate(rows)
+    for r in results:  # the "measurements" are the truth profile's own predictions
+        rows[int(r["row_id"])][r["metric"]] = repr(r["predicted"])
+    monkeypatch.setitem(step.ENGINE_PROFILES, "probe", step.EngineProfile())
+    fields, loss = vs.fit_engine(rows, "probe")
+    assert fields["gpu_time_scale"] == pytest.approx(1.3, rel=0.05)
+    assert fields["request_s"] == pytest.approx(0.012, abs=0.003)
+    assert loss < 1e-3
+    assert step.ENGINE_PROFILES["probe"] == step.EngineProfile()  # restored after the fit

@@ -1,0 +1,245 @@
+"""Online serving at a Poisson request rate, simulated iteration by iteration.
+
+A serving benchmark at a request rate (vLLM's `benchmark_serving.py`, SGLang's `bench_serving`)
+sends `num_requests` requests with exponential gaps (the first at t = 0) and reports medians
+over requests (TTFT, TPOT), over streamed chunks (ITL) and output tokens / duration. Those
+medians depend on how the engine's scheduler interleaves prompts with decoding sequences,
+which a steady-state formula averages away: a decoding request's median gap is a plain decode
+iteration while its mean is stretched by the prefills between them; a new request waits for the
+iteration (or the multi-step group) in flight. So the engine is replayed, deterministically
+(seeded arrivals and lengths), pricing every iteration with the same `StepModel` as the
+steady-state estimate:
+
+- **admission**: FCFS, while the running sequences stay under `max_num_seqs` and the KV cache
+  holds every admitted request's whole final length (I + O rounded up to KV blocks: no
+  preemption, TRT-LLM's GUARANTEED_NO_EVICT);
+- **`mixed`** (vLLM's chunked prefill and V1 scheduler, TRT-LLM's in-flight batching, SGLang
+  with `--enable-mixed-chunk`): each iteration carries every decoding sequence and, FCFS,
+  prompt chunks up to the token budget `max_num_tokens` less the decode tokens;
+- **`prefill-first`** (SGLang's default, `enable_mixed_chunk=False`; vLLM V0 without chunked
+  prefill): while a prompt waits, an iteration carries prompt chunks only (up to
+  `max_num_tokens`) and the decoding sequences wait for it;
+- **`multi_step`** s > 1 (vLLM V0's `--num-scheduler-steps`): decode-only iterations run in
+  groups of s steps, scheduled (and streamed) once per group, so a new prompt waits for the
+  group in flight and every streamed chunk holds up to s tokens.
+
+A request's first token comes with the iteration that finishes its prompt; each later
+iteration that advances it streams one chunk. Only the token counts change between
+iterations, so a run of a few thousand requests takes well under a second.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+from llmopt.models.config import ModelConfig
+from llmopt.plan.hardware import Cluster
+from llmopt.plan.serve.capacity import KV_BLOCK_TOKENS
+from llmopt.plan.serve.scenario import Scenario, ServeInputError
+from llmopt.plan.serve.step import StepModel
+
+MAX_ITERATIONS = 5_000_000  # a guard: a benchmark of 10^4 requests needs ~10^5
+
+
+@dataclass(frozen=True)
+class Simulated:
+    """What a benchmark of `requests` requests at `rate` req/s would report (one replica)."""
+
+    rate: float
+    requests: int
+    duration_s: float  # first arrival to last completion
+    output_tokens: int
+    median_ttft_s: float
+    mean_ttft_s: float
+    p99_ttft_s: float
+    median_itl_s: float  # over streamed chunks of every request
+    mean_itl_s: float
+    median_tpot_s: float  # over requests: (last token - first token) / (O - 1)
+    mean_batch: float  # decoding sequences, averaged over time
+    iterations: int
+    prefill_time_share: float  # of the busy time, in iterations that carry prompt tokens
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.duration_s
+
+    @property
+    def request_rate(self) -> float:
+        return self.requests / self.duration_s
+
+    def to_dict(self) -> dict[str, float]:
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        out["output_tokens_per_s"] = self.output_tokens_per_s
+        return out
+
+
+def _lengths(rng: random.Random, n: int, lo: int | None, hi: int) -> list[int]:
+    return [hi] * n if lo is None else [rng.randint(lo, hi) for _ in range(n)]
+
+
+def _weighted_median(pairs: list[tuple[float, int]]) -> float:
+    pairs.sort()
+    half, acc = sum(w for _, w in pairs) / 2, 0
+    for value, w in pairs:
+        acc += w
+        if acc >= half:
+            return value
+    return pairs[-1][0]
+
+
+def _p99(values: list[float]) -> float:
+    ranked = sorted(values)
+    return ranked[min(len(ranked) - 1, math.ceil(0.99 * len(ranked)) - 1)]
+
+
+def simulate(
+    model: ModelConfig,
+    cluster: Cluster,
+    sc: Scenario,
+    kv_tokens: int,
+    rate: float,
+    num_requests: int | None = None,
+) -> Simulated:
+    """Replay `num_requests` (default `sc.num_requests`) Poisson arrivals at `rate` req/s on one
+    replica whose KV cache holds `kv_tokens` tokens (see the module docstring)."""
+    if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0):
+        raise ServeInputError(f"rate={rate!r} must be a positive finite number of req/s")
+    n = sc.num_requests if num_requests is None else num_requests
+    rng = random.Random(sc.seed)
+    inp = _lengths(rng, n, sc.input_len_min, sc.input_len)
+    out = _lengths(rng, n, sc.output_len_min, sc.output_len)
+    arrive, t = [], 0.0
+    for _ in range(n):
+        arrive.append(t)
+        t += rng.expovariate(rate)
+    reserve = [math.ceil((a + b) / KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS for a, b in zip(inp, out)]
+    if max(reserve) > kv_tokens:
+        raise ServeInputError(
+            f"a request of {max(reserve):,} tokens does not fit the {kv_tokens:,}-token KV cache"
+        )
+    step = StepModel(model, cluster, sc)
+    # the engine sees a request after its front end (tokenise, IPC) has handled it
+    ready = [a + step.engine.request_s for a in arrive]
+    budget, mixed, group = sc.max_num_tokens, sc.scheduler == "mixed", sc.multi_step
+
+    waiting: deque[int] = deque()
+    prompts: deque[list[int]] = deque()  # [request, prompt tokens done]
+    finish_heap: list[tuple[int, int]] = []  # (decode step it ends at, request)
+    first = [0.0] * n
+    ttft = [0.0] * n
+    tpot: list[float] = []
+    gaps: list[tuple[float, int]] = []  # (streamed gap, how many requests saw it)
+    fresh: list[int] = []  # decoding requests not streamed since their first token
+    last_emit = 0.0
+    n_dec, ctx_sum, steps_done = 0, 0.0, 0
+    kv_used, nxt, done, iterations = 0, 0, 0, 0
+    busy = prefill_busy = batch_time = 0.0
+    t = 0.0
+
+    def finish(i: int, now: float) -> None:
+        nonlocal kv_used, done
+        kv_used -= reserve[i]
+        done += 1
+        if out[i] > 1:
+            tpot.append((now - first[i]) / (out[i] - 1))
+
+    def emit(now: float, advance: int) -> None:
+        """Every decoding request streams one chunk at `now` after `advance` decode steps."""
+        nonlocal n_dec, ctx_sum, steps_done, last_emit
+        old = n_dec - len(fresh)
+        if old:
+            gaps.append((now - last_emit, old))
+        gaps.extend((now - first[i], 1) for i in fresh)
+        fresh.clear()
+        last_emit = now
+        steps_done += advance
+        ctx_sum += n_dec * advance
+        while finish_heap and finish_heap[0][0] <= steps_done:
+            _, i = heapq.heappop(finish_heap)
+            n_dec -= 1
+            ctx_sum -= inp[i] + out[i]
+            finish(i, now)
+
+    while done < n:
+        iterations += 1
+        if iterations > MAX_ITERATIONS:
+            raise ServeInputError(f"the simulation of {n} requests did not finish")
+        while nxt < n and ready[nxt] <= t:
+            waiting.append(nxt)
+            nxt += 1
+        while (
+            waiting
+            and n_dec + len(prompts) < sc.max_num_seqs
+            and kv_used + reserve[waiting[0]] <= kv_tokens
+        ):
+            i = waiting.popleft()
+            kv_used += reserve[i]
+            prompts.append([i, 0])
+        if not prompts and not n_dec:
+            t = max(t, ready[nxt])  # idle until the next request
+            continue
+        if prompts:  # an iteration with prompt chunks (and, mixed, every decoding sequence)
+            decoders = n_dec if mixed else 0
+            room = max(0, budget - decoders)
+            tokens, span_sum, completed = 0, 0.0, []
+            for entry in prompts:
+                if tokens >= room:
+                    break
+                i, d = entry
+                chunk = min(inp[i] - d, room - tokens)
+                span_sum += chunk * (d + chunk / 2)
+                tokens += chunk
+                entry[1] = d + chunk
+                if entry[1] == inp[i]:
+                    completed.append(i)
+            for _ in completed:
+                prompts.popleft()
+            ctx = ctx_sum / decoders if decoders else 0.0
+            dt = step.cost(decoders, ctx, tokens, span_sum / max(tokens, 1), len(completed))
+            dt = dt.total_s
+            t += dt
+            busy += dt
+            prefill_busy += dt if tokens else 0.0
+            batch_time += decoders * dt
+            if decoders:
+                emit(t, 1)
+            for i in completed:
+                first[i] = t
+                ttft[i] = t - arrive[i]
+                if out[i] == 1:
+                    finish(i, t)
+                    continue
+                n_dec += 1
+                ctx_sum += inp[i] + 1
+                heapq.heappush(finish_heap, (steps_done + out[i] - 1, i))
+                fresh.append(i)
+            continue
+        # decode only: a group of `multi_step` steps, streamed at its end
+        s = group
+        dt = step.cost(n_dec, ctx_sum / n_dec + (s - 1) / 2).total_s * s
+        t += dt
+        busy += dt
+        batch_time += n_dec * dt
+        emit(t, s)
+
+    duration, ttfts = t, ttft
+    return Simulated(
+        rate=float(rate),
+        requests=n,
+        duration_s=duration,
+        output_tokens=sum(out),
+        median_ttft_s=statistics.median(ttfts),
+        mean_ttft_s=statistics.fmean(ttfts),
+        p99_ttft_s=_p99(ttfts),
+        median_itl_s=_weighted_median(gaps) if gaps else 0.0,
+        mean_itl_s=(sum(v * w for v, w in gaps) / sum(w for _, w in gaps)) if gaps else 0.0,
+        median_tpot_s=statistics.median(tpot) if tpot else 0.0,
+        mean_batch=batch_time / duration if duration else 0.0,
+        iterations=iterations,
+        prefill_time_share=prefill_busy / busy if busy else 0.0,
+    )
