@@ -127,7 +127,7 @@ def scenario_of(row: dict[str, str]) -> tuple[str, str, Scenario]:
         value = number(row.get(col), col, integer=True)
         if value is not None:
             extra[col] = int(value)
-    for col in ("scheduler", "engine"):
+    for col in ("scheduler", "engine", "admission"):
         if (row.get(col) or "").strip():
             extra[col] = row[col].strip().lower()
     try:

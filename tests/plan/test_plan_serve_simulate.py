@@ -117,3 +117,24 @@ def test_the_iteration_model_is_the_roofline_of_its_parts(name, tp):
             weights_read(model, sc, max(1, tokens))
             / (cluster.gpu.hbm_bandwidth_gbs * 1e9 * cluster.gpu.hbm_efficiency)
         )
+
+
+def test_admission_policies_trade_queueing_for_retractions_within_the_kv_cache():
+    # a small cache: 40 sequences at their full 512+128 length, so a burst must queue
+    sc = dataclasses.replace(BASE, scheduler="prefill-first", num_requests=400)
+    kv = 40 * 640
+    runs = {
+        a: simulate(M8, H100, dataclasses.replace(sc, admission=a), kv, 60.0)
+        for a in ("reserve", "on-demand", "estimate")
+    }
+    for sim in runs.values():
+        assert sim.peak_kv_tokens <= kv and sim.output_tokens == 400 * 128
+    assert runs["reserve"].retractions == 0
+    # admitting on the prompt alone starts requests sooner, and must then retract some
+    assert runs["on-demand"].median_ttft_s < runs["reserve"].median_ttft_s
+    assert runs["on-demand"].retractions > 0
+    # SGLang's estimate counts part of the output still to come: sooner, fewer retractions
+    assert runs["estimate"].median_ttft_s < runs["reserve"].median_ttft_s
+    assert runs["estimate"].retractions < runs["on-demand"].retractions
+    with pytest.raises(ServeInputError, match="admission 'lazy' is not known"):
+        Scenario(admission="lazy")

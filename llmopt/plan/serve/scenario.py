@@ -16,6 +16,10 @@ from llmopt.errors import LlmoptError
 PRECISIONS = ("bf16", "fp8", "int8", "int4-awq")
 # how the engine's scheduler mixes prompts and decoding sequences (`simulate.py`)
 SCHEDULERS = ("mixed", "prefill-first")
+# how it admits requests into the KV cache: the whole final length (TRT-LLM's
+# GUARANTEED_NO_EVICT), the prompt's blocks only (vLLM; the newest is preempted when decoding
+# runs out) or SGLang's estimate of the tokens still to come (new_token_ratio; retraction)
+ADMISSIONS = ("reserve", "on-demand", "estimate")
 KV_DTYPES = ("bf16", "fp8")
 # bytes per GEMM weight; int4-awq adds one fp16 scale and one zero point per 128 weights
 WEIGHT_BYTES = {"bf16": 2.0, "fp8": 1.0, "int8": 1.0, "int4-awq": 0.5 + 4.0 / 128}
@@ -136,6 +140,7 @@ class Scenario:
     output_len_min: int | None = None
     seed: int = 0
     engine: str = "default"  # an `EngineProfile` name (step.ENGINE_PROFILES)
+    admission: str = "reserve"
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -157,6 +162,10 @@ class Scenario:
         if self.engine not in ENGINE_PROFILES:
             raise ServeInputError(
                 f"engine {self.engine!r} is not known; valid: {', '.join(ENGINE_PROFILES)}"
+            )
+        if self.admission not in ADMISSIONS:
+            raise ServeInputError(
+                f"admission {self.admission!r} is not known; valid: {', '.join(ADMISSIONS)}"
             )
         for name in ("multi_step", "num_requests"):
             _positive_int(name, getattr(self, name))

@@ -44,6 +44,14 @@ from llmopt.plan.serve.scenario import Scenario, ServeInputError
 from llmopt.plan.serve.step import StepModel
 
 MAX_ITERATIONS = 5_000_000  # a guard: a benchmark of 10^4 requests needs ~10^5
+# SGLang's admission estimate (python/sglang/global_config.py, 2024-25: init_new_token_ratio
+# 0.7, min_new_token_ratio_factor 0.14, new_token_ratio_decay_steps 600; schedule_policy.py
+# PrefillAdder; scheduler retract_decode with RETRACT_DECODE_STEPS 20)
+SGLANG_INIT_RATIO = 0.7
+SGLANG_MIN_RATIO = 0.7 * 0.14
+SGLANG_RATIO_DECAY = (SGLANG_INIT_RATIO - SGLANG_MIN_RATIO) / 600
+RETRACT_STEPS = 20
+VLLM_WATERMARK = 0.01  # vLLM's block manager keeps 1 % of the blocks free when admitting
 
 
 @dataclass(frozen=True)
@@ -63,6 +71,8 @@ class Simulated:
     mean_batch: float  # decoding sequences, averaged over time
     iterations: int
     prefill_time_share: float  # of the busy time, in iterations that carry prompt tokens
+    retractions: int = 0  # decoding requests pushed back to the queue for KV room
+    peak_kv_tokens: int = 0  # most KV tokens held (reserved, under `reserve`) at once
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -126,44 +136,110 @@ def simulate(
     # the engine sees a request after its front end (tokenise, IPC) has handled it
     ready = [a + step.engine.request_s for a in arrive]
     budget, mixed, group = sc.max_num_tokens, sc.scheduler == "mixed", sc.multi_step
+    policy = sc.admission
+    ratio = SGLANG_INIT_RATIO
 
     waiting: deque[int] = deque()
-    prompts: deque[list[int]] = deque()  # [request, prompt tokens done]
-    finish_heap: list[tuple[int, int]] = []  # (decode step it ends at, request)
-    first = [0.0] * n
+    prompts: deque[list[int]] = deque()  # [request, tokens prefilled, tokens to prefill]
+    finish_heap: list[tuple[int, int, int]] = []  # (decode step it ends at, version, request)
+    version = [0] * n
+    decoding: set[int] = set()
+    gen = [0] * n  # tokens generated before the current decode stint
+    join = [0] * n  # decode step the current stint began at
+    ref = [0.0] * n  # when the request last streamed (for its next gap)
+    first = [-1.0] * n
     ttft = [0.0] * n
     tpot: list[float] = []
     gaps: list[tuple[float, int]] = []  # (streamed gap, how many requests saw it)
-    fresh: list[int] = []  # decoding requests not streamed since their first token
+    fresh: list[int] = []  # decoding requests not streamed at `last_emit`
     last_emit = 0.0
-    n_dec, ctx_sum, steps_done = 0, 0.0, 0
-    kv_used, nxt, done, iterations = 0, 0, 0, 0
+    n_dec, ctx_sum, steps_done, rem_sum, out_sum = 0, 0.0, 0, 0, 0
+    kv_used, nxt, done, iterations, retractions = 0, 0, 0, 0, 0
     busy = prefill_busy = batch_time = 0.0
-    t = 0.0
+    t, peak = 0.0, 0
 
     def finish(i: int, now: float) -> None:
         nonlocal kv_used, done
-        kv_used -= reserve[i]
+        kv_used -= reserve[i] if policy == "reserve" else inp[i] + out[i]
         done += 1
         if out[i] > 1:
             tpot.append((now - first[i]) / (out[i] - 1))
 
     def emit(now: float, advance: int) -> None:
         """Every decoding request streams one chunk at `now` after `advance` decode steps."""
-        nonlocal n_dec, ctx_sum, steps_done, last_emit
+        nonlocal n_dec, ctx_sum, steps_done, last_emit, rem_sum, out_sum, kv_used
         old = n_dec - len(fresh)
         if old:
             gaps.append((now - last_emit, old))
-        gaps.extend((now - first[i], 1) for i in fresh)
+        gaps.extend((now - ref[i], 1) for i in fresh)
         fresh.clear()
         last_emit = now
         steps_done += advance
         ctx_sum += n_dec * advance
+        rem_sum -= n_dec * advance
+        if policy != "reserve":
+            kv_used += n_dec * advance
         while finish_heap and finish_heap[0][0] <= steps_done:
-            _, i = heapq.heappop(finish_heap)
+            end, ver, i = heapq.heappop(finish_heap)
+            if ver != version[i]:
+                continue  # retracted since
+            over = steps_done - end  # a multi-step group may run past the last token
+            decoding.discard(i)
             n_dec -= 1
-            ctx_sum -= inp[i] + out[i]
+            ctx_sum -= inp[i] + out[i] + over
+            rem_sum += over
+            out_sum -= out[i]
+            if policy != "reserve":
+                kv_used -= over
             finish(i, now)
+
+    def start_decoding(i: int) -> None:
+        """`i` decodes from the next step; its next gap counts from `ref[i]`, its last chunk."""
+        nonlocal n_dec, ctx_sum, rem_sum, out_sum
+        decoding.add(i)
+        n_dec += 1
+        ctx_sum += inp[i] + gen[i]
+        rem_sum += out[i] - gen[i]
+        out_sum += out[i]
+        join[i] = steps_done
+        heapq.heappush(finish_heap, (steps_done + out[i] - gen[i], version[i], i))
+        fresh.append(i)
+
+    def retract() -> None:
+        """Free the KV of one decoding request and queue it again (vLLM preempts the newest,
+        SGLang the one with the fewest output tokens); it re-prefills prompt and output."""
+        nonlocal n_dec, ctx_sum, rem_sum, out_sum, kv_used, retractions
+        if policy == "on-demand":
+            i = max(decoding, key=lambda r: arrive[r])
+        else:
+            i = min(decoding, key=lambda r: (gen[r] + steps_done - join[r], -inp[r]))
+        g = gen[i] + steps_done - join[i]
+        decoding.discard(i)
+        version[i] += 1
+        n_dec -= 1
+        ctx_sum -= inp[i] + g
+        rem_sum -= out[i] - g
+        out_sum -= out[i]
+        kv_used -= inp[i] + g
+        gen[i] = g
+        if i in fresh:
+            fresh.remove(i)
+        else:
+            ref[i] = last_emit
+        waiting.appendleft(i)
+        retractions += 1
+
+    def admissible(i: int) -> bool:
+        if n_dec + len(prompts) >= sc.max_num_seqs:
+            return False
+        if policy == "reserve":  # the whole final length, no preemption ever
+            return kv_used + reserve[i] <= kv_tokens
+        need = inp[i] + gen[i]
+        if policy == "on-demand":  # the prompt's blocks now, more as it decodes
+            return kv_used + need <= kv_tokens * (1 - VLLM_WATERMARK)
+        # SGLang: running requests' remaining output x new_token_ratio, new ones in full
+        pending = sum(out[j] - gen[j] for j, _, _ in prompts)
+        return kv_used + ratio * rem_sum + pending + need + out[i] - gen[i] <= kv_tokens
 
     while done < n:
         iterations += 1
@@ -172,33 +248,34 @@ def simulate(
         while nxt < n and ready[nxt] <= t:
             waiting.append(nxt)
             nxt += 1
-        while (
-            waiting
-            and n_dec + len(prompts) < sc.max_num_seqs
-            and kv_used + reserve[waiting[0]] <= kv_tokens
-        ):
+        while waiting and admissible(waiting[0]):
             i = waiting.popleft()
-            kv_used += reserve[i]
-            prompts.append([i, 0])
+            kv_used += reserve[i] if policy == "reserve" else inp[i] + gen[i]
+            prompts.append([i, 0, inp[i] + gen[i]])
         if not prompts and not n_dec:
+            ratio = SGLANG_INIT_RATIO
             t = max(t, ready[nxt])  # idle until the next request
             continue
         if prompts:  # an iteration with prompt chunks (and, mixed, every decoding sequence)
             decoders = n_dec if mixed else 0
+            while policy != "reserve" and decoders and kv_used + decoders > kv_tokens:
+                retract()
+                decoders = n_dec
             room = max(0, budget - decoders)
             tokens, span_sum, completed = 0, 0.0, []
             for entry in prompts:
                 if tokens >= room:
                     break
-                i, d = entry
-                chunk = min(inp[i] - d, room - tokens)
+                i, d, target = entry
+                chunk = min(target - d, room - tokens)
                 span_sum += chunk * (d + chunk / 2)
                 tokens += chunk
                 entry[1] = d + chunk
-                if entry[1] == inp[i]:
+                if entry[1] == target:
                     completed.append(i)
             for _ in completed:
                 prompts.popleft()
+            peak = max(peak, kv_used + (decoders if policy != "reserve" else 0))
             ctx = ctx_sum / decoders if decoders else 0.0
             dt = step.cost(decoders, ctx, tokens, span_sum / max(tokens, 1), len(completed))
             dt = dt.total_s
@@ -209,23 +286,30 @@ def simulate(
             if decoders:
                 emit(t, 1)
             for i in completed:
-                first[i] = t
-                ttft[i] = t - arrive[i]
-                if out[i] == 1:
-                    finish(i, t)
-                    continue
-                n_dec += 1
-                ctx_sum += inp[i] + 1
-                heapq.heappush(finish_heap, (steps_done + out[i] - 1, i))
-                fresh.append(i)
+                if first[i] < 0:  # a re-prefill after a retraction streams nothing new
+                    first[i] = ref[i] = t
+                    ttft[i] = t - arrive[i]
+                    gen[i] = 1
+                    if policy != "reserve":
+                        kv_used += 1
+                    if out[i] == 1:
+                        finish(i, t)
+                        continue
+                start_decoding(i)
             continue
         # decode only: a group of `multi_step` steps, streamed at its end
         s = group
+        while policy != "reserve" and n_dec > 1 and kv_used + n_dec * s > kv_tokens:
+            retract()
+            if policy == "estimate":  # SGLang re-estimates the ratio from what was generated
+                ratio = min(1.0, (out_sum - rem_sum + RETRACT_STEPS * n_dec) / (out_sum + 1))
         dt = step.cost(n_dec, ctx_sum / n_dec + (s - 1) / 2).total_s * s
+        peak = max(peak, kv_used + (n_dec * s if policy != "reserve" else 0))
         t += dt
         busy += dt
         batch_time += n_dec * dt
         emit(t, s)
+        ratio = max(SGLANG_MIN_RATIO, ratio - SGLANG_RATIO_DECAY * s)
 
     duration, ttfts = t, ttft
     return Simulated(
@@ -242,4 +326,6 @@ def simulate(
         mean_batch=batch_time / duration if duration else 0.0,
         iterations=iterations,
         prefill_time_share=prefill_busy / busy if busy else 0.0,
+        retractions=retractions,
+        peak_kv_tokens=peak,
     )

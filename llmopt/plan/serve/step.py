@@ -48,7 +48,7 @@ class EngineProfile:
 ENGINE_PROFILES: dict[str, EngineProfile] = {
     "default": EngineProfile(),
     "sglang-2024": EngineProfile(gpu_time_scale=1.43, request_s=8.5e-3),
-    "vllm-2024": EngineProfile(gpu_time_scale=1.41, request_s=16.7e-3),
+    "vllm-2024": EngineProfile(gpu_time_scale=1.43, request_s=19.6e-3),
 }
 
 
