@@ -217,14 +217,15 @@ def _golden(f, lo: float, hi: float, iters: int) -> float:
     return (a + b) / 2
 
 
-FIT_BOUNDS = {"gpu_time_scale": (0.8, 2.5), "request_s": (0.0, 0.1)}
+FIT_BOUNDS = {"gpu_time_scale": (0.8, 2.5), "request_s": (0.0, 0.1), "eager_layer_s": (0.0, 5e-4)}
 
 
 def fit_engine(
     rows: list[dict[str, str]], engine: str, passes: int = 4, iters: int = 14
 ) -> tuple[dict[str, float], float]:
-    """Fit one engine's profile (`llmopt.plan.serve.step.EngineProfile`: GPU-time scale and
-    front-end time per request) to the `rows` that name it in their
+    """Fit one engine's profile (`llmopt.plan.serve.step.EngineProfile`: GPU-time scale,
+    front-end time per request, launch time per layer of a prompt iteration) to the `rows`
+    that name it in their
     `engine` column, minimising the sum of squared log errors over every measured metric;
     coordinate descent (golden section per field). Meant for calibration rows only.
     Returns (fields, loss)."""
