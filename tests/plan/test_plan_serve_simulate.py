@@ -138,3 +138,22 @@ def test_admission_policies_trade_queueing_for_retractions_within_the_kv_cache()
     assert runs["estimate"].retractions < runs["on-demand"].retractions
     with pytest.raises(ServeInputError, match="admission 'lazy' is not known"):
         Scenario(admission="lazy")
+
+
+def test_runs_of_plain_steps_are_priced_at_once_without_changing_the_medians():
+    from llmopt.plan.serve import simulate as sim_mod
+
+    sc = dataclasses.replace(BASE, num_requests=200)
+    fast = run(sc, 3.0)
+    saved = sim_mod.FAST_FORWARD_STEPS
+    try:
+        sim_mod.FAST_FORWARD_STEPS = 1  # every decode step its own iteration
+        slow = run(sc, 3.0)
+    finally:
+        sim_mod.FAST_FORWARD_STEPS = saved
+    assert fast.iterations < slow.iterations / 3
+    for name in ("median_ttft_s", "median_itl_s", "median_tpot_s", "duration_s", "mean_batch"):
+        assert getattr(fast, name) == pytest.approx(getattr(slow, name), rel=0.01), name
+    # a long, light benchmark stays cheap: 2,000 requests of 2,048 tokens
+    long = run(dataclasses.replace(sc, num_requests=2000, output_len=2048), 0.5)
+    assert long.iterations < 100_000 and long.output_tokens == 2000 * 2048

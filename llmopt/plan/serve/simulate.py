@@ -25,7 +25,9 @@ steady-state estimate:
 
 A request's first token comes with the iteration that finishes its prompt; each later
 iteration that advances it streams one chunk. Only the token counts change between
-iterations, so a run of a few thousand requests takes well under a second.
+iterations, and plain decode steps up to the next finish, arrival or full cache are priced as
+one run (at the run's middle context: attention and KV reads are linear in it), so a run of a
+few thousand requests takes well under a second.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from llmopt.plan.serve.scenario import Scenario, ServeInputError
 from llmopt.plan.serve.step import StepModel
 
 MAX_ITERATIONS = 5_000_000  # a guard: a benchmark of 10^4 requests needs ~10^5
+FAST_FORWARD_STEPS = 1024  # plain decode steps priced as one run when nothing else can happen
 # SGLang's admission estimate (python/sglang/global_config.py, 2024-25: init_new_token_ratio
 # 0.7, min_new_token_ratio_factor 0.14, new_token_ratio_decay_steps 600; schedule_policy.py
 # PrefillAdder; scheduler retract_decode with RETRACT_DECODE_STEPS 20)
@@ -165,13 +168,17 @@ def simulate(
         if out[i] > 1:
             tpot.append((now - first[i]) / (out[i] - 1))
 
-    def emit(now: float, advance: int) -> None:
-        """Every decoding request streams one chunk at `now` after `advance` decode steps."""
+    def emit(now: float, advance: int, chunks: int = 1, each: float = 0.0) -> None:
+        """`advance` decode steps end at `now`; every decoding request streams `chunks` chunks,
+        the last at `now` and the others `each` seconds apart (a run of plain steps)."""
         nonlocal n_dec, ctx_sum, steps_done, last_emit, rem_sum, out_sum, kv_used
         old = n_dec - len(fresh)
+        first_chunk = now - (chunks - 1) * each
         if old:
-            gaps.append((now - last_emit, old))
-        gaps.extend((now - ref[i], 1) for i in fresh)
+            gaps.append((first_chunk - last_emit, old))
+        gaps.extend((first_chunk - ref[i], 1) for i in fresh)
+        if chunks > 1:
+            gaps.append((each, n_dec * (chunks - 1)))
         fresh.clear()
         last_emit = now
         steps_done += advance
@@ -303,13 +310,24 @@ def simulate(
             retract()
             if policy == "estimate":  # SGLang re-estimates the ratio from what was generated
                 ratio = min(1.0, (out_sum - rem_sum + RETRACT_STEPS * n_dec) / (out_sum + 1))
-        dt = step.cost(n_dec, ctx_sum / n_dec + (s - 1) / 2).total_s * s
-        peak = max(peak, kv_used + (n_dec * s if policy != "reserve" else 0))
+        runs = 1
+        if s == 1:  # plain steps until the batch can change: a finish, an arrival, a full cache
+            runs = finish_heap[0][0] - steps_done
+            each = step.cost(n_dec, ctx_sum / n_dec).total_s
+            if nxt < n:
+                runs = min(runs, int((ready[nxt] - t) / each))
+            if policy != "reserve":
+                runs = min(runs, (kv_tokens - kv_used) // n_dec)
+            runs = max(1, min(runs, FAST_FORWARD_STEPS))
+        # attention and KV reads grow linearly with the context: price the run at its middle
+        each = step.cost(n_dec, ctx_sum / n_dec + (s * runs - 1) / 2).total_s * s
+        dt = each * runs
+        peak = max(peak, kv_used + (n_dec * s * runs if policy != "reserve" else 0))
         t += dt
         busy += dt
         batch_time += n_dec * dt
-        emit(t, s)
-        ratio = max(SGLANG_MIN_RATIO, ratio - SGLANG_RATIO_DECAY * s)
+        emit(t, s * runs, runs, each)
+        ratio = max(SGLANG_MIN_RATIO, ratio - SGLANG_RATIO_DECAY * s * runs)
 
     duration, ttfts = t, ttft
     return Simulated(
