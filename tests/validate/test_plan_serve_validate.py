@@ -136,3 +136,24 @@ def test_fit_engine_recovers_a_profile_from_rows_it_generated(monkeypatch):
     assert fields["eager_layer_s"] == pytest.approx(1.2e-4, abs=5e-5)
     assert loss < 0.01  # squared log errors summed over 9 figures: ~2 % each at most
     assert step.ENGINE_PROFILES["probe"] == step.EngineProfile()  # restored after the fit
+
+
+def test_finite_rate_rows_keep_the_recorded_accuracy():
+    """Recorded in docs/benchmarks/planner.md (third pass); bounds a little above the recorded
+    medians, so a change that makes the replay worse on the held-out rows fails here."""
+    limits = {
+        "validation": {"output_tokens_per_s": 0.05, "ttft_ms": 0.16, "itl_ms": 0.13},
+        "calibration": {"ttft_ms": 0.08, "itl_ms": 0.10},
+    }
+    for name, path in (
+        ("validation", vs.ONLINE_VALIDATION),
+        ("calibration", vs.ONLINE_CALIBRATION),
+    ):
+        results, bad = vs.evaluate(vs.load_rows(path), name)
+        assert bad == []
+        for metric, bound in limits[name].items():
+            errs = [
+                r["rel_err"] for r in results if r["metric"] == metric and r["load"] != "offline"
+            ]
+            med, _ = vs.summary(errs)
+            assert med <= bound, (name, metric, med)
