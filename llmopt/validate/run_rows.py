@@ -209,6 +209,12 @@ def _workload(row: dict[str, str], model: ModelConfig, notes: list[str]) -> Work
     return work
 
 
+# Stages per rank a framework builds for an interleaved schedule when the run names no split:
+# torchtitan's generate_split_points gives every PipelineScheduleMulti 2 stages per rank
+# (torchtitan/parallelisms/pipelining_utils.py @9dec370ad26b5f8e9a7333a0e36165018262644b).
+FRAMEWORK_INTERLEAVED_V = {"torchtitan": 2}
+
+
 def setup_row(row: dict[str, str]) -> RowSetup:
     """Model, workload, cluster and the reported parts of the mapping for one CSV row."""
     notes: list[str] = []
@@ -234,6 +240,13 @@ def setup_row(row: dict[str, str]) -> RowSetup:
         c["sched"] = SCHEDULES.index("interleaved" if v > 1 else "1f1b")
     elif c.get("pp", 1) == 1:
         c["v"], c["sched"] = 1, SCHEDULES.index("1f1b")
+    elif (row.get("framework") or "").strip().lower() in FRAMEWORK_INTERLEAVED_V and re.search(
+        r"interleaved", f"{row.get('locator', '')} {row.get('notes', '')}", re.IGNORECASE
+    ):
+        framework = row["framework"].strip().lower()
+        c["v"] = FRAMEWORK_INTERLEAVED_V[framework]
+        c["sched"] = SCHEDULES.index("interleaved")
+        notes.append(f"v={c['v']} ({framework}'s default stages per rank, not stated)")
     rec = row["recompute"].strip().lower()
     if rec.startswith("full"):
         c["rc"] = RECOMPUTES.index("full")

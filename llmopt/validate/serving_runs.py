@@ -2,7 +2,14 @@
 
 Columns: row_id, model, gpu, num_gpus, tp, ep, precision, kv_dtype, input_len, output_len,
 load (`offline`, `concurrency=N` or `rate=R`), output_tokens_per_s, ttft_ms, itl_ms, source,
-locator. Cells are free text read robustly ("28,312", "~36 ms", "H100 SXM 80GB", "FP16",
+locator; optional: num_requests (the benchmark's requests, replayed at a rate), scheduler
+(mixed, prefill-first), multi_step, max_num_tokens (the engine's token budget per iteration).
+A length written as a range ("1-1024") is drawn uniformly per request, as the benchmarks'
+random datasets do.
+
+The finite-request-rate rows are split like the training rows: `calibration_serving_online.csv`
+(constants may be chosen on them) and `validation_serving_online.csv` (only ever predicted;
+its `source_id`s appear in no calibration file). Cells are free text read robustly ("28,312", "~36 ms", "H100 SXM 80GB", "FP16",
 "Llama 3.3 70B"); a row that cannot be understood is listed with the reason, never guessed.
 Each row's configuration is predicted with the same global constants (nothing fitted per row).
 """
@@ -19,7 +26,10 @@ from llmopt.plan.serve import Scenario, ServeInputError, estimate, parse_load
 from llmopt.validate.cells import RowError
 from llmopt.validate.stats import error_summary
 
-DEFAULT_RUNS = Path(__file__).resolve().parent / "data" / "serving.csv"
+DATA_DIR = Path(__file__).resolve().parent / "data"
+DEFAULT_RUNS = DATA_DIR / "serving.csv"
+ONLINE_CALIBRATION = DATA_DIR / "calibration_serving_online.csv"
+ONLINE_VALIDATION = DATA_DIR / "validation_serving_online.csv"
 METRICS = ("output_tokens_per_s", "ttft_ms", "itl_ms")
 REQUIRED = ("row_id", "model", "gpu", "tp", "precision", "input_len", "output_len", "load")
 # published model names -> the preset with the same shapes
@@ -79,6 +89,18 @@ def gpu_of(cell: str) -> str:
     raise RowError(f"gpu {cell!r} is not a known GPU")
 
 
+def length_of(cell: str | None, name: str) -> tuple[int | None, int]:
+    """(lowest, highest) of a length cell: "1,024" is (None, 1024); "1-1024" draws uniformly."""
+    text = (cell or "").strip()
+    m = re.fullmatch(r"([0-9][0-9,]*)\s*[-–]\s*([0-9][0-9,]*)", text)
+    if not m:
+        return None, int(number(cell, name, integer=True))
+    lo, hi = (int(g.replace(",", "")) for g in m.groups())
+    if not 0 < lo <= hi:
+        raise RowError(f"{name}={cell!r} must be a range lo-hi with 0 < lo <= hi")
+    return lo, hi
+
+
 def precision_of(cell: str, name: str) -> str:
     key = cell.strip().lower()
     if key not in PRECISION_WORDS:
@@ -98,21 +120,33 @@ def scenario_of(row: dict[str, str]) -> tuple[str, str, Scenario]:
     kv = precision_of(row.get("kv_dtype") or "bf16", "kv_dtype")
     if kv not in ("bf16", "fp8"):
         raise RowError(f"kv_dtype={row['kv_dtype']!r}; valid: bf16, fp16, fp8")
+    in_lo, in_hi = length_of(row["input_len"], "input_len")
+    out_lo, out_hi = length_of(row["output_len"], "output_len")
+    extra: dict = {}
+    for col in ("num_requests", "multi_step", "max_num_tokens"):
+        value = number(row.get(col), col, integer=True)
+        if value is not None:
+            extra[col] = int(value)
+    for col in ("scheduler", "engine", "admission"):
+        if (row.get(col) or "").strip():
+            extra[col] = row[col].strip().lower()
     try:
         sc = Scenario(
             precision=precision, kv_dtype=kv, tp=tp, ep=ep,
             num_gpus=None if gpus is None else int(gpus),
-            input_len=int(number(row["input_len"], "input_len", integer=True)),
-            output_len=int(number(row["output_len"], "output_len", integer=True)),
-            load=parse_load(row["load"]),
+            input_len=in_hi, output_len=out_hi, input_len_min=in_lo, output_len_min=out_lo,
+            load=parse_load(row["load"]), **extra,
         )  # fmt: skip
     except ServeInputError as exc:
         raise RowError(str(exc)) from None
     return model_of(row["model"]), gpu_of(row["gpu"]), sc
 
 
-def evaluate(rows: list[dict[str, str]]) -> tuple[list[dict], list[tuple[str, str]]]:
-    """Per-row predictions and errors, and the rows that could not be understood."""
+def evaluate(
+    rows: list[dict[str, str]], set_name: str = ""
+) -> tuple[list[dict], list[tuple[str, str]]]:
+    """Per-row predictions and errors, and the rows that could not be understood; `set_name`
+    ("calibration", "validation" or "") is carried into every result."""
     results, bad = [], []
     for row in rows:
         rid = (row.get("row_id") or "?").strip()
@@ -138,15 +172,89 @@ def evaluate(rows: list[dict[str, str]]) -> tuple[list[dict], list[tuple[str, st
                 {
                     "row_id": rid, "model": model_name, "gpu": gpu, "tp": sc.tp,
                     "precision": sc.precision, "kv_dtype": sc.kv_dtype,
-                    "isl_osl": f"{sc.input_len}/{sc.output_len}", "load": str(sc.load),
+                    "isl_osl": f"{_span(sc.input_len_min, sc.input_len)}/"
+                    f"{_span(sc.output_len_min, sc.output_len)}", "load": str(sc.load),
                     "metric": metric, "measured": value, "predicted": predicted[metric],
                     "rel_err": predicted[metric] / value - 1, "bound": est.bound,
-                    "batch": est.batch,
+                    "batch": est.batch, "set": set_name,
+                    "source_id": (row.get("source_id") or "").strip(),
                 }
             )  # fmt: skip
     return results, bad
 
 
+def _span(lo: int | None, hi: int) -> str:
+    return str(hi) if lo is None else f"{lo}-{hi}"
+
+
+def load_rows(path: Path) -> list[dict[str, str]]:
+    import csv
+
+    with Path(path).open(newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
 def summary(errs: list[float]) -> tuple[float, float]:
     """(median, p90) of |errors| (`llmopt.validate.stats.error_summary`)."""
     return error_summary(errs)
+
+
+def _golden(f, lo: float, hi: float, iters: int) -> float:
+    """Argmin of a unimodal f on [lo, hi] by golden-section search."""
+    g = (math.sqrt(5) - 1) / 2
+    a, b = lo, hi
+    c, d = b - g * (b - a), a + g * (b - a)
+    fc, fd = f(c), f(d)
+    for _ in range(iters):
+        if fc <= fd:
+            b, d, fd = d, c, fc
+            c = b - g * (b - a)
+            fc = f(c)
+        else:
+            a, c, fc = c, d, fd
+            d = a + g * (b - a)
+            fd = f(d)
+    return (a + b) / 2
+
+
+FIT_BOUNDS = {"gpu_time_scale": (0.8, 2.5), "request_s": (0.0, 0.1), "eager_layer_s": (0.0, 5e-4)}
+
+
+def fit_engine(
+    rows: list[dict[str, str]], engine: str, passes: int = 4, iters: int = 14
+) -> tuple[dict[str, float], float]:
+    """Fit one engine's profile (`llmopt.plan.serve.step.EngineProfile`: GPU-time scale,
+    front-end time per request, launch time per layer of a prompt iteration) to the `rows`
+    that name it in their
+    `engine` column, minimising the sum of squared log errors over every measured metric;
+    coordinate descent (golden section per field). Meant for calibration rows only.
+    Returns (fields, loss)."""
+    import dataclasses
+
+    from llmopt.plan.serve import step as step_mod
+
+    subset = [r for r in rows if (r.get("engine") or "").strip().lower() == engine]
+    if not subset:
+        raise RowError(f"no row names engine {engine!r}")
+    saved = step_mod.ENGINE_PROFILES.get(engine)
+    fields = {k: getattr(step_mod.EngineProfile(), k) for k in FIT_BOUNDS}  # from the roofline
+
+    def loss(values: dict[str, float]) -> float:
+        base = saved or step_mod.EngineProfile()
+        step_mod.ENGINE_PROFILES[engine] = dataclasses.replace(base, **values)
+        results, bad = evaluate(subset)
+        if bad:
+            return math.inf
+        return sum(math.log1p(r["rel_err"]) ** 2 for r in results)
+
+    try:
+        for _ in range(passes):
+            for name, (lo, hi) in FIT_BOUNDS.items():
+                fields[name] = _golden(lambda v, key=name: loss({**fields, key: v}), lo, hi, iters)
+        best = loss(fields)
+    finally:
+        if saved is None:
+            step_mod.ENGINE_PROFILES.pop(engine, None)
+        else:
+            step_mod.ENGINE_PROFILES[engine] = saved
+    return fields, best

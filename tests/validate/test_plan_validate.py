@@ -58,3 +58,16 @@ def test_any_csv_with_the_columns_is_accepted(tmp_path):
     bad.write_text("row_id,model\n1,x\n")
     with pytest.raises(ValueError, match="lacks columns"):
         load_rows(bad)
+
+
+def test_an_unstated_interleaved_split_takes_the_frameworks_default_stages():
+    from llmopt.validate.run_rows import FRAMEWORK_INTERLEAVED_V, SCHEDULES, setup_row
+
+    row = next(r for r in load_rows(SETS["validation", "dense"]) if r["row_id"] == "214")
+    assert row["virtual_pp_stages"] == "not stated" and "Interleaved" in row["locator"]
+    c = setup_row(row).constraints
+    assert c["v"] == FRAMEWORK_INTERLEAVED_V["torchtitan"] == 2
+    assert c["sched"] == SCHEDULES.index("interleaved")
+    # another framework, or a schedule the row does not name, leaves the planner to choose
+    for change in ({"framework": "megatron"}, {"locator": "Table 5, row '1F1B'"}):
+        assert "v" not in setup_row(dict(row, **change)).constraints

@@ -10,7 +10,14 @@ import argparse
 import math
 
 from llmopt import jsonout
-from llmopt.plan.serve.scenario import KV_DTYPES, PRECISIONS, Load, Scenario, ServeInputError
+from llmopt.plan.serve.scenario import (
+    KV_DTYPES,
+    PRECISIONS,
+    SCHEDULERS,
+    Load,
+    Scenario,
+    ServeInputError,
+)
 
 DEFAULT_MODEL = "llama-3.1-8b"
 DEFAULT_GPU = "h100"
@@ -42,6 +49,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--max-num-seqs", type=int, default=2048, help="scheduler batch cap")
     p.add_argument("--max-num-tokens", type=int, default=8192, help="tokens per iteration")
     p.add_argument("--kv-fraction", type=float, default=0.9, help="of memory left after weights")
+    p.add_argument(
+        "--scheduler",
+        choices=SCHEDULERS,
+        default="mixed",
+        help="mixed: prompt chunks ride with decodes (vLLM, TRT-LLM); prefill-first: SGLang",
+    )
+    p.add_argument("--multi-step", type=int, default=1, help="decode steps per scheduling round")
+    p.add_argument("--num-requests", type=int, default=1000, help="requests replayed at a rate")
     p.add_argument("--spec-tokens", type=int, default=0, help="speculative draft length k")
     p.add_argument("--spec-acceptance", type=float, default=0.0, help="per-token acceptance α")
     p.add_argument("--draft-cost", type=float, default=0.0, help="draft step / target step (c)")
@@ -107,7 +122,8 @@ def run_serve(args: argparse.Namespace) -> int:
         output_len=args.output_len,
         load=load_from_flags(args.concurrency, args.request_rate, args.offline),
         max_num_seqs=args.max_num_seqs, max_num_tokens=args.max_num_tokens,
-        kv_fraction=args.kv_fraction, spec_tokens=args.spec_tokens,
+        kv_fraction=args.kv_fraction, spec_tokens=args.spec_tokens, scheduler=args.scheduler,
+        multi_step=args.multi_step, num_requests=args.num_requests,
         spec_acceptance=args.spec_acceptance, spec_draft_cost=args.draft_cost,
     )  # fmt: skip
     model, cluster = resolve(getattr(args, _DEST["model"]), args.gpu, num_gpus)

@@ -11,6 +11,10 @@ keeps B = R·O·ITL(B) (Little's law). A request's TTFT is half an iteration of 
 the iterations that carry its prompt, plus the queue: clients beyond the cap wait (C − B)/X
 for a slot (closed loop), and an open stream waits the M/D/1 time ρ/(2(1−ρ)) iterations at
 utilisation ρ.
+
+At a request rate the figures reported are those of the benchmark replayed iteration by
+iteration (`simulate.py`: the scheduler's interleave of prompts and decodes, Poisson queueing,
+medians over requests and streamed chunks); the steady state above still gives the bound.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from llmopt.plan.serve.capacity import capacity
 from llmopt.plan.serve.explain import bound_of, explain
 from llmopt.plan.serve.result import ServeEstimate
 from llmopt.plan.serve.scenario import Load, Scenario
-from llmopt.plan.serve.step import StepCost, step_cost
+from llmopt.plan.serve.simulate import simulate
+from llmopt.plan.serve.step import ENGINE_PROFILES, StepCost, step_cost
 
 
 @dataclass(frozen=True)
@@ -67,7 +72,8 @@ def _prefill_s(model: ModelConfig, cluster: Cluster, sc: Scenario, batch: float)
 def _ttft_s(model: ModelConfig, cluster: Cluster, sc: Scenario, batch: float, rnd: Round) -> float:
     """Half an iteration of alignment (none when alone) plus the iterations of the prompt."""
     align = rnd.seconds / rnd.iterations / 2 * max(0.0, 1 - 1 / max(batch, 1.0))
-    return align + _prefill_s(model, cluster, sc, batch)
+    front = ENGINE_PROFILES[sc.engine].request_s
+    return front + align + _prefill_s(model, cluster, sc, batch)
 
 
 def _closed_loop_batch(
@@ -135,6 +141,14 @@ def estimate(model: ModelConfig, cluster: Cluster, sc: Scenario) -> ServeEstimat
                 load.value / (cap.max_batch / (full.seconds / full.tokens) / sc.output_len), 1
             )
             ttft = math.inf if overloaded or rho >= 1 else ttft + rho / (2 * (1 - rho)) * itl
+    sim = None
+    if load.kind == "rate":  # the benchmark's medians, from a replay of its requests
+        sim = simulate(
+            model, cluster, sc, cap.kv_tokens, load.value, math.ceil(sc.num_requests / sc.replicas)
+        )
+        batch, itl, ttft = sim.mean_batch, sim.median_itl_s, sim.median_ttft_s
+        per_replica_tps, req_rate = sim.output_tokens_per_s, sim.request_rate
+        rnd = decode_round(model, cluster, sc, max(batch, 1.0))
     est = ServeEstimate(
         model=model.name,
         gpu=cluster.gpu.name,
@@ -148,6 +162,7 @@ def estimate(model: ModelConfig, cluster: Cluster, sc: Scenario) -> ServeEstimat
         step=rnd.step,
         bound="",
         overloaded=overloaded,
+        simulation=sim,
     )
     est = dataclasses.replace(est, bound=bound_of(est, load))
     return dataclasses.replace(est, explanation=explain(model, cluster, est, load))

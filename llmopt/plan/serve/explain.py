@@ -73,6 +73,18 @@ def explain(model: ModelConfig, cluster: Cluster, est: ServeEstimate, load: Load
             f"Rate {load.value:g} req/s{per} keeps {est.batch:,.1f} sequences running "
             f"(Little's law B = R·O·ITL); {state}."
         )
+        sim = est.simulation
+        if sim is not None:
+            lines.append(
+                f"Replayed benchmark ({sim.requests:,} Poisson requests per replica, "
+                f"{sc.scheduler} scheduler"
+                + (f", {sc.multi_step} decode steps per round" if sc.multi_step > 1 else "")
+                + f"): median TTFT {sim.median_ttft_s * 1e3:.1f} ms (p99 "
+                f"{sim.p99_ttft_s * 1e3:.1f}), median ITL {sim.median_itl_s * 1e3:.2f} ms (mean "
+                f"{sim.mean_itl_s * 1e3:.2f}: prompts take {sim.prefill_time_share:.0%} of the "
+                f"busy time), median TPOT {sim.median_tpot_s * 1e3:.2f} ms, "
+                f"{sim.output_tokens_per_s:,.0f} output tokens/s over {sim.duration_s:,.1f} s."
+            )
     lines.append(
         f"One iteration takes {st.total_s * 1e3:.2f} ms: GEMMs {st.gemm_s * 1e3:.2f} ms (compute "
         f"{st.gemm_compute_s * 1e3:.2f}, weight reads {st.weight_read_s * 1e3:.2f}), attention "

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from llmopt.plan.serve.capacity import Capacity
 from llmopt.plan.serve.scenario import Scenario
+from llmopt.plan.serve.simulate import Simulated
 from llmopt.plan.serve.step import StepCost
 
 
@@ -18,7 +19,7 @@ class ServeEstimate:
     scenario: Scenario
     capacity: Capacity
     batch: float  # running sequences per replica
-    itl_s: float  # time between two output tokens of one request (TPOT)
+    itl_s: float  # between two output tokens of a request (TPOT; at a rate, median streamed gap)
     ttft_s: float | None  # None offline (it is the queue's length, not the system's)
     output_tokens_per_s: float  # whole deployment
     request_rate: float  # completed requests/s, whole deployment
@@ -26,6 +27,7 @@ class ServeEstimate:
     bound: str
     explanation: list[str] = field(default_factory=list)
     overloaded: bool = False
+    simulation: Simulated | None = None  # at a request rate: the replayed benchmark
 
     @property
     def num_gpus(self) -> int:
@@ -56,4 +58,5 @@ class ServeEstimate:
             "bound": self.bound,
             "overloaded": self.overloaded,
             "explanation": self.explanation,
+            "simulation": None if self.simulation is None else self.simulation.to_dict(),
         }

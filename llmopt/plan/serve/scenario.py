@@ -14,6 +14,12 @@ from dataclasses import dataclass
 from llmopt.errors import LlmoptError
 
 PRECISIONS = ("bf16", "fp8", "int8", "int4-awq")
+# how the engine's scheduler mixes prompts and decoding sequences (`simulate.py`)
+SCHEDULERS = ("mixed", "prefill-first")
+# how it admits requests into the KV cache: the whole final length (TRT-LLM's
+# GUARANTEED_NO_EVICT), the prompt's blocks only (vLLM; the newest is preempted when decoding
+# runs out) or SGLang's estimate of the tokens still to come (new_token_ratio; retraction)
+ADMISSIONS = ("reserve", "on-demand", "estimate")
 KV_DTYPES = ("bf16", "fp8")
 # bytes per GEMM weight; int4-awq adds one fp16 scale and one zero point per 128 weights
 WEIGHT_BYTES = {"bf16": 2.0, "fp8": 1.0, "int8": 1.0, "int4-awq": 0.5 + 4.0 / 128}
@@ -122,6 +128,19 @@ class Scenario:
     spec_tokens: int = 0
     spec_acceptance: float = 0.0
     spec_draft_cost: float = 0.0
+    # online serving at a request rate is simulated iteration by iteration (`simulate.py`):
+    # the scheduler, decode steps per scheduling round (vLLM's --num-scheduler-steps), the
+    # requests of the benchmark, the lower ends of uniform length ranges (None: every request
+    # has input_len / output_len; else uniform integers in [min, len], as SGLang's and vLLM's
+    # "random" datasets draw them) and the seed of the arrivals and lengths
+    scheduler: str = "mixed"
+    multi_step: int = 1
+    num_requests: int = 1000
+    input_len_min: int | None = None
+    output_len_min: int | None = None
+    seed: int = 0
+    engine: str = "default"  # an `EngineProfile` name (step.ENGINE_PROFILES)
+    admission: str = "reserve"
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -134,6 +153,30 @@ class Scenario:
             )
         for name in ("tp", "ep", "input_len", "output_len", "max_num_seqs", "max_num_tokens"):
             _positive_int(name, getattr(self, name))
+        if self.scheduler not in SCHEDULERS:
+            raise ServeInputError(
+                f"scheduler {self.scheduler!r} is not known; valid: {', '.join(SCHEDULERS)}"
+            )
+        from llmopt.plan.serve.step import ENGINE_PROFILES
+
+        if self.engine not in ENGINE_PROFILES:
+            raise ServeInputError(
+                f"engine {self.engine!r} is not known; valid: {', '.join(ENGINE_PROFILES)}"
+            )
+        if self.admission not in ADMISSIONS:
+            raise ServeInputError(
+                f"admission {self.admission!r} is not known; valid: {', '.join(ADMISSIONS)}"
+            )
+        for name in ("multi_step", "num_requests"):
+            _positive_int(name, getattr(self, name))
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ServeInputError(f"seed={self.seed!r} must be an integer")
+        for name, top in (("input_len_min", "input_len"), ("output_len_min", "output_len")):
+            lo = getattr(self, name)
+            if lo is not None:
+                _positive_int(name, lo)
+                if lo > getattr(self, top):
+                    raise ServeInputError(f"{name}={lo} must not exceed {top}={getattr(self, top)}")
         if self.num_gpus is not None:
             _positive_int("num_gpus", self.num_gpus)
             if self.num_gpus % self.gpus_per_replica:
@@ -165,6 +208,16 @@ class Scenario:
         tokens yields when each is accepted with probability α: (1 − α^(k+1)) / (1 − α)."""
         k, a = self.spec_tokens, self.spec_acceptance
         return 1.0 if k == 0 else (1 - a ** (k + 1)) / (1 - a)
+
+    @property
+    def mean_input_len(self) -> float:
+        lo = self.input_len if self.input_len_min is None else self.input_len_min
+        return (lo + self.input_len) / 2
+
+    @property
+    def mean_output_len(self) -> float:
+        lo = self.output_len if self.output_len_min is None else self.output_len_min
+        return (lo + self.output_len) / 2
 
     @property
     def gpus_per_replica(self) -> int:
