@@ -244,6 +244,74 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_sample(args) -> int:
+    """Sampling at a temperature: the first `--tokens` tokens of `--draws` speculative and
+    `--draws` plain generations from fixed prompts; two-sample chi-square on the first token
+    and on the (first, second) pair (categories with fewer than 5 expected draws pooled)."""
+    from scipy.stats import chi2_contingency
+
+    from llmopt.infer.fast import FastDecoder
+    from llmopt.infer.sampling import SamplingParams, logits_to_probs
+    from llmopt.infer.speculative.feature_head import load_feature_head
+    from llmopt.infer.speculative.tree_decode import FeatureTreeDecoder, TreeConfig
+
+    torch.set_num_threads(1)
+    target, tok = load_target()
+    head = load_feature_head(Path(args.out) / "run" / "head", target)
+    sampling = SamplingParams(temperature=args.temperature)
+    tree = TreeConfig(*map(int, args.tree.split("x")))
+    results = {}
+    for text in args.prompts.split("|"):
+        ids = tok.encode(text, add_bos=False)
+        max_len = len(ids) + args.tokens + tree.depth + 4
+        gen = torch.Generator().manual_seed(1)
+        spec, plain = [], []
+        spec_s = plain_s = 0.0
+        dec = FeatureTreeDecoder(target, head, max_len, tree, threads=1)
+        for _ in range(args.draws):
+            out = dec.generate(ids, args.tokens, sampling, gen)
+            spec.append(tuple(out[: args.tokens]))
+            spec_s += dec.stats.decode_s
+        pdec = FastDecoder(target, max_len, threads=1)
+        for _ in range(args.draws):
+            logits = pdec.prefill(ids)
+            t0 = time.perf_counter()
+            out = []
+            for i in range(args.tokens):
+                out.append(
+                    int(
+                        torch.multinomial(
+                            logits_to_probs(logits[None], sampling)[0], 1, generator=gen
+                        )
+                    )
+                )
+                if i + 1 < args.tokens:
+                    logits = pdec.step(out[-1])
+            plain_s += time.perf_counter() - t0
+            plain.append(tuple(out))
+        row = {"draws": args.draws, "speedup_first_tokens": plain_s / spec_s if spec_s else None}
+        for name, key in (("first", lambda t: t[:1]), ("pair", lambda t: t[:2])):
+            cats = sorted(set(map(key, spec)) | set(map(key, plain)))
+            table = [
+                [sum(key(t) == c for t in spec) for c in cats],
+                [sum(key(t) == c for t in plain) for c in cats],
+            ]
+            keep = [i for i in range(len(cats)) if table[0][i] + table[1][i] >= 10]
+            rest = [i for i in range(len(cats)) if i not in keep]
+            cols = [[table[0][i], table[1][i]] for i in keep]
+            if rest:
+                cols.append([sum(table[0][i] for i in rest), sum(table[1][i] for i in rest)])
+            chi = chi2_contingency(list(map(list, zip(*cols, strict=True))))
+            row[f"{name}_pvalue"] = float(chi.pvalue)
+            row[f"{name}_categories"] = len(cols)
+        results[text] = row
+        print(text[:40], json.dumps(row), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"temperature": args.temperature, "tree": args.tree,
+                                               "results": results, "load": os.getloadavg()}, indent=1))  # fmt: skip
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -272,8 +340,17 @@ def main(argv: list[str] | None = None) -> int:
         "--ngram", default="4,8", help="prompt-lookup gammas to run beside (empty: none)"
     )
     b.add_argument("--json", default=None)
+    sp = sub.add_parser("sample")
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--prompts", default="The capital of France is|def fibonacci(n):")
+    sp.add_argument("--draws", type=int, default=2000)
+    sp.add_argument("--tokens", type=int, default=3)
+    sp.add_argument("--temperature", type=float, default=0.7)
+    sp.add_argument("--tree", default="3x2x4")
+    sp.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    return {"data": cmd_data, "train": cmd_train, "bench": cmd_bench}[args.cmd](args)
+    cmds = {"data": cmd_data, "train": cmd_train, "bench": cmd_bench, "sample": cmd_sample}
+    return cmds[args.cmd](args)
 
 
 if __name__ == "__main__":
