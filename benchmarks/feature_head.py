@@ -70,6 +70,45 @@ def load_target():
     return load_model("smollm2-135m", dtype="auto"), load_tokenizer("smollm2-135m")
 
 
+def fused_forward(target, seq_len: int):
+    """window [T] -> (logits, final-norm features) through the fused kernels (as served)."""
+    from llmopt.infer.fast import FusedModel
+
+    fused = FusedModel(target)
+    rows = -(-seq_len // 16) * 16
+    k = torch.zeros(fused.kv_shape(rows))
+    v = torch.zeros_like(k)
+    table = torch.arange(rows // 16, dtype=torch.int32).view(1, -1)
+
+    def run(window):
+        t = window.numel()
+        pos = torch.arange(t)
+        hidden = torch.empty(t, target.config.hidden_size)
+        logits = fused.forward_tensors(
+            window, pos, pos, torch.tensor([0, t]), torch.tensor([t]), table, pos, k, v, 16,
+            hidden=hidden,
+        )  # fmt: skip
+        return logits, hidden
+
+    return run
+
+
+def fused_greedy(target):
+    """(prompt, n) -> prompt + n greedy tokens through the fused batch-1 decoder."""
+    from llmopt.infer.fast import FastDecoder
+
+    def run(prompt, n):
+        dec = FastDecoder(target, len(prompt) + n + 1)
+        logits = dec.prefill(prompt)
+        seq = list(prompt)
+        for _ in range(n):
+            seq.append(int(logits.argmax()))
+            logits = dec.step(seq[-1])
+        return seq
+
+    return run
+
+
 def cmd_data(args) -> int:
     from llmopt.compress.distill.feature import own_generations, target_windows
     from llmopt.data.corpus import read_corpus
@@ -86,11 +125,12 @@ def cmd_data(args) -> int:
         windows += windows_of(ids, int(count * args.scale), args.seq_len, rng)
         prompts += [w[:64] for w in windows_of(ids, max(1, int(10 * args.scale)), 64, rng)]
     t0 = time.time()
-    gens = own_generations(target, prompts, args.seq_len - 64)
+    gens = own_generations(target, prompts, args.seq_len - 64, fused_greedy(target))
     print(f"own generations: {len(gens)} x {args.seq_len} tokens in {time.time() - t0:.0f} s")
     windows += gens
     data = target_windows(
         target, torch.tensor(windows), 16,
+        forward=fused_forward(target, args.seq_len),
         progress=lambda i, n: i % 25 == 0 and print(f"target windows {i}/{n} {time.time() - t0:.0f} s", flush=True),
     )  # fmt: skip
     out = Path(args.out)
@@ -159,9 +199,9 @@ def cmd_bench(args) -> int:
     from llmopt.infer.drafts import NGramDraft, SpeculativeConfig
     from llmopt.infer.fast import FastDecoder
     from llmopt.infer.speculative import compare_with_plain
-    from llmopt.infer.speculative.feature_head import load_feature_head
     from llmopt.infer.speculative.predict import predicted_tree_speedup
     from llmopt.infer.speculative.tree_decode import FeatureTreeDecoder, TreeConfig, calibrate_tree
+    from llmopt.models.feature_head import load_feature_head
 
     torch.set_num_threads(1)
     target, tok = load_target()
@@ -252,8 +292,8 @@ def cmd_sample(args) -> int:
 
     from llmopt.infer.fast import FastDecoder
     from llmopt.infer.sampling import SamplingParams, logits_to_probs
-    from llmopt.infer.speculative.feature_head import load_feature_head
     from llmopt.infer.speculative.tree_decode import FeatureTreeDecoder, TreeConfig
+    from llmopt.models.feature_head import load_feature_head
 
     torch.set_num_threads(1)
     target, tok = load_target()

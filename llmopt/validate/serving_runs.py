@@ -223,7 +223,7 @@ FIT_BOUNDS = {"gpu_time_scale": (0.8, 2.5), "request_s": (0.0, 0.1), "eager_laye
 def fit_engine(
     rows: list[dict[str, str]], engine: str, passes: int = 4, iters: int = 14
 ) -> tuple[dict[str, float], float]:
-    """Fit one engine's profile (`llmopt.plan.serve.step.EngineProfile`: GPU-time scale,
+    """Fit one engine's profile (`llmopt.plan.serve.engines.EngineProfile`: GPU-time scale,
     front-end time per request, launch time per layer of a prompt iteration) to the `rows`
     that name it in their
     `engine` column, minimising the sum of squared log errors over every measured metric;
@@ -231,7 +231,7 @@ def fit_engine(
     Returns (fields, loss)."""
     import dataclasses
 
-    from llmopt.plan.serve import step as step_mod
+    from llmopt.plan.serve import engines as step_mod
 
     subset = [r for r in rows if (r.get("engine") or "").strip().lower() == engine]
     if not subset:

@@ -25,9 +25,9 @@ from llmopt.compress.distill.feature import (  # noqa: E402
 )
 from llmopt.infer.fast import FastDecoder  # noqa: E402
 from llmopt.infer.sampling import SamplingParams  # noqa: E402
-from llmopt.infer.speculative.feature_head import FeatureHeadError, load_feature_head  # noqa: E402
 from llmopt.infer.speculative.tree import DraftTree, verify_tree_greedy, verify_tree_sampled  # noqa: E402
 from llmopt.infer.speculative.tree_decode import FeatureTreeDecoder, TreeConfig  # noqa: E402
+from llmopt.models.feature_head import FeatureHeadError, load_feature_head  # noqa: E402
 from tests.infer.test_fused_forward import tiny_model  # noqa: E402
 
 

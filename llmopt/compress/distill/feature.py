@@ -1,16 +1,17 @@
-"""Training a feature draft head (`llmopt.infer.speculative.feature_head`) on the target's own
+"""Training a feature draft head (`llmopt.models.feature_head`) on the target's own
 features: `llmopt distill --feature-head`.
 
-Data (`feature_data`): token windows of a broad text mix plus the target's own greedy
+Data (`target_windows`): token windows of a broad text mix plus the target's own greedy
 continuations of prompts from that mix (what the head will see at run time), run through the
-target as it is served (the fused kernels, e.g. the packaged Q4_1 GGUF), keeping per position
-the final-norm feature (fp16) and the target's top-`k` next-token law. The head is trained
+target — eagerly by default, or by the caller's forward (benchmarks/feature_head.py passes the
+fused kernels that serve the packaged Q4_1 GGUF; compress sits below infer, so this module
+never imports it) — keeping per position the final-norm feature (fp16) and the target's top-`k` next-token law. The head is trained
 with teacher forcing, EAGLE's recipe: input (token p, feature p-1 + noise), loss = smooth-L1
 between its feature and the target's feature p + w · cross-entropy of its draft-vocabulary
 logits against the target's top-k law (restricted to the draft vocabulary, renormalised).
 
-Runs are resumable: the head and the optimizer state are saved
-as safetensors every `save_every` steps (`<out>/head` is a loadable head directory, the
+Runs are resumable: the head and the optimizer state are saved as safetensors every
+`save_every` steps (`<out>/head` is a loadable head directory, the
 optimizer moments and step counter sit beside it), and `resume=True` continues from there.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -27,7 +29,7 @@ import torch.nn.functional as F
 
 from llmopt.artifacts import atomic_write, atomic_write_text
 from llmopt.errors import LlmoptError
-from llmopt.infer.speculative.feature_head import (
+from llmopt.models.feature_head import (
     FeatureHead,
     FeatureHeadConfig,
     layer_config,
@@ -92,52 +94,75 @@ class FeatureData:
         return cls(**load_file(str(path)))
 
 
-@torch.inference_mode()
-def target_windows(target: torch.nn.Module, windows: torch.Tensor, top_k: int, progress=None):
-    """Run each window [N, T] through the target as served (fused kernels): features and
-    top-k laws per position."""
-    from llmopt.infer.fast import FusedModel
+Forward = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
-    fused = FusedModel(target)
+
+def eager_forward(target: torch.nn.Module) -> Forward:
+    """window [T] -> (logits [T, vocab], final-norm features [T, h]) by the eager model. A
+    caller serving the target through other kernels passes its own (the benchmark passes the
+    fused step: the features of the target as it is served)."""
+    from llmopt.models.spec import spec_for
+
+    head = spec_for(target).top_module(target, "head")
+
+    def run(window: torch.Tensor):
+        hidden = target.hidden_states(window[None])[0]
+        return head(hidden), hidden
+
+    return run
+
+
+@torch.inference_mode()
+def target_windows(
+    target: torch.nn.Module,
+    windows: torch.Tensor,
+    top_k: int,
+    progress=None,
+    forward: Forward | None = None,
+) -> FeatureData:
+    """Run each window [N, T] through the target (`forward`, default eager): features and
+    top-k laws per position."""
+    forward = forward or eager_forward(target)
     n, t = windows.shape
     h = target.config.hidden_size
-    block = 16
-    rows = -(-t // block) * block
-    k_cache = torch.zeros(fused.kv_shape(rows))
-    v_cache = torch.zeros_like(k_cache)
-    table = torch.arange(rows // block, dtype=torch.int32).view(1, -1)
     feats = torch.empty(n, t, h, dtype=torch.float16)
     ids = torch.empty(n, t, top_k, dtype=torch.int32)
     probs = torch.empty(n, t, top_k, dtype=torch.float16)
-    pos = torch.arange(t)
     for i in range(n):
-        hidden = torch.empty(t, h)
-        logits = fused.forward_tensors(
-            windows[i], pos, pos, torch.tensor([0, t]), torch.tensor([t]), table,
-            torch.arange(t), k_cache, v_cache, block, hidden=hidden,
-        )  # fmt: skip
-        top = torch.topk(logits.softmax(-1), top_k, dim=-1)
+        logits, hidden = forward(windows[i])
+        top = torch.topk(logits.float().softmax(-1), top_k, dim=-1)
         feats[i], ids[i], probs[i] = hidden.half(), top.indices.int(), top.values.half()
         if progress:
             progress(i + 1, n)
     return FeatureData(windows, feats, ids, probs)
 
 
-def own_generations(target, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """The target's greedy continuations of `prompts` (prompt + continuation each)."""
-    from llmopt.infer.fast import FastDecoder
+Decode = Callable[[list[int], int], list[int]]
 
-    out = []
-    for prompt in prompts:
-        dec = FastDecoder(target, len(prompt) + new_tokens + 1)
-        logits = dec.prefill(prompt)
+
+def eager_greedy(target: torch.nn.Module) -> Decode:
+    """(prompt, n) -> prompt + n greedy tokens by the eager model over a static KV cache."""
+    from llmopt.models.attention.static import KVCache
+
+    @torch.inference_mode()
+    def run(prompt: list[int], n: int) -> list[int]:
+        cache = KVCache.for_model(target, 1, len(prompt) + n)
+        logits = target(torch.tensor([prompt]), cache, last_only=True)[0, -1]
         seq = list(prompt)
-        for _ in range(new_tokens):
-            token = int(logits.argmax())
-            seq.append(token)
-            logits = dec.step(token)
-        out.append(seq)
-    return out
+        for _ in range(n):
+            seq.append(int(logits.argmax()))
+            logits = target(torch.tensor([[seq[-1]]]), cache)[0, -1]
+        return seq
+
+    return run
+
+
+def own_generations(
+    target, prompts: list[list[int]], new_tokens: int, decode: Decode | None = None
+) -> list[list[int]]:
+    """The target's greedy continuations of `prompts` (prompt + continuation each)."""
+    decode = decode or eager_greedy(target)
+    return [decode(list(p), new_tokens) for p in prompts]
 
 
 def make_head(target: torch.nn.Module, ids: torch.Tensor) -> FeatureHead:
@@ -291,7 +316,9 @@ def train_on_text(
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    target = load_model(teacher, dtype="auto")
+    # float32 (a GGUF dequantized once): the eager passes below are matrix products, not
+    # per-call dequantization; the head's embedding and starting head rows are the same values
+    target = load_model(teacher)
     data_file = out / "train_data.safetensors"
     if data_file.is_file():
         data = FeatureData.load(data_file)

@@ -61,7 +61,7 @@ def run_speculative_from_args(
         raise UsageError(f"--draft is required for speculative decoding; valid: {DRAFT_SPECS}")
     if args.gamma < 1:
         raise UsageError(f"--gamma {args.gamma} must be >= 1")
-    from llmopt.infer.speculative.feature_head import is_feature_head
+    from llmopt.models.feature_head import is_feature_head
 
     if is_feature_head(args.draft):
         return _run_feature_head(args, model, tokenizer, prompt_ids, sampling)
@@ -107,8 +107,8 @@ def _run_feature_head(args, model, tokenizer, prompt_ids, sampling):
     import torch
 
     from llmopt.infer.fast import FastDecoder
-    from llmopt.infer.speculative.feature_head import load_feature_head
     from llmopt.infer.speculative.tree_decode import FeatureTreeDecoder, calibrate_tree
+    from llmopt.models.feature_head import load_feature_head
 
     tree = parse_tree(args.tree)
     head = load_feature_head(args.draft, model)

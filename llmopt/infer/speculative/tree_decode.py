@@ -25,8 +25,8 @@ import torch
 from llmopt.errors import UsageError
 from llmopt.infer.fast import FusedModel
 from llmopt.infer.sampling import SamplingParams, logits_to_probs
-from llmopt.infer.speculative.feature_head import FeatureHead
 from llmopt.infer.speculative.tree import DraftTree, verify_tree_greedy, verify_tree_sampled
+from llmopt.models.feature_head import FeatureHead
 
 TARGET_BLOCK = 16
 

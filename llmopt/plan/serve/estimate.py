@@ -26,11 +26,12 @@ from dataclasses import dataclass
 from llmopt.models.config import ModelConfig
 from llmopt.plan.hardware import Cluster
 from llmopt.plan.serve.capacity import capacity
+from llmopt.plan.serve.engines import ENGINE_PROFILES
 from llmopt.plan.serve.explain import bound_of, explain
 from llmopt.plan.serve.result import ServeEstimate
 from llmopt.plan.serve.scenario import Load, Scenario
 from llmopt.plan.serve.simulate import simulate
-from llmopt.plan.serve.step import ENGINE_PROFILES, StepCost, step_cost
+from llmopt.plan.serve.step import StepCost, step_cost
 
 
 @dataclass(frozen=True)

@@ -139,7 +139,7 @@ class Scenario:
     input_len_min: int | None = None
     output_len_min: int | None = None
     seed: int = 0
-    engine: str = "default"  # an `EngineProfile` name (step.ENGINE_PROFILES)
+    engine: str = "default"  # an `EngineProfile` name (engines.ENGINE_PROFILES)
     admission: str = "reserve"
 
     def __post_init__(self) -> None:
@@ -157,7 +157,7 @@ class Scenario:
             raise ServeInputError(
                 f"scheduler {self.scheduler!r} is not known; valid: {', '.join(SCHEDULERS)}"
             )
-        from llmopt.plan.serve.step import ENGINE_PROFILES
+        from llmopt.plan.serve.engines import ENGINE_PROFILES
 
         if self.engine not in ENGINE_PROFILES:
             raise ServeInputError(
