@@ -172,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
     from llmopt.compress.quant.calibration import calibration_set
     from llmopt.data.mix import parse_mix
     from llmopt.models.loading import load_model, load_tokenizer
+    from llmopt.models.packed.metadata import compression_metadata
     from llmopt.models.packed.quant.config import QuantConfig
 
     config = QuantConfig(
@@ -241,7 +242,11 @@ def run(args: argparse.Namespace) -> int:
     if coverage is not None:
         summary["calibration"] = coverage
     if config.method == "awq":
-        alphas = [g["alpha"] for layer in qmodel.quant_report["layers"] for g in layer["groups"]]
+        alphas = [
+            g["alpha"]
+            for layer in compression_metadata(qmodel).quant_report["layers"]
+            for g in layer["groups"]
+        ]
         summary["awq_mean_alpha"] = round(sum(alphas) / len(alphas), 3)
     if args.json:
         print(dumps(summary, indent=2))

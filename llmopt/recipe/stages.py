@@ -36,12 +36,12 @@ def quantize_stage(stage: dict, source: str, out: Path, tokenizer, overwrite: bo
     from llmopt.compress.prune import load_pruned
     from llmopt.compress.quant import quantize_model, save_quantized
     from llmopt.models.loading import load_model
+    from llmopt.models.packed.metadata import set_compression_metadata
 
     method = stage.get("method", "rtn")
     if (Path(source) / "llmopt_prune.json").is_file():
         model = load_pruned(source, packed=False)  # dense weights with their zeros
-        for name in ("prune_config", "prune_masks", "prune_report"):
-            delattr(model, name)  # the INT4 format stores the zeros densely
+        set_compression_metadata(model, None)  # the INT4 format stores the zeros densely
     else:
         model = load_model(source)
     calib = _calib(tokenizer, stage) if method in ("awq", "gptq") else None
@@ -95,12 +95,13 @@ def _keep_sparsity(model_dir: Path, pruned_source: str, out: Path) -> Path:
     """The trained weights with the pruned source's masks applied again, saved pruned."""
     from llmopt.compress.prune import load_pruned, save_pruned
     from llmopt.models.loading import load_model, load_tokenizer
+    from llmopt.models.packed.metadata import compression_metadata
 
     masked = load_pruned(pruned_source, packed=False)
     trained = load_model(model_dir)
     with torch.no_grad():
         state = trained.state_dict()
-        for name, keep in masked.prune_masks.items():
+        for name, keep in compression_metadata(masked).prune_masks.items():
             state[f"{name}.weight"] = state[f"{name}.weight"] * keep.to(torch.float32)
         masked.load_state_dict(state, strict=False)
     return save_pruned(masked, out, load_tokenizer(model_dir), source=None)

@@ -10,6 +10,7 @@ import torch
 
 from llmopt.cli import main
 from llmopt.compress.prune import load_pruned
+from llmopt.models.packed.metadata import compression_metadata
 from llmopt.recipe import Recipe, RecipeError, run_recipe
 
 
@@ -53,14 +54,17 @@ def test_chain_writes_and_measures_each_intermediate(model_dir, tmp_path):
     # the distilled weights changed, and keep the 2:4 pattern of the pruned stage
     pruned = load_pruned(rows[1]["model"], packed=False)
     distilled = load_pruned(rows[2]["model"], packed=False)
-    assert pruned.prune_masks.keys() == distilled.prune_masks.keys()
+    assert (
+        compression_metadata(pruned).prune_masks.keys()
+        == compression_metadata(distilled).prune_masks.keys()
+    )
     changed = 0
-    for name, keep in pruned.prune_masks.items():
+    for name, keep in compression_metadata(pruned).prune_masks.items():
         w = distilled.get_submodule(name).weight
-        assert torch.equal(distilled.prune_masks[name], keep)
+        assert torch.equal(compression_metadata(distilled).prune_masks[name], keep)
         assert not w[~keep].any()
         changed += int(not torch.equal(w, pruned.get_submodule(name).weight))
-    assert changed == len(pruned.prune_masks)
+    assert changed == len(compression_metadata(pruned).prune_masks)
     assert (out / "03-quantize" / "llmopt_quant.json").is_file()
 
 

@@ -87,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
     from llmopt.compress.quant.calibration import calibration_set, describe_coverage
     from llmopt.data.mix import parse_mix
     from llmopt.models.loading import load_model, load_tokenizer
+    from llmopt.models.packed.metadata import compression_metadata
     from llmopt.models.packed.sparse.config import PruneConfig, Sparsity
 
     config = PruneConfig(
@@ -125,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
     )
     meta = json.loads((out / "llmopt_prune.json").read_text())
-    report = pruned.prune_report
+    report = compression_metadata(pruned).prune_report
     summary: dict[str, Any] = {
         "model": args.model,
         "method": config.method,
