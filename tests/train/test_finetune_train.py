@@ -37,7 +37,7 @@ def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("finetune")
     base = tiny_hf_model(root / "base")
     data = chat_jsonl(root / "chat.jsonl")
-    cfg = TrainConfig(
+    cfg = TrainConfig().replace(
         init_from=str(base),
         data=str(data),
         format="messages",
@@ -198,7 +198,7 @@ def test_merge_folds_the_adapter_into_the_base(run, capsys):
 def test_qlora_trains_on_an_int4_base_and_hf_only_is_not_resumable(run):
     from llmopt.models.packed.quant.linear import QuantLinear
 
-    cfg = TrainConfig(
+    cfg = TrainConfig().replace(
         init_from=str(run["base"]),
         data=str(run["root"] / "chat.jsonl"),
         lora_rank=4,
@@ -244,7 +244,7 @@ def test_vocabulary_mismatch_is_a_one_line_error(run, capsys, tmp_path):
 
 
 def test_lora_resume_continues_the_trajectory_exactly(run):
-    cfg = TrainConfig(
+    cfg = TrainConfig().replace(
         init_from=str(run["base"]),
         data=str(run["root"] / "chat.jsonl"),
         format="messages",
