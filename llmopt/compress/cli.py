@@ -88,7 +88,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help=f"GGUF weight type for --format gguf only (f16, q8_0, ...; default {GGUF_DEFAULT})",
     )
-    p.add_argument(
+    cli_args.add_dtype(
+        p,
         "--float-dtype",
         default="keep",
         choices=("keep", "float16", "bfloat16"),
@@ -219,8 +220,9 @@ def run(args: argparse.Namespace) -> int:
         out = _export(qmodel, args, tokenizer)
     else:
         from llmopt.compress.quant.io import save_quantized
+        from llmopt.dtypes import torch_dtype
 
-        float_dtype = None if args.float_dtype == "keep" else getattr(torch, args.float_dtype)
+        float_dtype = None if args.float_dtype == "keep" else torch_dtype(args.float_dtype)
         out = save_quantized(
             qmodel, args.out, tokenizer, float_dtype=float_dtype, overwrite=args.overwrite
         )

@@ -50,7 +50,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--calib-seq-len", type=int, default=512, help="tokens per calibration window")
     p.add_argument("--damp", type=float, default=0.01, help="SparseGPT Hessian dampening")
     p.add_argument("--block-size", type=int, default=128, help="SparseGPT lazy-update block")
-    p.add_argument(
+    cli_args.add_dtype(
+        p,
         "--float-dtype",
         default="keep",
         choices=("keep", "float16", "bfloat16"),
@@ -86,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
     from llmopt.compress.prune.io import check_out_dir, save_pruned
     from llmopt.compress.quant.calibration import calibration_set, describe_coverage
     from llmopt.data.mix import parse_mix
+    from llmopt.dtypes import torch_dtype
     from llmopt.models.loading import load_model, load_tokenizer
     from llmopt.models.packed.metadata import compression_metadata
     from llmopt.models.packed.sparse.config import PruneConfig, Sparsity
@@ -116,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     start, cpu_start = time.perf_counter(), time.process_time()
     pruned = prune_model(model, config=config, calib_tokens=calib, progress=not args.json)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
-    float_dtype = None if args.float_dtype == "keep" else getattr(torch, args.float_dtype)
+    float_dtype = None if args.float_dtype == "keep" else torch_dtype(args.float_dtype)
     out = save_pruned(
         pruned,
         args.out,
