@@ -5,13 +5,23 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmopt import cli_args
 from llmopt.jsonout import dumps
 
+if TYPE_CHECKING:
+    from llmopt.models.packed.quant.config import QuantConfig
+
 FORMATS = ("llmopt", "autoawq", "gptq", "compressed-tensors", "gguf")
 GGUF_DEFAULT = "q4_0"  # --gguf-type of --format gguf
+# the flags that make the QuantConfig (`quant_config`); a recipe's quantize stage takes the
+# same keys with the same defaults (`llmopt.recipe.options`)
+CONFIG_FLAGS = (
+    "--method", "--bits", "--group-size", "--sym", "--calib", "--calib-samples",
+    "--calib-seq-len", "--calib-seed", "--clip-tokens", "--duo-scaling", "--act-order",
+    "--range-grid", "--lm-head",
+)  # fmt: skip
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -164,19 +174,11 @@ def check_args(args: argparse.Namespace) -> None:
         cli_args.output_dir(args, f"quantize:{args.format}")
 
 
-def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from llmopt.artifacts import check_distinct
-    from llmopt.compress.prune.cli import source_path
-    from llmopt.compress.quant.apply import model_nbytes, quantize_model
-    from llmopt.compress.quant.calibration import calibration_set
-    from llmopt.data.mix import parse_mix
-    from llmopt.models.loading import load_model, load_tokenizer
-    from llmopt.models.packed.metadata import compression_metadata
+def quant_config(args: argparse.Namespace) -> QuantConfig:
+    """The QuantConfig the flags (CONFIG_FLAGS, and --format for the grid) describe."""
     from llmopt.models.packed.quant.config import QuantConfig
 
-    config = QuantConfig(
+    return QuantConfig(
         method=args.method,
         bits=args.bits,
         group_size=args.group_size,
@@ -191,6 +193,20 @@ def run(args: argparse.Namespace) -> int:
         gptq_range_grid=args.range_grid,
         quantize_lm_head=args.quantize_head,
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from llmopt.artifacts import check_distinct
+    from llmopt.compress.prune.cli import source_path
+    from llmopt.compress.quant.apply import model_nbytes, quantize_model
+    from llmopt.compress.quant.calibration import calibration_set
+    from llmopt.data.mix import parse_mix
+    from llmopt.models.loading import load_model, load_tokenizer
+    from llmopt.models.packed.metadata import compression_metadata
+
+    config = quant_config(args)
     if config.needs_calibration:
         parse_mix(config.calib)  # a bad --calib fails before the model loads
     check_distinct(args.out, source_path(args.model))  # never overwrite the source weights

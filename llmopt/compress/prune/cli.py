@@ -7,10 +7,21 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmopt import cli_args
 from llmopt.jsonout import dumps
+
+if TYPE_CHECKING:
+    from llmopt.models.packed.sparse.config import PruneConfig
+
+
+# the flags that make the PruneConfig (`prune_config`); a recipe's prune stage takes the same
+# keys with the same defaults (`llmopt.recipe.options`)
+CONFIG_FLAGS = (
+    "--method", "--sparsity", "--calib", "--calib-tokens", "--calib-seq-len", "--damp",
+    "--block-size",
+)  # fmt: skip
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -80,6 +91,21 @@ def source_path(model: str) -> Path:
     return path.parent if is_model_name(model) else path
 
 
+def prune_config(args: argparse.Namespace) -> PruneConfig:
+    """The PruneConfig the flags (CONFIG_FLAGS) describe."""
+    from llmopt.models.packed.sparse.config import PruneConfig, Sparsity
+
+    return PruneConfig(
+        method=args.method,
+        sparsity=Sparsity.parse(str(args.sparsity)),
+        calib=args.calib,
+        calib_tokens=args.calib_tokens,
+        calib_seq_len=args.calib_seq_len,
+        damp=args.damp,
+        block_size=args.block_size,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -90,17 +116,8 @@ def run(args: argparse.Namespace) -> int:
     from llmopt.dtypes import torch_dtype
     from llmopt.models.loading import load_model, load_tokenizer
     from llmopt.models.packed.metadata import compression_metadata
-    from llmopt.models.packed.sparse.config import PruneConfig, Sparsity
 
-    config = PruneConfig(
-        method=args.method,
-        sparsity=Sparsity.parse(args.sparsity),
-        calib=args.calib,
-        calib_tokens=args.calib_tokens,
-        calib_seq_len=args.calib_seq_len,
-        damp=args.damp,
-        block_size=args.block_size,
-    )
+    config = prune_config(args)
     if config.needs_calibration:
         parse_mix(config.calib)  # a bad --calib fails before the model loads
     source = source_path(args.model)
