@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -201,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
     from llmopt.artifacts import check_distinct
     from llmopt.compress.prune.cli import source_path
     from llmopt.compress.quant.apply import model_nbytes, quantize_model
-    from llmopt.compress.quant.calibration import calibration_set
+    from llmopt.compress.quant.calibration import command_calibration
     from llmopt.data.mix import parse_mix
     from llmopt.models.loading import load_model, load_tokenizer
     from llmopt.models.packed.metadata import compression_metadata
@@ -217,14 +216,7 @@ def run(args: argparse.Namespace) -> int:
         check_autoawq_compatible(model, args.bits, args.group_size)
     _check_export_options(args)
     tokenizer = load_tokenizer(args.model)
-    calib = coverage = None
-    if config.needs_calibration:
-        calib_set = calibration_set(
-            tokenizer, config.calib, config.calib_samples, config.calib_seq_len, config.calib_seed
-        )
-        calib, coverage = calib_set.tokens, calib_set.coverage
-        for warning in coverage["warnings"]:
-            print(f"warning: {warning}", file=sys.stderr)
+    calib, coverage = command_calibration(tokenizer, config)
     start, cpu_start = time.perf_counter(), time.process_time()
     qmodel = quantize_model(model, config=config, calib_tokens=calib, progress=not args.json)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start

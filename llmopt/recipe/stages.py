@@ -14,13 +14,12 @@ from llmopt.models.packed.sparse.config import PruneConfig
 from llmopt.recipe.config import DistillStage, RecipeError
 
 
-def _calib(tokenizer, config: PruneConfig | QuantConfig) -> torch.Tensor:
-    """The calibration windows the command would draw for `config`."""
-    from llmopt.compress.quant.calibration import calibration_tokens
+def _calib(tokenizer, config: PruneConfig | QuantConfig) -> torch.Tensor | None:
+    """The calibration windows the command would draw for `config` (None: it needs none)."""
+    from llmopt.compress.quant.calibration import config_calibration
 
-    return calibration_tokens(
-        tokenizer, config.calib, config.calib_samples, config.calib_seq_len, config.calib_seed
-    )
+    drawn = config_calibration(tokenizer, config)
+    return None if drawn is None else drawn.tokens
 
 
 def prune_stage(
@@ -29,7 +28,7 @@ def prune_stage(
     from llmopt.compress.prune import prune_model, save_pruned
     from llmopt.models.loading import load_model
 
-    calib = _calib(tokenizer, config) if config.needs_calibration else None
+    calib = _calib(tokenizer, config)
     pruned = prune_model(load_model(source), config=config, calib_tokens=calib)
     return save_pruned(pruned, out, tokenizer, source=None, overwrite=overwrite)
 
@@ -47,7 +46,7 @@ def quantize_stage(
         set_compression_metadata(model, None)  # the INT4 format stores the zeros densely
     else:
         model = load_model(source)
-    calib = _calib(tokenizer, config) if config.needs_calibration else None
+    calib = _calib(tokenizer, config)
     quantized = quantize_model(model, config=config, calib_tokens=calib)
     return save_quantized(quantized, out, tokenizer, overwrite=overwrite)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -111,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
 
     from llmopt.compress.prune.apply import prune_model
     from llmopt.compress.prune.io import check_out_dir, save_pruned
-    from llmopt.compress.quant.calibration import calibration_set, describe_coverage
+    from llmopt.compress.quant.calibration import command_calibration, describe_coverage
     from llmopt.data.mix import parse_mix
     from llmopt.dtypes import torch_dtype
     from llmopt.models.loading import load_model, load_tokenizer
@@ -124,14 +123,7 @@ def run(args: argparse.Namespace) -> int:
     check_out_dir(args.out, source, args.overwrite)  # before minutes of calibration
     model = load_model(args.model, dtype=torch.float32)
     tokenizer = load_tokenizer(args.model)
-    calib = coverage = None
-    if config.needs_calibration:
-        calib_set = calibration_set(
-            tokenizer, config.calib, config.calib_samples, config.calib_seq_len, config.calib_seed
-        )
-        calib, coverage = calib_set.tokens, calib_set.coverage
-        for warning in coverage["warnings"]:
-            print(f"warning: {warning}", file=sys.stderr)
+    calib, coverage = command_calibration(tokenizer, config)
     start, cpu_start = time.perf_counter(), time.process_time()
     pruned = prune_model(model, config=config, calib_tokens=calib, progress=not args.json)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
