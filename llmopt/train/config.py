@@ -318,7 +318,7 @@ def file_keys() -> tuple[str, ...]:
 def _layout(
     base: ParallelPlan, dp: int, micro_batch: int, num_microbatches: int | None, **fields: Any
 ) -> ParallelPlan:
-    """`base` with `fields` and the requests filled in as the class docstring says (a layout
+    """`base` with `fields` and the requests filled in as the `parallel` field says (a layout
     error is a TrainConfigError naming the field)."""
     if "layers_per_stage" in fields and fields["layers_per_stage"] is None:
         fields["layers_per_stage"] = ()  # unset, as older run configs wrote it
