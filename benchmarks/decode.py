@@ -28,20 +28,7 @@ from pathlib import Path
 
 import torch
 
-
-def weight_bytes_per_token(model: torch.nn.Module) -> int:
-    """Bytes an eager decode step reads: every parameter once (a tied embedding is read as the
-    head) plus the packed codes/scales/zeros buffers of quantized linears."""
-    seen, total = set(), 0
-    tensors = list(model.parameters())
-    for module in model.modules():
-        if hasattr(module, "qweight"):
-            tensors += [module.qweight, module.scales, module.zeros]
-    for t in tensors:
-        if id(t) not in seen:
-            seen.add(id(t))
-            total += t.numel() * t.element_size()
-    return total
+from llmopt.profile.decode_bytes import eager_decode_bytes
 
 
 def eager_ops_per_step(model, prompt: list[int]) -> int:
@@ -151,7 +138,7 @@ def run_dtype(args, name, base, hf_dir, prompt, bandwidth, console) -> list[dict
             ops = 1  # one C++ call: 4 GEMVs per layer + head inside
             kernels = 4 * layers + 1
         else:
-            nbytes = weight_bytes_per_token(model)
+            nbytes = eager_decode_bytes(model)
             ops = eager_ops_per_step(model, prompt[:8]) if key == "llmopt-eager" else None
             kernels = ops
         results.append(

@@ -21,20 +21,22 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from llmopt.validate.crosscheck import MB, SEQ, crosscheck_model
+from llmopt.validate.crosscheck import MB, SEQ, CrosscheckCase, crosscheck_model
 from llmopt.validate.planner_engine import planner_prediction
 
 CONFIGS = {
-    "pp4": dict(tp=1, pp=4, sp=False, zero=0, m=4, schedule="1f1b", v=1, rc="none"),
-    "tp2-sp-pp2-z1": dict(tp=2, pp=2, sp=True, zero=1, m=2, schedule="1f1b", v=1, rc="none"),
-    "pp2-dp2-interleaved-z2": dict(
-        tp=1, pp=2, dp=2, sp=False, zero=2, m=2, schedule="interleaved", v=2, rc="none"
+    "pp4": CrosscheckCase.of(pp=4, num_microbatches=4),
+    "tp2-sp-pp2-z1": CrosscheckCase.of(
+        tp=2, pp=2, sequence_parallel=True, zero_stage=1, num_microbatches=2
     ),
-    "tp2-pp2-dp2-z1-sel": dict(
-        tp=2, pp=2, dp=2, sp=False, zero=1, m=2, schedule="1f1b", v=1, rc="selective"
+    "pp2-dp2-interleaved-z2": CrosscheckCase.of(
+        pp=2, dp=2, zero_stage=2, num_microbatches=2, schedule="interleaved", virtual_stages=2
     ),
-    "pp2-dp2-gpipe-z3-full-tied": dict(
-        tp=1, pp=2, dp=2, sp=False, zero=3, m=3, schedule="gpipe", v=1, rc="full", tied=True
+    "tp2-pp2-dp2-z1-sel": CrosscheckCase.of(
+        tp=2, pp=2, dp=2, zero_stage=1, num_microbatches=2, recompute="selective"
+    ),
+    "pp2-dp2-gpipe-z3-full-tied": CrosscheckCase.of(
+        pp=2, dp=2, zero_stage=3, num_microbatches=3, schedule="gpipe", recompute="full", tied=True
     ),
 }
 
@@ -56,14 +58,14 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     for name in names:
         case = CONFIGS[name]
-        world = case["tp"] * case["pp"] * case.get("dp", 1)
-        dp = world // (case["tp"] * case["pp"])
+        plan = case.plan
+        world, dp = plan.world_size, plan.dp
         ranks = spawn(engine_step, world, case)
-        pred = planner_prediction(case, dp)
+        pred = planner_prediction(case)
         first = next(r for r in ranks if r["coords"]["pp"] == 0)
-        last = next(r for r in ranks if r["coords"]["pp"] == case["pp"] - 1)
-        interior = [r for r in ranks if 0 < r["coords"]["pp"] < case["pp"] - 1]
-        table = Table(title=f"{name}: {case} dp={dp} — bytes per step (calls)")
+        last = next(r for r in ranks if r["coords"]["pp"] == plan.pp - 1)
+        interior = [r for r in ranks if 0 < r["coords"]["pp"] < plan.pp - 1]
+        table = Table(title=f"{name}: {plan.short()} — bytes per step (calls)")
         for col in ("group/op", "planner first", "engine first", "planner last", "engine last"):
             table.add_column(col, justify="right")
         if interior:
@@ -111,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"ratio {measured / planned:.2f}"
             )
         report[name] = {
-            "case": case,
+            "case": case.to_dict(),
             "dp": dp,
             "comm": rows,
             "activations": acts,

@@ -28,14 +28,16 @@ from quant_quality import (
     score,
 )
 
+from llmopt.models.packed.metadata import compression_metadata
+
 
 def stored_ratio(pruned: torch.nn.Module) -> float:
     """Saved bytes of the pruned linears / their dense fp16 bytes (the save_pruned layout)."""
     from llmopt.models.packed.sparse.format import pack_nm
 
-    sparsity = pruned.prune_config.sparsity
+    sparsity = compression_metadata(pruned).prune_config.sparsity
     stored = dense = 0
-    for name, keep in pruned.prune_masks.items():
+    for name, keep in compression_metadata(pruned).prune_masks.items():
         weight = pruned.get_submodule(name).weight.data
         dense += 2 * weight.numel()
         if sparsity.structured:
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
         row = {
             "sparsity": sparsity,
             "method": method,
-            "pruned_fraction": pruned.prune_report["pruned_fraction"],
+            "pruned_fraction": compression_metadata(pruned).prune_report["pruned_fraction"],
             "eval": stats,
             "stored_vs_fp16": stored_ratio(pruned),
             "prune_seconds": seconds,

@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 from _report import run_info, save_figure, table, write_report
 
+from llmopt.models.packed.metadata import compression_metadata
+
 
 def parse_schemes(text: str) -> list[tuple[int, int]]:
     """'4:128,3:128' -> [(4, 128), (3, 128)]."""
@@ -179,7 +181,11 @@ def main(argv: list[str] | None = None) -> None:
                 "disk_bytes_fp16_rest": disk,
             }
             if method == "awq":
-                alphas = [g["alpha"] for layer in q.quant_report["layers"] for g in layer["groups"]]
+                alphas = [
+                    g["alpha"]
+                    for layer in compression_metadata(q).quant_report["layers"]
+                    for g in layer["groups"]
+                ]
                 row["awq_alpha_mean"] = sum(alphas) / len(alphas)
             console.print(
                 "  "

@@ -17,13 +17,7 @@ import statistics
 import torch
 from _report import run_info, table, write_report
 
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    from llmopt.compress.quant.apply import model_nbytes
-
-    sizes = model_nbytes(model)
-    rotary = sum(b.numel() * b.element_size() for b in model.rotary.buffers())
-    return sizes["quant_linear_bytes"] + sizes["other_bytes"] - rotary
+from llmopt.profile.decode_bytes import eager_decode_bytes
 
 
 def decode_rate(model, prompt: list[int], new_tokens: int) -> float:
@@ -68,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     rows, cells = [], []
     for name, model in variants.items():
         med = statistics.median(rates[name])
-        wb = weight_bytes(model)
+        wb = eager_decode_bytes(model)
         rows.append({"variant": name, "tok_s": med, "all": rates[name], "weight_bytes": wb})
         cells.append(
             (

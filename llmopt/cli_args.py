@@ -14,6 +14,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from llmopt import dtypes
+from llmopt.dtypes import DTYPES
 from llmopt.errors import LlmoptError
 
 
@@ -152,30 +154,21 @@ def device(args: argparse.Namespace, dest: str = "device") -> None:
         )
 
 
-# ---- one dtype vocabulary: torch's (and transformers'/vLLM's) names ----
-DTYPES = ("float32", "bfloat16", "float16")
-OLD_DTYPE_SPELLINGS = {
-    "fp32": "float32", "f32": "float32", "float": "float32",
-    "fp16": "float16", "f16": "float16", "half": "float16",
-    "bf16": "bfloat16",
-}  # fmt: skip
-
-
+# ---- one dtype vocabulary (`llmopt.dtypes`): torch's names, the short spellings as aliases ----
 # load-time choice of `serve`/`generate`: "auto" keeps a quantized GGUF's blocks as the file
 # holds them (what the fused kernels read), every other source loads as float32
 LOAD_DTYPES = ("auto", *DTYPES)
 
 
 def dtype_name(value: str) -> str:
-    """argparse type of every `--dtype`-like flag: a name of DTYPES. Other spellings (fp16,
-    bf16, half, ...) are refused naming the one to use, so one script reads the same on every
-    command (the rule of docs/reliability.md#one-cli-vocabulary)."""
-    if value in LOAD_DTYPES:
-        return value  # "auto" where a command offers it: argparse's choices decide
-    hint = OLD_DTYPE_SPELLINGS.get(value.lower())
-    if hint is not None:
-        raise argparse.ArgumentTypeError(f"{value!r} is spelled {hint!r} in llmopt (as in torch)")
-    raise argparse.ArgumentTypeError(f"{value!r} is not a dtype; choose from {', '.join(DTYPES)}")
+    """argparse type of every `--dtype`-like flag: the canonical name (`llmopt.dtypes`); the
+    flag's choices then refuse a dtype it does not offer, listing the ones it does."""
+    if value in dtypes.NOT_DTYPES:
+        return value  # "auto"/"keep" where a flag offers them: its choices decide
+    try:
+        return dtypes.dtype_name(value)
+    except dtypes.DtypeError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_dtype(
@@ -195,12 +188,6 @@ def add_dtype(
     )
 
 
-def torch_dtype(name: str):
-    import torch
-
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
 def load_dtype(name: str):
     """What `load_model(dtype=...)` takes for a --dtype of LOAD_DTYPES."""
-    return name if name == "auto" else torch_dtype(name)
+    return name if name == "auto" else dtypes.torch_dtype(name)

@@ -6,28 +6,24 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from llmopt.models import ModelConfig, build_model
-from llmopt.models.loading import load_tokenizer, save_pretrained
+from llmopt.models.loading import load_tokenizer
 from llmopt.models.tokenizer import Tokenizer
+from tests.tiny_models import save_model_dir, smol_config
 
 
 def tiny_hf_model(directory: Path, vocab_size: int | None = None, tokenizer=None) -> Path:
+    """tests/tiny_models.py's SmolLM2-vocabulary model, narrower and tied, saved HF-style."""
     tokenizer = tokenizer or load_tokenizer("smollm2-135m")
-    config = ModelConfig(
-        name="tiny",
+    config = smol_config(
+        "tiny",
         vocab_size=vocab_size or tokenizer.vocab_size,
         hidden_size=32,
         intermediate_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        max_seq_len=128,
         tie_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
-    save_pretrained(build_model(config, seed=0), directory, tokenizer)
-    return directory
+    return save_model_dir(directory, config, 0, tokenizer)
 
 
 def small_tokenizer(vocab_size: int = 300) -> Tokenizer:

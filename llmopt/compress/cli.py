@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmopt import cli_args
 from llmopt.jsonout import dumps
 
+if TYPE_CHECKING:
+    from llmopt.models.packed.quant.config import QuantConfig
+
 FORMATS = ("llmopt", "autoawq", "gptq", "compressed-tensors", "gguf")
 GGUF_DEFAULT = "q4_0"  # --gguf-type of --format gguf
+# the flags that make the QuantConfig (`quant_config`); a recipe's quantize stage takes the
+# same keys with the same defaults (`llmopt.recipe.options`)
+CONFIG_FLAGS = (
+    "--method", "--bits", "--group-size", "--sym", "--calib", "--calib-samples",
+    "--calib-seq-len", "--calib-seed", "--clip-tokens", "--duo-scaling", "--act-order",
+    "--range-grid", "--lm-head",
+)  # fmt: skip
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -88,7 +97,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help=f"GGUF weight type for --format gguf only (f16, q8_0, ...; default {GGUF_DEFAULT})",
     )
-    p.add_argument(
+    cli_args.add_dtype(
+        p,
         "--float-dtype",
         default="keep",
         choices=("keep", "float16", "bfloat16"),
@@ -163,18 +173,11 @@ def check_args(args: argparse.Namespace) -> None:
         cli_args.output_dir(args, f"quantize:{args.format}")
 
 
-def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from llmopt.artifacts import check_distinct
-    from llmopt.compress.prune.cli import source_path
-    from llmopt.compress.quant.apply import model_nbytes, quantize_model
-    from llmopt.compress.quant.calibration import calibration_set
-    from llmopt.data.mix import parse_mix
-    from llmopt.models.loading import load_model, load_tokenizer
+def quant_config(args: argparse.Namespace) -> QuantConfig:
+    """The QuantConfig the flags (CONFIG_FLAGS, and --format for the grid) describe."""
     from llmopt.models.packed.quant.config import QuantConfig
 
-    config = QuantConfig(
+    return QuantConfig(
         method=args.method,
         bits=args.bits,
         group_size=args.group_size,
@@ -189,6 +192,20 @@ def run(args: argparse.Namespace) -> int:
         gptq_range_grid=args.range_grid,
         quantize_lm_head=args.quantize_head,
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from llmopt.artifacts import check_distinct
+    from llmopt.compress.prune.cli import source_path
+    from llmopt.compress.quant.apply import model_nbytes, quantize_model
+    from llmopt.compress.quant.calibration import command_calibration
+    from llmopt.data.mix import parse_mix
+    from llmopt.models.loading import load_model, load_tokenizer
+    from llmopt.models.packed.metadata import compression_metadata
+
+    config = quant_config(args)
     if config.needs_calibration:
         parse_mix(config.calib)  # a bad --calib fails before the model loads
     check_distinct(args.out, source_path(args.model))  # never overwrite the source weights
@@ -199,14 +216,7 @@ def run(args: argparse.Namespace) -> int:
         check_autoawq_compatible(model, args.bits, args.group_size)
     _check_export_options(args)
     tokenizer = load_tokenizer(args.model)
-    calib = coverage = None
-    if config.needs_calibration:
-        calib_set = calibration_set(
-            tokenizer, config.calib, config.calib_samples, config.calib_seq_len, config.calib_seed
-        )
-        calib, coverage = calib_set.tokens, calib_set.coverage
-        for warning in coverage["warnings"]:
-            print(f"warning: {warning}", file=sys.stderr)
+    calib, coverage = command_calibration(tokenizer, config)
     start, cpu_start = time.perf_counter(), time.process_time()
     qmodel = quantize_model(model, config=config, calib_tokens=calib, progress=not args.json)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
@@ -218,8 +228,9 @@ def run(args: argparse.Namespace) -> int:
         out = _export(qmodel, args, tokenizer)
     else:
         from llmopt.compress.quant.io import save_quantized
+        from llmopt.dtypes import torch_dtype
 
-        float_dtype = None if args.float_dtype == "keep" else getattr(torch, args.float_dtype)
+        float_dtype = None if args.float_dtype == "keep" else torch_dtype(args.float_dtype)
         out = save_quantized(
             qmodel, args.out, tokenizer, float_dtype=float_dtype, overwrite=args.overwrite
         )
@@ -241,7 +252,11 @@ def run(args: argparse.Namespace) -> int:
     if coverage is not None:
         summary["calibration"] = coverage
     if config.method == "awq":
-        alphas = [g["alpha"] for layer in qmodel.quant_report["layers"] for g in layer["groups"]]
+        alphas = [
+            g["alpha"]
+            for layer in compression_metadata(qmodel).quant_report["layers"]
+            for g in layer["groups"]
+        ]
         summary["awq_mean_alpha"] = round(sum(alphas) / len(alphas), 3)
     if args.json:
         print(dumps(summary, indent=2))

@@ -12,7 +12,7 @@ import sys
 from contextlib import contextmanager
 
 from llmopt import cli_args, jsonout
-from llmopt.cli_args import torch_dtype
+from llmopt.dtypes import torch_dtype
 from llmopt.errors import UsageError
 from llmopt.infer.cli import add_model_arguments, check_model_args
 

@@ -36,12 +36,11 @@ from lm_eval.models.utils import (
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
+from llmopt.dtypes import torch_dtype
 from llmopt.infer.generate import generate
 from llmopt.infer.sampling import SamplingParams
 from llmopt.models.chat_template import ChatTemplateError
 from llmopt.models.loading import load_model, load_tokenizer
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _flag(value: Any) -> bool:
@@ -96,9 +95,7 @@ class LlmoptLM(TemplateLM):
                 f"valid: {', '.join(valid)}"
             )
         device = _device(device)
-        if str(dtype) not in DTYPES:
-            raise ValueError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
-        self.model = load_model(pretrained, dtype=DTYPES[str(dtype)], device=device)
+        self.model = load_model(pretrained, dtype=torch_dtype(str(dtype)), device=device)
         self.tokenizer = load_tokenizer(pretrained)
         limit = self.model.config.max_seq_len
         self._max_length = int(max_length) if max_length is not None else limit

@@ -64,7 +64,7 @@ def export_compressed_tensors(
     out: str | Path,
     tokenizer: Any = None,
     *,
-    dtype: str = "fp16",
+    dtype: str = "float16",
     source: str | Path | None = None,
     overwrite: bool = False,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,

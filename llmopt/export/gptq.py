@@ -94,7 +94,7 @@ def export_gptq(
     out: str | Path,
     tokenizer: Any = None,
     *,
-    dtype: str = "fp16",
+    dtype: str = "float16",
     source: str | Path | None = None,
     overwrite: bool = False,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
@@ -102,6 +102,7 @@ def export_gptq(
     """Write a GPTQ v1 directory (model.safetensors, config.json, quantize_config.json).
     `overwrite`: an `out` holding other files gets only this export's files replaced."""
     from llmopt.artifacts import atomic_write_text
+    from llmopt.models.packed.metadata import compression_metadata
     from llmopt.models.spec import spec_for
 
     out = check_output(out, source, KIND, overwrite)
@@ -110,7 +111,7 @@ def export_gptq(
     if bits not in GPTQ_BITS:
         raise ExportError(f"GPTQ export holds bits {GPTQ_BITS}; this model is {bits}-bit")
     sym = all(bool((m.zeros == 1 << (bits - 1)).all()) for m in layers.values())
-    qcfg = model.quant_config if hasattr(model, "quant_config") else None
+    qcfg = compression_metadata(model).quant_config
     config = {
         "quant_method": "gptq",
         "checkpoint_format": "gptq",

@@ -66,7 +66,7 @@ def export_hf(
     out: str | Path,
     tokenizer: Any = None,
     *,
-    dtype: str = "fp32",
+    dtype: str = "float32",
     source: str | Path | None = None,
     overwrite: bool = False,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,

@@ -62,7 +62,7 @@ def export_onnx(
     out: str | Path,
     tokenizer: Any = None,
     *,
-    dtype: str = "fp32",
+    dtype: str = "float32",
     source: str | Path | None = None,
     opset: int = 18,
     external_data: bool | None = None,

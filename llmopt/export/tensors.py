@@ -13,17 +13,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
-_FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_SHORT = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # the API's older names
-
 
 def float_dtype(name: str) -> torch.dtype:
-    """A dtype named as torch names it (the CLI's one vocabulary); the Python API also takes
-    the short names fp32/fp16/bf16 it used to."""
-    from llmopt.export.output import choice
+    """The torch dtype of a name of the one vocabulary or an alias (`llmopt.dtypes`); an
+    unknown name is an ExportError listing the valid ones."""
+    from llmopt.dtypes import DtypeError, torch_dtype
+    from llmopt.export.output import ExportError
 
-    name = _SHORT.get(name, name)
-    return _FLOAT_DTYPES[choice(name, tuple(_FLOAT_DTYPES), "dtype")]
+    try:
+        return torch_dtype(name)
+    except DtypeError as exc:
+        raise ExportError(str(exc)) from None
 
 
 def dense_state_dict(

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from llmopt import cli_args, jsonout
+from llmopt.dtypes import DTYPES
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -95,7 +96,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, dtype: str = "float32")
     cli_args.add_dtype(
         parser,
         default=dtype,
-        choices=cli_args.LOAD_DTYPES if dtype == "auto" else cli_args.DTYPES,
+        choices=cli_args.LOAD_DTYPES if dtype == "auto" else DTYPES,
         help="weight/compute dtype"
         + (
             "; auto keeps a quantized GGUF's blocks as the file holds them"

@@ -10,7 +10,7 @@ import argparse
 from pathlib import Path
 
 from llmopt import cli_args
-from llmopt.cli_args import torch_dtype
+from llmopt.dtypes import torch_dtype
 from llmopt.errors import UsageError
 from llmopt.infer.cli import add_model_arguments, check_model_args
 

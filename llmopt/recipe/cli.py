@@ -7,14 +7,20 @@ measure every intermediate against the original model.
     text = "corpus:web-bible"
     max_tokens = 2048
     [[stage]]
-    kind = "prune"              # method, sparsity, calib, calib_tokens, calib_seq_len
+    kind = "prune"              # the `llmopt prune` flags: method, sparsity, calib, ...
     sparsity = "2:4"
     [[stage]]
     kind = "distill"            # student ("previous" or init:...), steps, seq_len, ... (recover)
     steps = 40
     [[stage]]
-    kind = "quantize"           # method, bits, group_size
+    kind = "quantize"           # the `llmopt quantize` flags: method, bits, group_size, ...
     bits = 4
+
+A prune or quantize stage takes the keys of the command's flags that describe the result
+(`--group-size` is `group_size`, `--calib-samples` is `calib_samples`) with the command's
+defaults (quantize: awq, 4 bits, group 128, 16 x 512 calibration tokens; prune: sparsegpt,
+0.5, 8192 calibration tokens); the output flags (--format, --out, ...) do not apply. An older
+recipe's quantize `calib_tokens` is refused naming `calib_samples`.
 
 Each stage reads the previous stage's model and writes `<out>/NN-kind/`; its metrics (ppl,
 KL and top-1 agreement vs the original, size on disk, batch-1 decode speed) go to

@@ -1,6 +1,12 @@
-"""A compression recipe read and checked: its stages, their keys and types, the evaluation
-settings and the output directory, all refused (naming the stage and key) before any stage runs.
-The recipe format is described in `llmopt.recipe.cli`."""
+"""A recipe read and checked: a list of stages, each the config object of the command it
+stands for, plus the evaluation settings and the output directory, all refused (naming the
+stage and key) before any stage runs. The recipe format is described in `llmopt.recipe.cli`.
+
+A prune stage is the `PruneConfig` and a quantize stage the `QuantConfig` that `llmopt prune`
+/ `llmopt quantize` build from the same keys, with the same defaults (`llmopt.recipe.options`);
+a distill stage is a `DistillStage` (a short recovery distillation of the previous model), a
+fuse stage a `FuseStage`.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from llmopt.artifacts import OutputPathError
-from llmopt.config_files import FLOAT, INT, LIST, STR, TABLE, check_fields
+from llmopt.config_files import INT, LIST, STR, TABLE, check_fields, dataclass_schema
 from llmopt.errors import LlmoptError
+from llmopt.models.packed.quant.config import QuantConfig
+from llmopt.models.packed.sparse.config import PruneConfig
 
 try:
     import tomllib
@@ -26,30 +34,63 @@ EVAL_KEYS = {
     "decode": "auto",  # auto (generate's choice), fast (fused C++) or eager
 }
 DECODE = {"auto": None, "fast": True, "eager": False}
-_CALIB = {"calib": STR, "calib_tokens": INT, "calib_seq_len": INT}
-# each stage kind's keys and their types (a recipe is read with the typed readers' rules)
-STAGE_SCHEMAS: dict[str, dict[str, Any]] = {
-    "prune": {"method": STR, "sparsity": (STR, FLOAT), **_CALIB},
-    "quantize": {"method": STR, "bits": INT, "group_size": INT, **_CALIB},
-    "distill": {
-        "student": STR,
-        "steps": INT,
-        "seq_len": INT,
-        "global_batch": INT,
-        "micro_batch": INT,
-        "lr": FLOAT,
-        "min_lr": FLOAT,
-        "warmup_steps": INT,
-        "temperature": FLOAT,
-        "alpha": FLOAT,
-        "text": STR,
-        "skip_chars": INT,
-        "max_chars": INT,
-        "nproc": INT,
-    },  # fmt: skip
-    "fuse": {},
+
+
+@dataclass(frozen=True)
+class DistillStage:
+    """Recover the previous stage's model by distilling the original into it
+    (`llmopt.compress.distill`) on `max_chars` of `text` after `skip_chars` (None: after the
+    first half, which evaluation reads). The defaults are a short recovery run, not
+    `llmopt distill`'s training of a new student."""
+
+    student: str = "previous"  # or a student spec (init:teacher-layers=..., config:...)
+    steps: int = 40
+    seq_len: int = 128
+    global_batch: int = 2
+    micro_batch: int = 2
+    lr: float = 1e-4
+    min_lr: float = 1e-5
+    warmup_steps: int = 4
+    temperature: float = 1.0
+    alpha: float = 0.9
+    text: str = "corpus:web-bible"
+    skip_chars: int | None = None
+    max_chars: int = 400_000
+    nproc: int = 1
+
+    def __post_init__(self) -> None:
+        from llmopt.compress.distill.objective import check_kd_settings
+
+        check_kd_settings(self.temperature, self.alpha)
+
+
+@dataclass(frozen=True)
+class FuseStage:
+    """Measure the previous model on the fused C++ decode path; writes nothing."""
+
+
+Stage = PruneConfig | QuantConfig | DistillStage | FuseStage
+KIND_OF: dict[type, str] = {
+    PruneConfig: "prune",
+    QuantConfig: "quantize",
+    DistillStage: "distill",
+    FuseStage: "fuse",
 }
-STAGE_KEYS = {kind: set(schema) for kind, schema in STAGE_SCHEMAS.items()}
+
+
+def stage_kind(stage: Stage) -> str:
+    return KIND_OF[type(stage)]
+
+
+def stage_schema(kind: str) -> dict[str, tuple[str, ...]]:
+    """Each stage kind's keys and their types (a recipe is read with the typed readers' rules)."""
+    if kind in ("prune", "quantize"):
+        from llmopt.recipe.options import stage_options
+
+        return stage_options(kind).schema()
+    return dataclass_schema(DistillStage) if kind == "distill" else {}
+
+
 EVAL_SCHEMA = {"text": STR, "max_tokens": INT, "ctx": INT, "decode_tokens": INT, "decode": STR}
 TOP_SCHEMA = {"model": STR, "out": STR, "eval": TABLE, "stage": LIST}
 KIND = "compress"  # llmopt.output_dir: the recipe's output directory
@@ -63,7 +104,7 @@ class RecipeError(LlmoptError, ValueError):
 class Recipe:
     model: str
     out: Path
-    stages: list[dict[str, Any]]
+    stages: list[Stage]
     eval: dict[str, Any] = field(default_factory=lambda: dict(EVAL_KEYS))
     overwrite: bool = False  # write into an --out holding other files (only ours replaced)
 
@@ -118,23 +159,8 @@ class Recipe:
         stages = data.get("stage", [])
         if not stages:
             raise RecipeError("the recipe has no [[stage]]; add prune, distill, quantize or fuse")
-        for i, stage in enumerate(stages, 1):
-            kind = stage.get("kind")
-            if kind not in KINDS:
-                raise RecipeError(f"stage {i}: kind={kind!r} is not one of {', '.join(KINDS)}")
-            extra = sorted(set(stage) - STAGE_KEYS[kind] - {"kind"})
-            if extra:
-                valid = ", ".join(sorted(STAGE_KEYS[kind])) or "none"
-                raise RecipeError(f"stage {i} ({kind}): unknown key {extra[0]!r}; valid: {valid}")
-            check_fields(
-                f"{where} stage {i} ({kind})",
-                stage,
-                STAGE_SCHEMAS[kind],
-                unknown="keep",
-                error=RecipeError,
-            )
-            _check_stage(i, stage)
-        recipe = cls(str(data["model"]), Path(out), [dict(s) for s in stages], ev, overwrite)
+        typed = [_read_stage(i, stage, where) for i, stage in enumerate(stages, 1)]
+        recipe = cls(str(data["model"]), Path(out), typed, ev, overwrite)
         recipe.check_out()
         return recipe
 
@@ -155,19 +181,29 @@ class Recipe:
             raise RecipeError(str(exc)) from exc
 
 
-def _check_stage(i: int, stage: dict[str, Any]) -> None:
-    """Refuse bad values before the first stage spends minutes (sparsity, N:M, T, alpha)."""
+def _read_stage(i: int, stage: dict[str, Any], where: str) -> Stage:
+    """Stage `i` as its config object; bad keys, types and values refused before any stage
+    runs (sparsity, N:M, bits, T, alpha), naming the stage and the key."""
+    from llmopt.recipe.options import RENAMED, stage_options
+
+    kind = stage.get("kind")
+    if kind not in KINDS:
+        raise RecipeError(f"stage {i}: kind={kind!r} is not one of {', '.join(KINDS)}")
+    schema = stage_schema(kind)
+    keys = {k: v for k, v in stage.items() if k != "kind"}
+    for old, new in RENAMED.get(kind, {}).items():
+        if old in keys:
+            raise RecipeError(f"stage {i} ({kind}): key {old!r} is now called {new}")
+    extra = sorted(set(keys) - set(schema))
+    if extra:
+        valid = ", ".join(sorted(schema)) or "none"
+        raise RecipeError(f"stage {i} ({kind}): unknown key {extra[0]!r}; valid: {valid}")
+    check_fields(f"{where} stage {i} ({kind})", keys, schema, error=RecipeError)
     try:
-        if stage["kind"] == "prune":
-            from llmopt.compress.prune import PruneConfig, Sparsity
-
-            PruneConfig(
-                method=stage.get("method", "sparsegpt"),
-                sparsity=Sparsity.parse(str(stage.get("sparsity", "2:4"))),
-            )
-        elif stage["kind"] == "distill":
-            from llmopt.compress.distill.objective import check_kd_settings
-
-            check_kd_settings(stage.get("temperature", 1.0), stage.get("alpha", 0.9))
+        if kind in ("prune", "quantize"):
+            return stage_options(kind).config(keys)
+        if kind == "distill":
+            return DistillStage(**keys)
+        return FuseStage()
     except ValueError as exc:
-        raise RecipeError(f"stage {i} ({stage['kind']}): {exc}") from exc
+        raise RecipeError(f"stage {i} ({kind}): {exc}") from exc

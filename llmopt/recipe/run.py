@@ -12,7 +12,9 @@ import torch
 from llmopt.artifacts import atomic_write_json
 from llmopt.eval.kl import kl_divergence
 from llmopt.infer.generate import decode_path, generate
-from llmopt.recipe.config import DECODE, KIND, Recipe
+from llmopt.models.packed.quant.config import QuantConfig
+from llmopt.models.packed.sparse.config import PruneConfig
+from llmopt.recipe.config import DECODE, KIND, DistillStage, Recipe, stage_kind
 from llmopt.recipe.stages import distill_stage, prune_stage, quantize_stage
 
 
@@ -71,15 +73,15 @@ def run_recipe(recipe: Recipe, log=print, original_row: dict | None = None) -> l
         rows[0]["disk_bytes"] = disk_bytes(resolve_spec(recipe.model)[1])
     source, chain = recipe.model, []
     for i, stage in enumerate(recipe.stages, 1):
-        kind = stage["kind"]
+        kind = stage_kind(stage)
         out = recipe.out / f"{i:02d}-{kind}"
         start = time.perf_counter()
         log(f"stage {i}: {kind} <- {source}")
-        if kind == "prune":
+        if isinstance(stage, PruneConfig):
             made = prune_stage(stage, source, out, tokenizer, recipe.overwrite)
-        elif kind == "quantize":
+        elif isinstance(stage, QuantConfig):
             made = quantize_stage(stage, source, out, tokenizer, recipe.overwrite)
-        elif kind == "distill":
+        elif isinstance(stage, DistillStage):
             made = distill_stage(stage, recipe.model, source, out, out.name in ours)
         else:
             made = Path(source)

@@ -1,5 +1,6 @@
 """The recipe's stages: each reads the previous stage's model and writes its own directory
-with the compress package's own functions (prune, quantize, distil)."""
+with the compress package's own functions (prune, quantize, distil), from the stage's config
+object (`llmopt.recipe.config`)."""
 
 from __future__ import annotations
 
@@ -8,81 +9,78 @@ from pathlib import Path
 import torch
 
 from llmopt.artifacts import atomic_write_text
-from llmopt.recipe.config import RecipeError
+from llmopt.models.packed.quant.config import QuantConfig
+from llmopt.models.packed.sparse.config import PruneConfig
+from llmopt.recipe.config import DistillStage, RecipeError
 
 
-def _calib(tokenizer, stage: dict, seq_len_default: int = 256):
-    from llmopt.compress.quant.calibration import calibration_tokens
+def _calib(tokenizer, config: PruneConfig | QuantConfig) -> torch.Tensor | None:
+    """The calibration windows the command would draw for `config` (None: it needs none)."""
+    from llmopt.compress.quant.calibration import config_calibration
 
-    seq = int(stage.get("calib_seq_len", seq_len_default))
-    n = max(1, int(stage.get("calib_tokens", 16 * seq)) // seq)
-    return calibration_tokens(tokenizer, stage.get("calib", "mix:default"), n, seq)
+    drawn = config_calibration(tokenizer, config)
+    return None if drawn is None else drawn.tokens
 
 
-def prune_stage(stage: dict, source: str, out: Path, tokenizer, overwrite: bool = False) -> Path:
-    from llmopt.compress.prune import PruneConfig, Sparsity, prune_model, save_pruned
+def prune_stage(
+    config: PruneConfig, source: str, out: Path, tokenizer, overwrite: bool = False
+) -> Path:
+    from llmopt.compress.prune import prune_model, save_pruned
     from llmopt.models.loading import load_model
 
-    config = PruneConfig(
-        method=stage.get("method", "sparsegpt"),
-        sparsity=Sparsity.parse(str(stage.get("sparsity", "2:4"))),
-    )
-    calib = _calib(tokenizer, stage) if config.needs_calibration else None
+    calib = _calib(tokenizer, config)
     pruned = prune_model(load_model(source), config=config, calib_tokens=calib)
     return save_pruned(pruned, out, tokenizer, source=None, overwrite=overwrite)
 
 
-def quantize_stage(stage: dict, source: str, out: Path, tokenizer, overwrite: bool = False) -> Path:
+def quantize_stage(
+    config: QuantConfig, source: str, out: Path, tokenizer, overwrite: bool = False
+) -> Path:
     from llmopt.compress.prune import load_pruned
     from llmopt.compress.quant import quantize_model, save_quantized
     from llmopt.models.loading import load_model
+    from llmopt.models.packed.metadata import set_compression_metadata
 
-    method = stage.get("method", "rtn")
     if (Path(source) / "llmopt_prune.json").is_file():
         model = load_pruned(source, packed=False)  # dense weights with their zeros
-        for name in ("prune_config", "prune_masks", "prune_report"):
-            delattr(model, name)  # the INT4 format stores the zeros densely
+        set_compression_metadata(model, None)  # the INT4 format stores the zeros densely
     else:
         model = load_model(source)
-    calib = _calib(tokenizer, stage) if method in ("awq", "gptq") else None
-    bits, group = int(stage.get("bits", 4)), int(stage.get("group_size", 64))
-    quantized = quantize_model(model, method, bits, group, calib_tokens=calib)
+    calib = _calib(tokenizer, config)
+    quantized = quantize_model(model, config=config, calib_tokens=calib)
     return save_quantized(quantized, out, tokenizer, overwrite=overwrite)
 
 
-def distill_stage(stage: dict, teacher: str, source: str, out: Path, rerun: bool = False) -> Path:
+def distill_stage(
+    stage: DistillStage, teacher: str, source: str, out: Path, rerun: bool = False
+) -> Path:
     """`rerun`: `out` is this recipe's own earlier distil stage, started afresh."""
     from llmopt.compress.distill.run import DistillSettings, distill
     from llmopt.data.corpus import load_text
     from llmopt.train.config import TrainConfig
 
-    text = load_text(stage.get("text", "corpus:web-bible"))
-    skip = int(stage.get("skip_chars", len(text) // 2))  # after the evaluation text
-    part = text[skip : skip + int(stage.get("max_chars", 400_000))]
+    text = load_text(stage.text)
+    skip = stage.skip_chars if stage.skip_chars is not None else len(text) // 2
+    part = text[skip : skip + stage.max_chars]  # after the evaluation text
     out.mkdir(parents=True, exist_ok=True)
     text_file = out / "train_text.txt"
     atomic_write_text(text_file, part)
-    student = stage.get("student", "previous")
-    settings = DistillSettings(
-        teacher,
-        source if student == "previous" else student,
-        float(stage.get("temperature", 1.0)),
-        float(stage.get("alpha", 0.9)),
-    )
+    student = source if stage.student == "previous" else stage.student
+    settings = DistillSettings(teacher, student, stage.temperature, stage.alpha)
     train = TrainConfig(
         corpus=str(text_file),
-        seq_len=int(stage.get("seq_len", 128)),
-        global_batch=int(stage.get("global_batch", 2)),
-        micro_batch=int(stage.get("micro_batch", 2)),
-        steps=int(stage.get("steps", 40)),
-        lr=float(stage.get("lr", 1e-4)),
-        min_lr=float(stage.get("min_lr", 1e-5)),
-        warmup_steps=int(stage.get("warmup_steps", 4)),
+        seq_len=stage.seq_len,
+        global_batch=stage.global_batch,
+        micro_batch=stage.micro_batch,
+        steps=stage.steps,
+        lr=stage.lr,
+        min_lr=stage.min_lr,
+        warmup_steps=stage.warmup_steps,
         out_dir=str(out),
         overwrite=rerun,
         progress=False,
     )
-    summary = distill(settings, train, nproc=int(stage.get("nproc", 1)))
+    summary = distill(settings, train, nproc=stage.nproc)
     if summary.get("returncode"):
         raise RecipeError(f"distill stage failed (exit {summary['returncode']})")
     model_dir = out / "model"
@@ -95,12 +93,13 @@ def _keep_sparsity(model_dir: Path, pruned_source: str, out: Path) -> Path:
     """The trained weights with the pruned source's masks applied again, saved pruned."""
     from llmopt.compress.prune import load_pruned, save_pruned
     from llmopt.models.loading import load_model, load_tokenizer
+    from llmopt.models.packed.metadata import compression_metadata
 
     masked = load_pruned(pruned_source, packed=False)
     trained = load_model(model_dir)
     with torch.no_grad():
         state = trained.state_dict()
-        for name, keep in masked.prune_masks.items():
+        for name, keep in compression_metadata(masked).prune_masks.items():
             state[f"{name}.weight"] = state[f"{name}.weight"] * keep.to(torch.float32)
         masked.load_state_dict(state, strict=False)
     return save_pruned(masked, out, load_tokenizer(model_dir), source=None)

@@ -16,6 +16,7 @@ import threading
 import time
 
 from llmopt import cli_args
+from llmopt.dtypes import torch_dtype
 from llmopt.errors import UsageError
 
 MAX_BLOCK_SIZE = 1024  # tokens per KV block (vLLM offers 1..128; larger only wastes memory)
@@ -130,7 +131,7 @@ def check_resources(args: argparse.Namespace, device: str = "cpu") -> str:
             f"tokens; use at most {config.max_seq_len} (vLLM uses 16)"
         )
     dtype = "float32" if args.dtype == "auto" else args.dtype  # auto: fp32 cache, at most fp32
-    width = torch.empty((), dtype=cli_args.torch_dtype(dtype)).element_size()
+    width = torch.empty((), dtype=torch_dtype(dtype)).element_size()
     per_block = 2 * config.num_layers * args.block_size * config.num_kv_heads * config.head_dim
     per_block *= width
     kv_bytes = per_block * args.kv_blocks

@@ -1,11 +1,12 @@
 """Training configuration: one validated dataclass, read from TOML (or JSON) plus overrides.
 
-Precedence: dataclass defaults < config file < command-line flags. Every field is a flag
+Precedence: dataclass defaults < config file < command-line flags. Every key is a flag
 (`--global-batch 16`, `--sequence-parallel/--no-sequence-parallel`), generated from the
-dataclass so the file, the flags and the docs cannot drift apart. The parallel fields carry
-`ParallelPlan`'s names (zero_stage, num_microbatches, schedule gpipe|1f1b|interleaved, ...), so
-the run config `llmopt plan --emit` writes ([model], [data], [parallel], [planner]) is read as
-is: tables are flattened, `[planner]` (informational) is skipped.
+dataclass so the file, the flags and the docs cannot drift apart. The config holds its layout
+as a `ParallelPlan` (`cfg.parallel`), whose field names are the keys (zero_stage,
+num_microbatches, schedule gpipe|1f1b|interleaved, ...), so the run config `llmopt plan --emit`
+writes ([model], [data], [parallel], [planner]) is read as is: tables are flattened,
+`[planner]` (informational) is skipped, and `to_dict` writes the same flat keys back.
 
 Re-derived sizes: a run config's [parallel] fixes num_microbatches for its own batch sizes.
 When seq_len, global_batch or micro_batch is overridden on the command line (and
@@ -20,13 +21,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmopt.config_files import ConfigFileError, check_fields, dataclass_schema, read_config
+from llmopt.config_files import (
+    LIST,
+    NONE,
+    ConfigFileError,
+    check_fields,
+    dataclass_schema,
+    read_config,
+)
 from llmopt.errors import LlmoptError
-from llmopt.parallel.plan import FP8_RECIPES, PRECISIONS, RECOMPUTES, SCHEDULES, ParallelPlan
+from llmopt.parallel.plan import ParallelPlan, PlanError
 from llmopt.train.field_help import FIELD_HELP  # noqa: F401 (llmopt distill reads it here)
 
 # Old spellings -> ParallelPlan's names (refused with a message naming the new one).
@@ -34,6 +42,11 @@ RENAMED = {"zero": "zero_stage", "microbatches": "num_microbatches"}
 RENAMED_VALUES = {("schedule", "interleaved-1f1b"): "interleaved"}
 SKIPPED_TABLES = ("planner",)  # informational in a run config; the trainer ignores it
 RESIZING = ("seq_len", "global_batch", "micro_batch")  # overrides that re-derive num_microbatches
+# the trainer's own requests, resolved into the plan's fields of the same names
+REQUESTS = ("dp", "micro_batch", "num_microbatches")
+# the plan's fields a training config sets directly (flags, file keys)
+LAYOUT_FIELDS = tuple(n for n in ParallelPlan.field_names() if n not in REQUESTS)
+DEFAULT_LAYOUT = ParallelPlan(precision="fp32")  # the trainer's default precision is fp32
 
 
 class TrainConfigError(LlmoptError, ValueError):
@@ -83,26 +96,13 @@ class TrainConfig:
     eps: float = 1e-8
     clip: float = 1.0
     seed: int = 0
-    # parallelism
-    tp: int = 1
-    pp: int = 1
+    # parallelism: the layout is a `ParallelPlan` (flags and file keys carry its field names:
+    # --tp, --zero-stage, [parallel] tp = 2). dp and num_microbatches are requests the world
+    # and the batch resolve (`parallel_plan`): until then `parallel.dp` is the requested dp,
+    # or with dp=-1 the least dp that lays out the experts, and `parallel.num_microbatches` 1.
     dp: int = -1  # -1: the rest of the world
-    cp: int = 1
-    ep: int = 1
-    expert_tp: int = 0  # the experts' TP degree: 1 or tp (0: tp)
-    layers_per_stage: list[int] | None = None  # the pipeline split (pp*v chunks; unset: even)
-    account_for_embedding: bool = False  # Megatron: the embedding counts as a layer
-    account_for_loss: bool = False  # Megatron: the output layer + loss count as a layer
-    sequence_parallel: bool = False
-    zero_stage: int = 0
-    recompute: str = "none"
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
     num_microbatches: int | None = None  # None: global_batch / (dp * micro_batch)
-    # precision
-    precision: str = "fp32"
-    fp8_recipe: str = "current"
-    reduce_dtype: str = "fp32"
+    parallel: ParallelPlan = field(default_factory=lambda: DEFAULT_LAYOUT)
     # fine-tuning: LoRA / QLoRA adapters (llmopt.train.lora)
     lora_rank: int = 0  # 0: train every weight
     lora_alpha: float = 16.0
@@ -124,50 +124,29 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        for (name, old), new in RENAMED_VALUES.items():
-            if getattr(self, name) == old:
-                raise TrainConfigError(f"{name}={old!r} is now called {name}={new!r}")
-        positive = ("seq_len", "global_batch", "micro_batch", "tp", "pp", "virtual_stages")
-        for name in positive:
+        for name in ("seq_len", "global_batch", "micro_batch"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise TrainConfigError(f"{name}={value!r} must be a positive integer")
         if self.steps < 0:
             raise TrainConfigError(f"steps={self.steps} must be >= 0")
+        if isinstance(self.dp, bool) or not isinstance(self.dp, int):
+            raise TrainConfigError(f"dp={self.dp!r} must be a positive integer")
         if self.dp != -1 and self.dp < 1:
             raise TrainConfigError(f"dp={self.dp} must be positive (or -1: the rest of the world)")
-        for name in ("cp", "ep"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise TrainConfigError(f"{name}={value!r} must be a positive integer")
         if self.num_microbatches is not None and (
-            not isinstance(self.num_microbatches, int) or self.num_microbatches < 1
+            not isinstance(self.num_microbatches, int)
+            or isinstance(self.num_microbatches, bool)
+            or self.num_microbatches < 1
         ):
             raise TrainConfigError(
                 f"num_microbatches={self.num_microbatches!r} must be a positive integer"
             )
-        if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3):
+        if not isinstance(self.parallel, ParallelPlan):
             raise TrainConfigError(
-                f"zero_stage={self.zero_stage!r} is not a ZeRO stage; choose 0, 1, 2 or 3"
+                f"parallel must be a ParallelPlan, got {type(self.parallel).__name__}"
             )
-        if self.recompute not in RECOMPUTES:
-            raise TrainConfigError(
-                f"recompute={self.recompute!r} is not valid; choose one of {RECOMPUTES}"
-            )
-        if self.precision not in PRECISIONS:
-            raise TrainConfigError(
-                f"precision={self.precision!r} is not valid; choose one of {PRECISIONS}"
-            )
-        if self.fp8_recipe not in FP8_RECIPES:
-            raise TrainConfigError(
-                f"fp8_recipe={self.fp8_recipe!r} is not valid; choose one of {FP8_RECIPES}"
-            )
-        if self.reduce_dtype not in ("fp32", "bf16"):
-            raise TrainConfigError(f"reduce_dtype={self.reduce_dtype!r}: choose 'fp32' or 'bf16'")
-        if self.schedule not in SCHEDULES:
-            raise TrainConfigError(
-                f"schedule={self.schedule!r} is not valid; choose one of {SCHEDULES}"
-            )
+        self.parallel = _layout(self.parallel, self.dp, self.micro_batch, self.num_microbatches)
         for name in ("lr", "min_lr", "clip", "weight_decay", "eps", "beta1", "beta2"):
             value = getattr(self, name)
             number = isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -243,17 +222,18 @@ class TrainConfig:
 
     def resolve_dp(self, world_size: int) -> int:
         """The DP degree on `world_size` ranks (dp=-1: what tp*pp leave)."""
-        other = self.tp * self.pp * self.cp
+        tp, pp = self.parallel.tp, self.parallel.pp
+        other = tp * pp * self.parallel.cp
         if self.dp == -1:
             if world_size % other:
                 raise TrainConfigError(
-                    f"tp*pp*cp={other} (tp={self.tp}, pp={self.pp}) does not divide the "
+                    f"tp*pp*cp={other} (tp={tp}, pp={pp}) does not divide the "
                     f"world of {world_size} ranks"
                 )
             return world_size // other
         if other * self.dp != world_size:
             raise TrainConfigError(
-                f"tp*pp*dp = {self.tp}*{self.pp}*{self.dp} = {other * self.dp} does not equal "
+                f"tp*pp*dp = {tp}*{pp}*{self.dp} = {other * self.dp} does not equal "
                 f"the world of {world_size} ranks"
             )
         return self.dp
@@ -269,38 +249,25 @@ class TrainConfig:
                 f"{self.global_batch} / (dp {dp} x micro_batch {self.micro_batch}) = {derived}; "
                 "drop num_microbatches to derive it, or change the batch sizes"
             )
-        return ParallelPlan(
-            tp=self.tp,
-            pp=self.pp,
-            dp=dp,
-            cp=self.cp,
-            ep=self.ep,
-            expert_tp=self.expert_tp,
-            layers_per_stage=tuple(self.layers_per_stage or ()),
-            account_for_embedding=self.account_for_embedding,
-            account_for_loss=self.account_for_loss,
-            sequence_parallel=self.sequence_parallel,
-            zero_stage=self.zero_stage,
-            micro_batch=self.micro_batch,
-            num_microbatches=derived,
-            schedule=self.schedule,
-            virtual_stages=self.virtual_stages,
-            recompute=self.recompute,
-            precision=self.precision,
-            fp8_recipe=self.fp8_recipe,
-            reduce_dtype=self.reduce_dtype,
-        )
+        try:
+            return self.parallel.replace(dp=dp, num_microbatches=derived)
+        except PlanError as exc:
+            raise TrainConfigError(str(exc)) from None
 
     # ---- serialisation ----
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The flat form config files and flags use (the plan's fields beside the rest)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        layout = self.parallel.to_dict()
+        del out["parallel"]
+        return {**out, **{name: layout[name] for name in LAYOUT_FIELDS}}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
+        """A config from its flat keys (TOML tables such as [parallel] are only grouping)."""
+        known = set(file_keys())
         flat: dict[str, Any] = {}
         for key, value in data.items():
-            # TOML tables ([model], [data], [parallel]...) are only grouping: flatten them.
             if isinstance(value, dict):
                 if key not in SKIPPED_TABLES:
                     flat.update(value)
@@ -315,8 +282,8 @@ class TrainConfig:
             raise TrainConfigError(
                 f"unknown training config keys {sorted(unknown)}; valid keys: {sorted(known)}"
             )
-        check_fields("training config", flat, dataclass_schema(cls), error=TrainConfigError)
-        return cls(**flat)
+        check_fields("training config", flat, _SCHEMA, error=TrainConfigError)
+        return cls().replace(**flat)
 
     @classmethod
     def from_file(cls, path: str | Path) -> TrainConfig:
@@ -330,4 +297,50 @@ class TrainConfig:
             ) from None
 
     def replace(self, **changes: Any) -> TrainConfig:
+        """A copy with `changes`, which may name the plan's fields (`replace(tp=2)`)."""
+        for (name, old), new in RENAMED_VALUES.items():
+            if changes.get(name) == old:
+                raise TrainConfigError(f"{name}={old!r} is now called {name}={new!r}")
+        layout = {name: changes.pop(name) for name in LAYOUT_FIELDS if name in changes}
+        if layout:
+            requests = {name: changes.get(name, getattr(self, name)) for name in REQUESTS}
+            changes["parallel"] = _layout(self.parallel, **requests, **layout)
         return dataclasses.replace(self, **changes)
+
+
+def file_keys() -> tuple[str, ...]:
+    """The keys of a training config file and its flags: the config's own fields, then the
+    plan's (`parallel` itself is not a key: its fields are)."""
+    own = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name != "parallel")
+    return own + LAYOUT_FIELDS
+
+
+def _layout(
+    base: ParallelPlan, dp: int, micro_batch: int, num_microbatches: int | None, **fields: Any
+) -> ParallelPlan:
+    """`base` with `fields` and the requests filled in as the `parallel` field says (a layout
+    error is a TrainConfigError naming the field)."""
+    if "layers_per_stage" in fields and fields["layers_per_stage"] is None:
+        fields["layers_per_stage"] = ()  # unset, as older run configs wrote it
+    ep = fields.get("ep", base.ep)
+    if dp == -1:  # the least dp that lays the experts out (a bad ep is the plan's to name)
+        dp = ep if isinstance(ep, int) and not isinstance(ep, bool) and ep > 0 else 1
+    try:
+        return dataclasses.replace(
+            base,
+            **fields,
+            dp=dp,
+            micro_batch=micro_batch,
+            num_microbatches=num_microbatches or 1,
+        )
+    except PlanError as exc:
+        raise TrainConfigError(str(exc)) from None
+
+
+# the file keys' types: the config's own fields and the plan's (older files wrote an unset
+# layers_per_stage as null)
+_SCHEMA = {
+    **{k: v for k, v in dataclass_schema(TrainConfig).items() if k != "parallel"},
+    **{k: v for k, v in dataclass_schema(ParallelPlan).items() if k in LAYOUT_FIELDS},
+    "layers_per_stage": (LIST, NONE),
+}

@@ -30,10 +30,14 @@ def validate_finetune(cfg: Any, error: type[ValueError]) -> None:
         raise error(f"eval_fraction={fraction!r} must be a number in [0, 1)")
     if not (math.isfinite(fraction) and 0 <= fraction < 1):
         raise error(f"eval_fraction={fraction!r} must be in [0, 1)")
-    if cfg.data is not None and fraction > 0 and (cfg.pp > 1 or cfg.zero_stage == 3):
+    if (
+        cfg.data is not None
+        and fraction > 0
+        and (cfg.parallel.pp > 1 or cfg.parallel.zero_stage == 3)
+    ):
         raise error(
-            f"the held-out loss needs pp=1 and zero_stage<=2 (got pp={cfg.pp}, zero_stage="
-            f"{cfg.zero_stage}); pass --eval-fraction 0 to train without it"
+            f"the held-out loss needs pp=1 and zero_stage<=2 (got pp={cfg.parallel.pp}, "
+            f"zero_stage={cfg.parallel.zero_stage}); pass --eval-fraction 0 to train without it"
         )
     if cfg.eval_every < 0:
         raise error(f"eval_every={cfg.eval_every} must be >= 0")
@@ -47,12 +51,12 @@ def validate_finetune(cfg: Any, error: type[ValueError]) -> None:
         raise error("qlora=True needs adapters: give --lora-rank R (e.g. 8)")
     if cfg.lora_rank:
         for name in ("tp", "pp"):
-            if getattr(cfg, name) != 1:
+            if getattr(cfg.parallel, name) != 1:
                 raise error(
-                    f"LoRA with {name}={getattr(cfg, name)} is not supported: adapters train "
+                    f"LoRA with {name}={getattr(cfg.parallel, name)} is not supported: adapters train "
                     f"on data parallelism (dp, ZeRO 0-3) only; use {name}=1"
                 )
-        if cfg.precision == "fp8":
+        if cfg.parallel.precision == "fp8":
             raise error("LoRA with precision=fp8 is not supported; use fp32 or bf16")
     if cfg.save_format not in SAVE_FORMATS:
         raise error(f"save_format={cfg.save_format!r} is not valid; choose one of {SAVE_FORMATS}")

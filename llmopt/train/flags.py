@@ -4,11 +4,12 @@ precedence defaults < --config file < flags (`llmopt.train.config` module docstr
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import types
 import typing
 from typing import Any
 
-from llmopt.train.config import RENAMED, RESIZING, TrainConfig
+from llmopt.parallel.plan import ParallelPlan
+from llmopt.train.config import RENAMED, RESIZING, TrainConfig, file_keys
 from llmopt.train.field_help import FIELD_HELP
 
 
@@ -23,10 +24,13 @@ def _int_list(text: str) -> list[int]:
 
 
 def _flag_type(hint: Any):
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    args = [a for a in typing.get_args(hint) if a is not type(None)] if union else []
     base = args[0] if args else hint
-    if typing.get_origin(base) is list:
+    if typing.get_origin(base) in (list, tuple):
         return _int_list
+    if typing.get_origin(base) is typing.Literal:
+        return str  # the plan checks the choice and names the valid ones
     return base
 
 
@@ -37,15 +41,24 @@ class _Renamed(argparse.Action):
         parser.error(f"{option_string} is now {self.metavar}")
 
 
+def _fields() -> list[tuple[str, Any, Any]]:
+    """(name, type hint, default) of every flag: one per config-file key (`file_keys`); an
+    empty default list (layers_per_stage) shows as no default."""
+    hints = {**typing.get_type_hints(ParallelPlan), **typing.get_type_hints(TrainConfig)}
+    defaults = TrainConfig().to_dict()
+    return [
+        (name, hints[name], defaults[name] if defaults[name] != [] else None)
+        for name in file_keys()
+    ]
+
+
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--config FILE` plus one flag per TrainConfig field (default: not given)."""
+    """`--config FILE` plus one flag per TrainConfig field and plan field (default: not given)."""
     parser.add_argument("--config", help="TOML (or JSON) training config; flags override it")
-    hints = typing.get_type_hints(TrainConfig)
-    for f in dataclasses.fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        base = _flag_type(hints[f.name])
-        default = f.default if f.default is not dataclasses.MISSING else None
-        help_text = FIELD_HELP[f.name] + (f" (default: {default})" if default is not None else "")
+    for name, hint, default in _fields():
+        flag = "--" + name.replace("_", "-")
+        base = _flag_type(hint)
+        help_text = FIELD_HELP[name] + (f" (default: {default})" if default is not None else "")
         if base is bool:
             parser.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
@@ -66,9 +79,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """Defaults < --config file < flags; a size flag re-derives num_microbatches (module doc)."""
     base = TrainConfig.from_file(args.config) if getattr(args, "config", None) else TrainConfig()
     changes = {
-        f.name: getattr(args, f.name)
-        for f in dataclasses.fields(TrainConfig)
-        if getattr(args, f.name, None) is not None
+        name: getattr(args, name)
+        for name, _, _ in _fields()
+        if getattr(args, name, None) is not None
     }
     resized = any(name in changes for name in RESIZING)
     if resized and "num_microbatches" not in changes:

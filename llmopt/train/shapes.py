@@ -97,7 +97,7 @@ def check_layout(cfg: Any, world_size: int, where: str) -> None:
         return
     dims = ParallelDims.of_plan(plan)
     try:
-        dims.validate_model(model, cfg.seq_len, cfg.sequence_parallel)
+        dims.validate_model(model, cfg.seq_len, cfg.parallel.sequence_parallel)
     except ValueError as exc:
         raise ShapeMismatchError(
             f"{where}: {exc} of the model {cfg.init_from or cfg.model}; choose a layout that "

@@ -155,7 +155,7 @@ def _train(
     model = build_initial_model(cfg, device)
     mcfg = model.config
     try:
-        dims.validate_model(mcfg, cfg.seq_len, cfg.sequence_parallel)
+        dims.validate_model(mcfg, cfg.seq_len, cfg.parallel.sequence_parallel)
     except ValueError as exc:  # the layout cannot split this model (`shapes.check_layout`)
         raise ShapeMismatchError(f"{exc} of the model {cfg.init_from or cfg.model}") from None
     if cfg.init_from:

@@ -8,17 +8,39 @@ transformer blocks saved for backward, in bf16 with fp32 gradient reduction (the
 SEQ, MB defined here once). Both sides live in llmopt.validate, above the engine and the
 planner, so llmopt.parallel never imports the planner nor the check.
 
-`case` keys: tp, pp, sp, zero, m (micro-batches), schedule, v, rc (recompute), and optionally
-seq (sequence length), mb (micro-batch size) and tied (tied embeddings).
+A case is a `CrosscheckCase`: the `ParallelPlan` both sides run, plus the sequence length
+and whether the embeddings are tied.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
 from llmopt.models import ModelConfig, build_model
+from llmopt.parallel.plan import ParallelPlan
 
 SEQ, MB = 16, 2
+
+
+@dataclass(frozen=True)
+class CrosscheckCase:
+    """One planner-vs-engine config: the plan (bf16 with fp32 gradient reduction, the
+    planner's "megatron" numerics) on `crosscheck_model(tied)` at `seq` tokens."""
+
+    plan: ParallelPlan
+    seq: int = SEQ
+    tied: bool = False
+
+    @classmethod
+    def of(cls, *, seq: int = SEQ, tied: bool = False, **plan: Any) -> CrosscheckCase:
+        """A case from `ParallelPlan` fields (micro_batch defaults to MB)."""
+        return cls(ParallelPlan(**{"micro_batch": MB, "precision": "bf16", **plan}), seq, tied)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"plan": self.plan.to_dict(), "seq": self.seq, "tied": self.tied}
 
 
 def crosscheck_model(tied: bool = False) -> ModelConfig:
@@ -44,34 +66,23 @@ def _flat(counts: dict) -> dict[str, dict[str, int]]:
     }
 
 
-def engine_step(rank: int, world: int, case: dict) -> dict:
+def engine_step(rank: int, world: int, case: CrosscheckCase) -> dict:
     """One optimizer step on this rank: counted communication and block activation peak."""
     from llmopt.parallel.comm import CommCounter
     from llmopt.parallel.engine import parallelize
     from llmopt.parallel.grid import ParallelDims, RankGrid
-    from llmopt.parallel.plan import ParallelPlan
     from llmopt.validate.pipeline_measure import SavedTensorMeter
 
-    cfg = crosscheck_model(case.get("tied", False))
-    seq, mb = case.get("seq", SEQ), case.get("mb", MB)
-    grid = RankGrid.create(ParallelDims(world, tp=case["tp"], pp=case["pp"]))
-    plan = ParallelPlan(
-        tp=case["tp"],
-        pp=case["pp"],
-        dp=grid.dp.size,
-        sequence_parallel=case["sp"],
-        zero_stage=case["zero"],
-        micro_batch=mb,
-        num_microbatches=case["m"],
-        schedule=case["schedule"],
-        virtual_stages=case["v"],
-        recompute=case["rc"],
-        precision="bf16",
-    )
+    plan = case.plan
+    if world != plan.world_size:
+        raise ValueError(f"the case {plan.short()} runs on {plan.world_size} ranks, not {world}")
+    cfg = crosscheck_model(case.tied)
+    seq, mb = case.seq, plan.micro_batch
+    grid = RankGrid.create(ParallelDims(world, tp=plan.tp, pp=plan.pp))
     engine = parallelize(build_model(cfg, seed=0), grid, plan)
     opt = torch.optim.AdamW(engine.master_params(), lr=1e-3)
     gen = torch.Generator().manual_seed(grid.dp.rank)
-    data = torch.randint(0, cfg.vocab_size, (case["m"] * mb, seq + 1), generator=gen)
+    data = torch.randint(0, cfg.vocab_size, (plan.num_microbatches * mb, seq + 1), generator=gen)
     blocks = engine.rank_module.blocks
     exclude = list(engine.rank_module.parameters()) + [u.flat for u in engine.dp.units]
     before = grid.counter.snapshot()

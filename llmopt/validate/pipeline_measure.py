@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from llmopt.parallel.pipeline.simulate import Event
+from llmopt.parallel.pipeline.simulate import Bubble, Event
 from llmopt.parallel.pipeline.stage import PipelineStage
 
 
@@ -47,17 +47,8 @@ def add_uniform_delay(stage: PipelineStage, t_fwd: float, t_bwd: float) -> Pipel
 
 
 @dataclass(frozen=True)
-class MeasuredBubble:
-    makespan: float
-    busy: tuple[float, ...]
-
-    @property
-    def bubble(self) -> tuple[float, ...]:
-        return tuple(1.0 - b / self.makespan for b in self.busy)
-
-    @property
-    def mean_bubble(self) -> float:
-        return sum(self.bubble) / len(self.bubble)
+class MeasuredBubble(Bubble):
+    """The bubble of a real step, from its recorded compute windows."""
 
 
 def measure_bubble(

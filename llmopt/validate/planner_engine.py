@@ -2,34 +2,19 @@
 3D config (bytes and calls per process group and op, activation bytes per pipeline stage), in
 the shape the engine's counted step reports (`llmopt.validate.crosscheck`), so the two
 are compared key by key (tests/validate/test_pipeline_crosscheck.py, benchmarks/planner_vs_engine.py).
-A case is a dict: tp, pp, sp, zero, m (micro-batches), schedule, v (virtual stages), rc
-(recompute), and optionally tied, seq, mb.
+A case is a `CrosscheckCase` (its `ParallelPlan`, sequence length and tied embeddings).
 """
 
 from __future__ import annotations
 
-from llmopt.parallel.plan import ParallelPlan
 from llmopt.plan.predict import STAGES, predicted_activation_bytes, predicted_comm
-from llmopt.validate.crosscheck import MB, SEQ, crosscheck_model
+from llmopt.validate.crosscheck import CrosscheckCase, crosscheck_model
 
 
-def planner_prediction(case: dict, dp: int) -> dict:
+def planner_prediction(case: CrosscheckCase) -> dict:
     """The planner's per-(group, op) bytes/calls and activation bytes, first and last stage
     (`llmopt.plan.predict`: the same numbers `llmopt plan --emit` writes into a run config)."""
-    cfg = crosscheck_model(case.get("tied", False))
-    seq, mb = case.get("seq", SEQ), case.get("mb", MB)
-    plan = ParallelPlan(
-        tp=case["tp"],
-        pp=case["pp"],
-        dp=dp,
-        sequence_parallel=case["sp"],
-        zero_stage=case["zero"],
-        micro_batch=mb,
-        num_microbatches=case["m"],
-        schedule="interleaved" if case["v"] > 1 else case["schedule"],
-        virtual_stages=case["v"],
-        recompute=case["rc"],
-    )
+    cfg, seq, plan = crosscheck_model(case.tied), case.seq, case.plan
     batch = plan.sequences_per_step()
     comm = {
         stage: {

@@ -160,7 +160,7 @@ def _rank(rank: int, world: int, config_file: str) -> dict:
 
 def _prepared(teacher_dir, out, **changes) -> str:
     settings = DistillSettings(str(teacher_dir), "init:teacher-layers=0,2", 2.0, 0.8)
-    return str(prepare(settings, TrainConfig(**dict(TINY, out_dir=str(out), **changes))))
+    return str(prepare(settings, TrainConfig().replace(**dict(TINY, out_dir=str(out), **changes))))
 
 
 @pytest.mark.dist

@@ -9,6 +9,7 @@ import torch
 from llmopt.cli import main as cli_main
 from llmopt.compress.prune import load_pruned
 from llmopt.models.loading import load_tokenizer
+from llmopt.models.packed.metadata import compression_metadata
 from llmopt.models.packed.sparse.config import PruneConfig, PruneConfigError, Sparsity
 
 
@@ -80,7 +81,7 @@ def test_cli_prune_sparsegpt_then_load(tmp_path, hf_dir, capsys):
     assert summary["pruned_fraction"] == 0.5
     assert summary["pruned_linear_bytes"] / summary["pruned_linear_fp16_bytes"] == 9 / 16
     model = load_pruned(out)
-    assert model.prune_config.calib_tokens == 256
+    assert compression_metadata(model).prune_config.calib_tokens == 256
     assert model(torch.tensor([[1, 2, 3]])).shape == (1, 3, 49152)
     from llmopt.models.tokenizer import Tokenizer
 

@@ -10,6 +10,7 @@ from llmopt.compress.prune import prune_model
 from llmopt.compress.prune.masks import layer_mask, nm_mask, row_mask, wanda_score
 from llmopt.compress.prune.sparsegpt import sparsegpt_solve
 from llmopt.compress.quant.gptq import collect_hessians
+from llmopt.models.packed.metadata import compression_metadata
 from llmopt.models.packed.sparse.config import PruneConfigError, Sparsity
 from llmopt.models.spec import spec_for
 
@@ -35,20 +36,22 @@ def test_every_nm_group_keeps_exactly_n(tiny_model, method, target):
     sparsity = Sparsity.parse(target)
     pruned = prune_model(tiny_model, method, target, calib_tokens=_calib())
     spec = spec_for(pruned)
-    assert len(pruned.prune_masks) == 2 * len(spec.block_linears)
-    for name, keep in pruned.prune_masks.items():
+    assert len(compression_metadata(pruned).prune_masks) == 2 * len(spec.block_linears)
+    for name, keep in compression_metadata(pruned).prune_masks.items():
         weight = pruned.get_submodule(name).weight.data
         rows, cols = weight.shape
         nonzero = (weight != 0).reshape(rows, cols // sparsity.m, sparsity.m).sum(-1)
         assert (nonzero == sparsity.n).all(), name
         assert torch.equal(keep, weight != 0)
-    assert pruned.prune_report["pruned_fraction"] == pytest.approx(sparsity.fraction)
+    assert compression_metadata(pruned).prune_report["pruned_fraction"] == pytest.approx(
+        sparsity.fraction
+    )
 
 
 @pytest.mark.parametrize("method", METHODS)
 def test_unstructured_fraction_is_exact(tiny_model, method):
     pruned = prune_model(tiny_model, method, 0.6, calib_tokens=_calib())
-    for name, keep in pruned.prune_masks.items():
+    for name, keep in compression_metadata(pruned).prune_masks.items():
         rows, cols = keep.shape
         if method == "wanda":  # compared per output row
             assert (keep.sum(1) == cols - int(cols * 0.6)).all(), name
@@ -121,6 +124,6 @@ def test_bad_inputs_are_refused(tiny_model):
     with pytest.raises(PruneConfigError, match="unknown pruning method 'obs'"):
         prune_model(tiny_model, "obs", 0.5)
     magnitude = prune_model(tiny_model, "magnitude", 0.5)  # no calibration needed
-    assert magnitude.prune_report["pruned_fraction"] == pytest.approx(0.5)
+    assert compression_metadata(magnitude).prune_report["pruned_fraction"] == pytest.approx(0.5)
     with pytest.raises(PruneConfigError, match="already pruned"):
         prune_model(magnitude, "magnitude", 0.5)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from llmopt.compress.prune import load_pruned, prune_model, save_pruned
 from llmopt.compress.prune.masks import nm_mask
+from llmopt.models.packed.metadata import compression_metadata
 from llmopt.models.packed.sparse.directory import MARKER, WEIGHTS, PruneFileError
 from llmopt.models.packed.sparse.format import (
     SparseLinear,
@@ -76,7 +77,7 @@ def test_pack_refuses_what_is_not_n_m_sparse():
 
 def _fp16_linears(model):
     """The model as saved: pruned linears rounded to fp16 (the format's value dtype)."""
-    for name in model.prune_masks:
+    for name in compression_metadata(model).prune_masks:
         lin = model.get_submodule(name)
         lin.weight.data = lin.weight.data.half().float()
     return model
@@ -94,8 +95,11 @@ def test_directory_round_trip_gives_identical_logits(tmp_path, tiny_model, targe
     assert torch.equal(load_pruned(out, packed=False)(tokens), expected)
     kinds = {type(m).__name__ for m in loaded.modules()}
     assert ("SparseLinear" in kinds) == (":" in target)
-    assert loaded.prune_config == pruned.prune_config
-    assert all(torch.equal(loaded.prune_masks[k], v) for k, v in pruned.prune_masks.items())
+    assert compression_metadata(loaded).prune_config == compression_metadata(pruned).prune_config
+    assert all(
+        torch.equal(compression_metadata(loaded).prune_masks[k], v)
+        for k, v in compression_metadata(pruned).prune_masks.items()
+    )
     meta = json.loads((out / MARKER).read_text())
     ratio = meta["pruned_linear_bytes"] / meta["pruned_linear_fp16_bytes"]
     # 2:4 and 4:8 pack to 9/16 and 19/32 of fp16; unstructured is dense fp16 + a 1-bit mask
@@ -111,7 +115,7 @@ def test_packed_file_is_smaller_by_the_format_ratio(tmp_path, tiny_model):
         pruned = prune_model(tiny_model, "magnitude", target)
         out = save_pruned(pruned, tmp_path / target.replace(":", "of"))
         dense_sizes[target] = (out / WEIGHTS).stat().st_size
-    linears = sum(m.numel() for m in pruned.prune_masks.values())
+    linears = sum(m.numel() for m in compression_metadata(pruned).prune_masks.values())
     # the files differ by the pruned linears' bytes: (17/16 - 9/16) x fp16 size, +- header
     saved = dense_sizes["0.5"] - dense_sizes["2:4"]
     assert abs(saved - linears * 2 * 0.5) < 4096
@@ -130,7 +134,7 @@ def test_bad_destinations_and_files_are_refused(tmp_path, tiny_model):
         save_pruned(pruned, tmp_path / "other")
     out = save_pruned(pruned, tmp_path / "p")
     save_pruned(prune_model(tiny_model, "magnitude", "4:8"), out)  # replaces an old output
-    assert load_pruned(out).prune_config.sparsity.m == 8
+    assert compression_metadata(load_pruned(out)).prune_config.sparsity.m == 8
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "p", "src"]
     data = bytearray((out / WEIGHTS).read_bytes())
     data[-10] ^= 0xFF

@@ -8,6 +8,7 @@ import torch
 from llmopt.compress.quant.apply import quantize_model
 from llmopt.compress.quant.awq import _apply_scale, scaling_groups
 from llmopt.models import ModelConfig, build_model, spec_for
+from llmopt.models.packed.metadata import compression_metadata
 
 SALIENT = [5, 77]
 
@@ -108,13 +109,13 @@ def test_awq_recovers_the_error_rtn_makes_on_salient_channels(quantized_outliers
     assert awq_contrib[SALIENT].sum() < 0.2 * rtn_contrib[SALIENT].sum()
     assert awq_mse < 0.4 * rtn_mse, (awq_mse, rtn_mse)
 
-    report = awq.quant_report["layers"][0]["groups"]
+    report = compression_metadata(awq).quant_report["layers"][0]["groups"]
     mlp_group = next(g for g in report if g["prev"] == "post_attention_layernorm")
     # the searched α is not 0 (0 would be plain RTN) and the largest scales sit on the outliers
     assert mlp_group["alpha"] > 0
     assert set(mlp_group["top_channels"][:2]) == set(SALIENT), mlp_group
     assert mlp_group["loss_awq"] < 0.5 * mlp_group["loss_rtn"], mlp_group
-    scales = awq.quant_report["scales"]["layers.0.post_attention_layernorm"]
+    scales = compression_metadata(awq).quant_report["scales"]["layers.0.post_attention_layernorm"]
     assert scales[SALIENT].min() > 3 * scales.median()  # 40x outliers, s = x^alpha
     print(
         f"\nRTN salient share {rtn_share:.3f}; MLP MSE RTN {rtn_mse:.3e} -> AWQ {awq_mse:.3e}; "
@@ -157,8 +158,12 @@ def test_duo_scaling_searches_other_scales_and_never_loses_to_rtn_on_its_sample(
     duo = quantize_model(
         model, "awq", bits=4, group_size=32, calib_tokens=calib, awq_duo_scaling=True
     )
-    plain_groups = [g for layer in plain.quant_report["layers"] for g in layer["groups"]]
-    duo_groups = [g for layer in duo.quant_report["layers"] for g in layer["groups"]]
+    plain_groups = [
+        g for layer in compression_metadata(plain).quant_report["layers"] for g in layer["groups"]
+    ]
+    duo_groups = [
+        g for layer in compression_metadata(duo).quant_report["layers"] for g in layer["groups"]
+    ]
     assert len(duo_groups) == len(plain_groups) > 0
     for g in duo_groups:
         assert g["loss_awq"] <= g["loss_rtn"]

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from llmopt.compress.quant.apply import model_nbytes, quant_linears, quantize_model
+from llmopt.models.packed.metadata import compression_metadata
 from llmopt.models.packed.quant.config import QuantConfig
 from llmopt.models.packed.quant.format import (
     PackedWeight,
@@ -138,7 +139,10 @@ def test_rtn_quantize_model_copies_and_replaces(tiny_model):
     err8 = (q8(tokens) - ref).pow(2).mean()
     err4 = (q4(tokens) - ref).pow(2).mean()
     assert err8 < err4 / 50  # 4 more bits: ~256x less weight MSE, keep a wide margin
-    assert q4.quant_config.bits == 4 and q4.quant_report["seconds"] >= 0
+    assert (
+        compression_metadata(q4).quant_config.bits == 4
+        and compression_metadata(q4).quant_report["seconds"] >= 0
+    )
     sizes = model_nbytes(q4)
     assert sizes["quant_linear_fp16_bytes"] / sizes["quant_linear_bytes"] > 3.0
 

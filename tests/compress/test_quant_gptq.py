@@ -5,6 +5,7 @@ import torch
 
 from llmopt.compress.quant.apply import quantize_model
 from llmopt.compress.quant.gptq import collect_hessians, gptq_solve
+from llmopt.models.packed.metadata import compression_metadata
 from llmopt.models.packed.quant.format import pack_weight
 from tests.compress.test_quant_awq import _tokens, outlier_model
 
@@ -133,5 +134,5 @@ def test_gptq_model_beats_rtn():
         }
     assert errs["gptq"] < 0.8 * errs["rtn"], errs
     assert errs["gptq_ao"] < 0.8 * errs["rtn"], errs
-    layers = gptq.quant_report["layers"]
+    layers = compression_metadata(gptq).quant_report["layers"]
     assert len(layers) == 2 and len(layers[0]["loss"]) == 7

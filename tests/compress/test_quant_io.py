@@ -13,6 +13,7 @@ from llmopt.compress.quant.autoawq import export_autoawq
 from llmopt.compress.quant.io import save_quantized
 from llmopt.models import build_model
 from llmopt.models.loading import load_model, load_tokenizer
+from llmopt.models.packed.metadata import compression_metadata
 from llmopt.models.packed.quant.directory import WEIGHTS, QuantFileError, load_quantized_model
 from llmopt.models.packed.quant.linear import QuantLinear
 
@@ -34,7 +35,7 @@ def test_roundtrip_gives_identical_logits(tmp_path, tiny_config, tied):
         assert torch.equal(loaded(tokens), q(tokens))
     assert isinstance(loaded.layers[1].mlp.down_proj, QuantLinear)
     assert (loaded.lm_head.weight is loaded.embed_tokens.weight) == tied
-    assert loaded.quant_config == q.quant_config
+    assert compression_metadata(loaded).quant_config == compression_metadata(q).quant_config
 
 
 def test_corrupted_weights_are_detected(tmp_path, quantized):
@@ -145,8 +146,9 @@ def test_cli_quantize_awq_then_load(tmp_path, hf_dir, capsys):
     assert "warning: calibration has 256 tokens (< 4096)" in captured.err
     assert summary["quant_linear_fp16_bytes"] / summary["quant_linear_bytes"] > 3.0
     model = load_model(str(out))
-    assert model.quant_config.method == "awq"
-    config = model.quant_config  # the AWQ flags reach the recipe that is stored
+    assert compression_metadata(model).quant_config.method == "awq"
+    # the AWQ flags reach the recipe that is stored
+    config = compression_metadata(model).quant_config
     assert (config.awq_clip_tokens, config.awq_duo_scaling, config.calib_seed) == (100, True, 3)
     text = "In the beginning God created"
     assert load_tokenizer(str(out)).encode(text) == load_tokenizer(str(hf_dir)).encode(text)

@@ -22,6 +22,7 @@ import torch
 
 from llmopt.compress.quant.apply import quant_linears, quantize_model
 from llmopt.models.loading import load_model
+from llmopt.models.packed.metadata import compression_metadata
 from tests.finetune_fixtures import small_tokenizer
 from tests.model_parity import save_tiny_hf
 from tests.paths import REPO
@@ -119,7 +120,7 @@ def test_experts_quantized_and_logits_close_to_fp32(moe_dir, method):
         q4 = quantize_model(model, method, bits=4, group_size=32, calib_tokens=calib)
         err8, err4 = _rel_err(q8(held_out), ref), _rel_err(q4(held_out), ref)
     assert _expert_linears(model) <= set(quant_linears(q4))  # every expert's linears
-    assert q4.quant_report["rtn_fallback"] == []
+    assert compression_metadata(q4).quant_report["rtn_fallback"] == []
     rtn_err = _rel_err(rtn, ref)
     assert err8 < 1e-2, err8  # 8 bits: close to fp32 (routing near a tie may flip)
     # 4 bits: better than round-to-nearest on held-out tokens (tiny random weights: RTN ~7%)
@@ -135,7 +136,7 @@ def test_unrouted_experts_fall_back_to_rtn(moe_dir, method):
     assert unrouted
     with pytest.warns(UserWarning, match="saw no calibration tokens"):
         q = quantize_model(model, method, bits=4, group_size=32, calib_tokens=calib)
-    fallback = set(q.quant_report["rtn_fallback"])
+    fallback = set(compression_metadata(q).quant_report["rtn_fallback"])
     if method == "awq":  # AWQ feeds every block full-precision inputs: the fp routing exactly
         assert fallback == unrouted
     else:  # GPTQ feeds quantized outputs on: later routing may differ, not the first block

@@ -8,8 +8,9 @@ import json
 import pytest
 import torch
 
-from llmopt.cli import main
+from llmopt.cli import build_parser, main
 from llmopt.compress.prune import load_pruned
+from llmopt.models.packed.metadata import compression_metadata
 from llmopt.recipe import Recipe, RecipeError, run_recipe
 
 
@@ -53,14 +54,17 @@ def test_chain_writes_and_measures_each_intermediate(model_dir, tmp_path):
     # the distilled weights changed, and keep the 2:4 pattern of the pruned stage
     pruned = load_pruned(rows[1]["model"], packed=False)
     distilled = load_pruned(rows[2]["model"], packed=False)
-    assert pruned.prune_masks.keys() == distilled.prune_masks.keys()
+    assert (
+        compression_metadata(pruned).prune_masks.keys()
+        == compression_metadata(distilled).prune_masks.keys()
+    )
     changed = 0
-    for name, keep in pruned.prune_masks.items():
+    for name, keep in compression_metadata(pruned).prune_masks.items():
         w = distilled.get_submodule(name).weight
-        assert torch.equal(distilled.prune_masks[name], keep)
+        assert torch.equal(compression_metadata(distilled).prune_masks[name], keep)
         assert not w[~keep].any()
         changed += int(not torch.equal(w, pruned.get_submodule(name).weight))
-    assert changed == len(pruned.prune_masks)
+    assert changed == len(compression_metadata(pruned).prune_masks)
     assert (out / "03-quantize" / "llmopt_quant.json").is_file()
 
 
@@ -84,3 +88,33 @@ def test_bad_recipes_are_refused_with_the_key_named(model_dir, tmp_path):
     bad.write_text(f'model = "{model_dir}"\nout = "{tmp_path / "o"}"\n[[stage]]\nkind = "x"\n')
     assert main(["compress", "--recipe", str(bad)]) == 2
     assert main(["compress", "--recipe", str(tmp_path / "missing.toml")]) == 2
+
+
+def test_stages_are_the_commands_own_config_objects(model_dir, tmp_path):
+    from llmopt.compress.cli import quant_config
+    from llmopt.compress.prune.cli import prune_config
+    from llmopt.recipe.config import DistillStage, FuseStage
+
+    stages = [
+        {"kind": "prune"},
+        {"kind": "quantize", "group_size": 64, "lm_head": True, "calib_samples": 8},
+        {"kind": "distill"},
+        {"kind": "fuse"},
+    ]
+    recipe = Recipe.from_dict(_recipe(model_dir, tmp_path / "o", stages))
+    prune_args = build_parser("prune").parse_args(["prune", "--out", "x"])
+    quant_args = build_parser("quantize").parse_args(
+        ["quantize", "--out", "x", "--group-size", "64", "--lm-head", "--calib-samples", "8"]
+    )
+    assert recipe.stages == [
+        prune_config(prune_args),
+        quant_config(quant_args),  # awq, as `llmopt quantize`
+        DistillStage(),
+        FuseStage(),
+    ]
+
+
+def test_an_older_recipe_key_is_refused_naming_the_new_one(model_dir, tmp_path):
+    old = [{"kind": "quantize", "method": "awq", "calib_tokens": 4096}]
+    with pytest.raises(RecipeError, match="'calib_tokens' is now called calib_samples"):
+        Recipe.from_dict(_recipe(model_dir, tmp_path / "o", old))

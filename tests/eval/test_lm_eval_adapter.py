@@ -149,7 +149,9 @@ def test_bad_model_args(model_dir):
 
     with pytest.raises(ValueError, match=r"max_length=999 must be in \[2, 256\]"):
         LlmoptLM(pretrained=str(model_dir / "model"), max_length=999)
-    with pytest.raises(ValueError, match="dtype='int8' is not one of float32, bfloat16, float16"):
+    with pytest.raises(
+        ValueError, match="dtype='int8' is not supported; valid choices: float32, bfloat16, float16"
+    ):
         LlmoptLM(pretrained=str(model_dir / "model"), dtype="int8")
     with pytest.raises(
         ValueError,

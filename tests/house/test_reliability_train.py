@@ -52,7 +52,7 @@ TINY = dict(
 
 
 def _run(out: Path, **changes) -> object:
-    return train(TrainConfig(**{**TINY, "out_dir": str(out), **changes}))
+    return train(TrainConfig().replace(**{**TINY, "out_dir": str(out), **changes}))
 
 
 def _ckpts(out: Path) -> list[str]:
@@ -120,7 +120,7 @@ def test_rotation_orders_by_step_and_keeps_the_one_just_written(tmp_path):
 )
 def test_train_config_refuses_non_finite_and_out_of_range_floats(changes, message):
     with pytest.raises(TrainConfigError, match=message):
-        TrainConfig(**changes)
+        TrainConfig().replace(**changes)
 
 
 @pytest.mark.parametrize("flag", [["--lr", "nan"], ["--clip", "-1"], ["--peak-tflops", "inf"]])

@@ -23,6 +23,7 @@ from llmopt.models.experts import MoE
 from llmopt.models.llama import KVCache
 from llmopt.models.loading import load_model, save_pretrained
 from llmopt.models.moe import MLAConfig, MoEConfig
+from llmopt.models.packed.metadata import compression_metadata
 from llmopt.models.packed.quant.linear import QuantLinear
 from llmopt.models.spec import registered_architectures
 from llmopt.parallel.pipeline.stage import split_model
@@ -295,7 +296,11 @@ def test_quantized_logits_close(arch, method):
         q = qmodel.get_submodule(spec.named_blocks(qmodel)[0][0] + "." + spec.column_parallel[0])
         assert isinstance(q, QuantLinear) and q.bias is not None and q.bias.abs().sum() > 0
     if method == "awq":
-        prevs = [g["prev"] for layer in qmodel.quant_report["layers"] for g in layer["groups"]]
+        prevs = [
+            g["prev"]
+            for layer in compression_metadata(qmodel).quant_report["layers"]
+            for g in layer["groups"]
+        ]
         # MHA (qwen2 here) folds v -> o too; GQA skips it; latent attention folds into its two
         # down projections and the two up projections after their norms. A MoE block folds
         # nothing into its experts (each reads the norm through the router's permutation)

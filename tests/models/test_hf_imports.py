@@ -17,6 +17,7 @@ from llmopt.compress.quant.autoawq import export_autoawq
 from llmopt.compress.quant.io import save_quantized
 from llmopt.models import build_model
 from llmopt.models.loading import load_model, save_pretrained
+from llmopt.models.packed.metadata import compression_metadata
 from llmopt.models.packed.quant.directory import WEIGHTS, QuantFileError
 from llmopt.models.packed.quant.hf import PermutedQuantLinear, QuantImportError
 from llmopt.models.packed.quant.linear import QuantLinear
@@ -84,7 +85,10 @@ def test_our_autoawq_export_loads_back_with_identical_logits(tmp_path, tiny_conf
         assert torch.equal(layer.qweight, want[name].qweight)
         assert torch.equal(layer.zeros, want[name].zeros)
         assert torch.equal(layer.scales, want[name].scales)
-    assert loaded.quant_config.method == "awq" and loaded.quant_config.group_size == 32
+    assert (
+        compression_metadata(loaded).quant_config.method == "awq"
+        and compression_metadata(loaded).quant_config.group_size == 32
+    )
     tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(loaded(tokens), q(tokens))

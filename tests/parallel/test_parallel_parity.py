@@ -63,20 +63,18 @@ def reference() -> dict:
     return {"losses": losses, "grads": grads, "params": dict(model.state_dict()), "norms": norms}
 
 
-def run_case(world: int, case: dict) -> dict:
-    tp, micro = case.get("tp", 1), case.get("micro", 1)
-    grid = RankGrid.create(ParallelDims(world, tp=tp))
+def _plan(world: int, tp: int = 1, num_microbatches: int = 1, **fields) -> ParallelPlan:
+    """A case on `world` ranks: dp = world / tp, GLOBAL_BATCH split into `num_microbatches`."""
+    dp = world // tp
+    micro_batch = GLOBAL_BATCH // dp // num_microbatches
+    return ParallelPlan(tp=tp, dp=dp, micro_batch=micro_batch,
+                        num_microbatches=num_microbatches, precision="fp32", **fields)  # fmt: skip
+
+
+def run_case(world: int, plan: ParallelPlan) -> dict:
+    grid = RankGrid.create(ParallelDims(world, tp=plan.tp))
+    assert grid.dp.size == plan.dp, (plan.short(), world)
     local = GLOBAL_BATCH // grid.dp.size
-    plan = ParallelPlan(
-        tp=tp,
-        dp=grid.dp.size,
-        sequence_parallel=case.get("sp", False),
-        zero_stage=case.get("zero", 0),
-        micro_batch=local // micro,
-        num_microbatches=micro,
-        recompute=case.get("recompute", "none"),
-        precision="fp32",
-    )
     engine = parallelize(build_model(CFG, seed=0), grid, plan)
     opt = _optimizer(engine.master_params())
     tokens, targets = _batches()
@@ -107,26 +105,26 @@ def compare(result: dict, ref: dict) -> dict:
     return err
 
 
-def _worker(rank: int, world: int, cases: list[dict], ref: dict) -> list[dict]:
+def _worker(rank: int, world: int, cases: list[ParallelPlan], ref: dict) -> list[dict]:
     return [compare(run_case(world, case), ref) for case in cases]
 
 
 CASES = {
     2: [
-        dict(tp=2),
-        dict(tp=2, sp=True, recompute="selective"),
-        dict(zero=0, micro=2),
-        dict(zero=1),
-        dict(zero=2, recompute="full"),
-        dict(zero=3, micro=2, recompute="full"),
-        dict(zero=3, recompute="selective"),
+        _plan(2, tp=2),
+        _plan(2, tp=2, sequence_parallel=True, recompute="selective"),
+        _plan(2, zero_stage=0, num_microbatches=2),
+        _plan(2, zero_stage=1),
+        _plan(2, zero_stage=2, recompute="full"),
+        _plan(2, zero_stage=3, num_microbatches=2, recompute="full"),
+        _plan(2, zero_stage=3, recompute="selective"),
     ],
     4: [
-        dict(tp=2, sp=True, zero=1, recompute="selective"),
-        dict(tp=4, sp=True, recompute="full"),
-        dict(tp=2, sp=True, zero=3, micro=2),
+        _plan(4, tp=2, sequence_parallel=True, zero_stage=1, recompute="selective"),
+        _plan(4, tp=4, sequence_parallel=True, recompute="full"),
+        _plan(4, tp=2, sequence_parallel=True, zero_stage=3, num_microbatches=2),
     ],
-    8: [dict(tp=4, sp=True, zero=2, recompute="full")],
+    8: [_plan(8, tp=4, sequence_parallel=True, zero_stage=2, recompute="full")],
 }
 
 
@@ -138,7 +136,7 @@ def ref() -> dict:
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_every_zero_stage_on_one_rank_matches(zero, ref):
     # dp=1: reductions are local copies (no work handle); accumulation must still sum.
-    err = compare(run_case(1, dict(zero=zero, micro=2)), ref)
+    err = compare(run_case(1, _plan(1, zero_stage=zero, num_microbatches=2)), ref)
     for key, value in err.items():
         assert value <= TOL, f"zero={zero}: {key} rel error {value:.2e}"
 

@@ -43,15 +43,17 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-def _worker(rank: int, world: int, cases: list[dict]):
+def _worker(rank: int, world: int, cases: list[tuple[ParallelPlan, bool]]):
     from llmopt.parallel.engine import parallelize
     from llmopt.parallel.grid import ParallelDims, RankGrid
 
     report = []
-    for case in cases:
-        cfg = _config(case.get("tie", False))
-        grid = RankGrid.create(ParallelDims(world, tp=case["tp"], pp=case["pp"]))
-        dp, m = grid.dp.size, case["m"]
+    for plan, tie in cases:
+        case = plan.short()
+        cfg = _config(tie)
+        grid = RankGrid.create(ParallelDims(world, tp=plan.tp, pp=plan.pp))
+        dp, m = plan.dp, plan.num_microbatches
+        assert grid.dp.size == dp, (case, world)
         gen = torch.Generator().manual_seed(7)
         data = torch.randint(0, cfg.vocab_size, (2, dp * m * MB, SEQ + 1), generator=gen)
         tokens, labels = data[..., :-1], data[..., 1:]
@@ -70,19 +72,6 @@ def _worker(rank: int, world: int, cases: list[dict]):
             ref_opt.zero_grad()
             ref_losses.append(loss.item())
 
-        plan = ParallelPlan(
-            tp=case["tp"],
-            pp=case["pp"],
-            dp=dp,
-            sequence_parallel=case.get("sp", False),
-            zero_stage=case.get("zero", 0),
-            micro_batch=MB,
-            num_microbatches=m,
-            schedule=case["schedule"],
-            virtual_stages=case.get("v", 1),
-            recompute=case.get("recompute", "none"),
-            precision="fp32",
-        )
         pm = parallelize(build_model(cfg, seed=3), grid, plan)
         opt = torch.optim.SGD(pm.master_params(), lr=LR)
         rows = slice(grid.dp.rank * m * MB, (grid.dp.rank + 1) * m * MB)
@@ -121,15 +110,20 @@ def optimizer_step(pm, opt) -> None:
     pm.zero_grad()
 
 
-CASES_8 = [
+def _plan(**fields) -> ParallelPlan:
+    """A case's plan: fp32 (compared with one fp32 process), MB sequences per micro-batch."""
+    return ParallelPlan(micro_batch=MB, precision="fp32", **fields)
+
+
+CASES_8 = [  # (plan, tied embeddings)
     # The issue's example: tp2 . pp2 . dp2 with ZeRO-1 and selective recompute.
-    dict(tp=2, pp=2, schedule="1f1b", m=3, zero=1, recompute="selective"),
+    (_plan(tp=2, pp=2, dp=2, num_microbatches=3, zero_stage=1, recompute="selective"), False),
 ]
 CASES_4 = [
-    dict(tp=1, pp=2, schedule="gpipe", m=2, zero=3, tie=True),
-    dict(tp=2, pp=2, schedule="1f1b", m=2, zero=0, sp=True, recompute="full", tie=True),
-    dict(tp=1, pp=2, schedule="interleaved", v=2, m=5, zero=2, tie=True),
-]
+    (_plan(pp=2, dp=2, schedule="gpipe", num_microbatches=2, zero_stage=3), True),
+    (_plan(tp=2, pp=2, num_microbatches=2, sequence_parallel=True, recompute="full"), True),
+    (_plan(pp=2, dp=2, schedule="interleaved", virtual_stages=2, num_microbatches=5, zero_stage=2), True),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("world,cases", [(4, CASES_4), (8, CASES_8)])

@@ -53,14 +53,23 @@ TOP = dict(tp=4, pp=4, dp=4, sequence_parallel=True, zero_stage=1, num_microbatc
            schedule="interleaved", virtual_stages=2)  # fmt: skip
 
 
-def _run(model_name: str = "llama-3-70b", work: Workload = WORK, **fields) -> PlannedRun:
+def _planned(model_name: str, work: Workload, cluster, fields: dict) -> PlannedRun:
+    """The planner's estimate of the plan `fields` (not checked: refusals want bad ones)."""
     par = ParallelPlan(**fields)
     # pipelined ZeRO-2/3: the gradient policy torch.distributed.pipelining runs (torchtitan)
     policy = "step" if par.pp > 1 and par.zero_stage >= 2 else "microbatch"
-    plan = estimate(get_preset(model_name), work, CLUSTER, par, grad_reduce=policy)
-    assert not plan.rejected, plan.rejected
-    plan.rank = 1
-    return PlannedRun(get_preset(model_name), model_name, work, CLUSTER, plan)
+    plan = estimate(get_preset(model_name), work, cluster, par, grad_reduce=policy)
+    return PlannedRun(get_preset(model_name), model_name, work, cluster, plan)
+
+
+def _run(
+    model_name: str = "llama-3-70b", work: Workload = WORK, cluster=CLUSTER, **fields
+) -> PlannedRun:
+    """The plan `fields` as the planner's top-ranked, valid run."""
+    run = _planned(model_name, work, cluster, fields)
+    assert not run.plan.rejected, run.plan.rejected
+    run.plan.rank = 1
+    return run
 
 
 def test_format_from_file_name():
@@ -109,30 +118,14 @@ def test_run_config_refuses_what_the_trainer_cannot_read():
 
 VARIANTS = [
     TOP,
-    dict(
-        tp=8,
-        pp=1,
-        dp=4,
-        cp=2,
-        sequence_parallel=True,
-        zero_stage=3,
-        num_microbatches=256,
-        recompute="full",
-        precision="fp8",
-        fp8_recipe="delayed",
-    ),  # fmt: skip
-    dict(
-        tp=8,
-        pp=1,
-        dp=8,
-        sequence_parallel=True,
-        zero_stage=2,
-        num_microbatches=128,
-        recompute="selective",
-        precision="fp8",
-        reduce_dtype="bf16",
-    ),  # fmt: skip
-]
+    dict(tp=8, pp=1, dp=4, cp=2, sequence_parallel=True, zero_stage=3, num_microbatches=256, recompute="full", precision="fp8", fp8_recipe="delayed"),
+    dict(tp=8, pp=1, dp=8, sequence_parallel=True, zero_stage=2, num_microbatches=128, recompute="selective", precision="fp8", reduce_dtype="bf16"),
+]  # fmt: skip
+TORCHTITAN_VARIANTS = [
+    dict(tp=2, pp=8, dp=4, sequence_parallel=True, zero_stage=2, num_microbatches=256, recompute="selective"),
+    dict(tp=8, pp=1, dp=4, cp=2, sequence_parallel=True, zero_stage=3, num_microbatches=256, recompute="selective", precision="fp8"),
+    dict(tp=2, pp=4, dp=8, sequence_parallel=True, zero_stage=3, num_microbatches=128, schedule="interleaved", virtual_stages=2, recompute="full"),
+]  # fmt: skip
 
 
 def _megatron_argv(run: PlannedRun) -> tuple[dict[str, str], list[str]]:
@@ -225,42 +218,7 @@ def test_nemo_overrides_are_bridge_config_fields(fields):
     assert pairs["train.global_batch_size"] == "1024"
 
 
-@pytest.mark.parametrize(
-    "fields",
-    [
-        dict(
-            tp=2,
-            pp=8,
-            dp=4,
-            sequence_parallel=True,
-            zero_stage=2,
-            num_microbatches=256,
-            recompute="selective",
-        ),  # fmt: skip
-        dict(
-            tp=8,
-            pp=1,
-            dp=4,
-            cp=2,
-            sequence_parallel=True,
-            zero_stage=3,
-            num_microbatches=256,
-            recompute="selective",
-            precision="fp8",
-        ),  # fmt: skip
-        dict(
-            tp=2,
-            pp=4,
-            dp=8,
-            sequence_parallel=True,
-            zero_stage=3,
-            num_microbatches=128,
-            schedule="interleaved",
-            virtual_stages=2,
-            recompute="full",
-        ),  # fmt: skip
-    ],
-)
+@pytest.mark.parametrize("fields", TORCHTITAN_VARIANTS)
 def test_torchtitan_job_config_uses_job_config_fields(fields):
     from torch.distributed.pipelining.schedules import get_schedule_class
 
@@ -315,10 +273,7 @@ def test_torchtitan_job_config_uses_job_config_fields(fields):
     ],
 )  # fmt: skip
 def test_refusals_name_what_the_framework_cannot_express(module, fields, message):
-    par = ParallelPlan(**fields)
-    policy = "step" if par.pp > 1 and par.zero_stage >= 2 else "microbatch"  # as _run
-    plan = estimate(MODEL, WORK, CLUSTER, par, grad_reduce=policy)
-    run = PlannedRun(MODEL, "llama-3-70b", WORK, CLUSTER, plan)
+    run = _planned("llama-3-70b", WORK, CLUSTER, fields)
     with pytest.raises(EmitError, match=message) as info:
         module.emit(run)
     assert "\n" not in str(info.value)
@@ -393,63 +348,25 @@ def _moe_run(model_name, cluster, folded_ep, work=MOE_WORK, **fields) -> Planned
     return PlannedRun(model, model_name, work, cluster, plan)
 
 
+W405 = Workload(seq_len=8192, global_batch=512, precision="fp8", tp_comm_overlap=True)
+PLAN_405B = dict(tp=8, pp=8, dp=8, cp=2, sequence_parallel=True, zero_stage=1, num_microbatches=64,
+                 schedule="interleaved", virtual_stages=8, precision="fp8", reduce_dtype="bf16")  # fmt: skip
+
+
+DSV3 = dict(tp=1, pp=16, dp=16, ep=8, zero_stage=1, num_microbatches=128, precision="fp8")
+QWEN3 = dict(tp=2, pp=8, dp=16, ep=1, sequence_parallel=True, zero_stage=1, num_microbatches=128,
+             schedule="interleaved", virtual_stages=4, recompute="selective")  # fmt: skip
+QWEN3_WORK = Workload(seq_len=4096, global_batch=2048, ep_comm_overlap=True)
+
+
 def _megatron_runs() -> list[PlannedRun]:
     h100_128 = get_cluster("dgx-h100", 128)
     return [
         *(_run(**v) for v in VARIANTS),
         _run(**dict(TOP, virtual_stages=6)),  # 80 layers over 24 chunks: uneven, a layout
-        PlannedRun(
-            get_preset("llama-3.1-405b"),
-            "llama-3.1-405b",
-            Workload(seq_len=8192, global_batch=512, precision="fp8", tp_comm_overlap=True),
-            h100_128,
-            estimate(
-                get_preset("llama-3.1-405b"),
-                Workload(seq_len=8192, global_batch=512, precision="fp8", tp_comm_overlap=True),
-                h100_128,
-                ParallelPlan(
-                    tp=8,
-                    pp=8,
-                    dp=8,
-                    cp=2,
-                    sequence_parallel=True,
-                    zero_stage=1,
-                    num_microbatches=64,
-                    schedule="interleaved",
-                    virtual_stages=8,
-                    precision="fp8",
-                    reduce_dtype="bf16",
-                ),
-            ),
-        ),  # fmt: skip
-        _moe_run(
-            "deepseek-v3",
-            get_cluster("dgx-b200", 32),
-            8,
-            tp=1,
-            pp=16,
-            dp=16,
-            ep=8,
-            zero_stage=1,
-            num_microbatches=128,
-            precision="fp8",
-        ),  # fmt: skip
-        _moe_run(
-            "qwen3-235b-a22b",
-            get_cluster("dgx-h100", 32),
-            32,
-            tp=2,
-            pp=8,
-            dp=16,
-            ep=1,
-            sequence_parallel=True,
-            zero_stage=1,
-            num_microbatches=128,
-            schedule="interleaved",
-            virtual_stages=4,
-            recompute="selective",
-            work=Workload(seq_len=4096, global_batch=2048, ep_comm_overlap=True),
-        ),  # fmt: skip
+        _run("llama-3.1-405b", W405, h100_128, **PLAN_405B),
+        _moe_run("deepseek-v3", get_cluster("dgx-b200", 32), 8, **DSV3),
+        _moe_run("qwen3-235b-a22b", get_cluster("dgx-h100", 32), 32, work=QWEN3_WORK, **QWEN3),
     ]
 
 

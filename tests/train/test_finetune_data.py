@@ -168,7 +168,7 @@ def test_finetune_config_errors_are_one_line(monkeypatch):
     ]
     for changes, message in cases:
         with pytest.raises(TrainConfigError, match=message):
-            TrainConfig(**changes)
+            TrainConfig().replace(**changes)
     real = finetune_config.importlib.util.find_spec
     monkeypatch.setattr(
         finetune_config.importlib.util,

@@ -32,23 +32,31 @@ RUN = dict(
 IDS = torch.tensor([[1, 510, 2118, 314, 260, 3469, 28, 9]])
 
 
+def _lora(root, base, out: str, **changes) -> TrainConfig:
+    """The fixture's LoRA run (r=4, alpha 8 on the chat data) into `root / out`."""
+    return TrainConfig().replace(
+        init_from=str(base),
+        data=str(root / "chat.jsonl"),
+        format="messages",
+        lora_rank=4,
+        lora_alpha=8.0,
+        out_dir=str(root / out),
+        **{**RUN, **changes},
+    )
+
+
+def _merge(run, out) -> int:
+    """`llmopt merge` of the fixture's adapter onto its base into `out`."""
+    adapter = run["ckpt"] / "adapter"
+    return main(["merge", "--base", str(run["base"]), "--adapter", str(adapter), "--out", str(out)])
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("finetune")
     base = tiny_hf_model(root / "base")
-    data = chat_jsonl(root / "chat.jsonl")
-    cfg = TrainConfig(
-        init_from=str(base),
-        data=str(data),
-        format="messages",
-        lora_rank=4,
-        lora_alpha=8.0,
-        report_to="tensorboard",
-        save_format="both",
-        out_dir=str(root / "out"),
-        **RUN,
-    )
-    result = train(cfg)
+    chat_jsonl(root / "chat.jsonl")
+    result = train(_lora(root, base, "out", report_to="tensorboard", save_format="both"))
     return {
         "root": root,
         "base": base,
@@ -137,60 +145,17 @@ def test_tensorboard_events_are_readable(run):
 
 def test_merge_folds_the_adapter_into_the_base(run, capsys):
     out = run["root"] / "merged"
-    code = main(
-        [
-            "merge",
-            "--base",
-            str(run["base"]),
-            "--adapter",
-            str(run["ckpt"] / "adapter"),
-            "--out",
-            str(out),
-        ]
-    )
-    assert code == 0
+    assert _merge(run, out) == 0
     with torch.no_grad():
         torch.testing.assert_close(load_model(out)(IDS), load_model(run["ckpt"] / "hf")(IDS))
-    code = main(
-        [
-            "merge",
-            "--base",
-            str(run["base"]),
-            "--adapter",
-            str(run["ckpt"] / "adapter"),
-            "--out",
-            str(out),
-        ]
-    )
-    assert code == 0  # an earlier merge output is replaced
+    assert _merge(run, out) == 0  # an earlier merge output is replaced
     (out / "notes.txt").write_text("mine")  # ... but never a file of the user's
-    code = main(
-        [
-            "merge",
-            "--base",
-            str(run["base"]),
-            "--adapter",
-            str(run["ckpt"] / "adapter"),
-            "--out",
-            str(out),
-        ]
-    )
-    assert code == 0 and (out / "notes.txt").read_text() == "mine"
+    assert _merge(run, out) == 0 and (out / "notes.txt").read_text() == "mine"
     other = run["root"] / "other"
     other.mkdir()
     (other / "thesis.tex").write_text("years of work")
     capsys.readouterr()
-    code = main(
-        [
-            "merge",
-            "--base",
-            str(run["base"]),
-            "--adapter",
-            str(run["ckpt"] / "adapter"),
-            "--out",
-            str(other),
-        ]
-    )
+    code = _merge(run, other)
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "--overwrite" in err and "thesis.tex" in err
 
@@ -198,7 +163,7 @@ def test_merge_folds_the_adapter_into_the_base(run, capsys):
 def test_qlora_trains_on_an_int4_base_and_hf_only_is_not_resumable(run):
     from llmopt.models.packed.quant.linear import QuantLinear
 
-    cfg = TrainConfig(
+    cfg = TrainConfig().replace(
         init_from=str(run["base"]),
         data=str(run["root"] / "chat.jsonl"),
         lora_rank=4,
@@ -244,16 +209,7 @@ def test_vocabulary_mismatch_is_a_one_line_error(run, capsys, tmp_path):
 
 
 def test_lora_resume_continues_the_trajectory_exactly(run):
-    cfg = TrainConfig(
-        init_from=str(run["base"]),
-        data=str(run["root"] / "chat.jsonl"),
-        format="messages",
-        lora_rank=4,
-        lora_alpha=8.0,
-        save_format="resume",
-        out_dir=str(run["root"] / "resumed"),
-        **RUN,
-    )
+    cfg = _lora(run["root"], run["base"], "resumed", save_format="resume")
     first = train(cfg.replace(save_every=2))
     assert first.losses == run["result"].losses  # the same run as the fixture's
     root = run["root"] / "resumed/checkpoints"

@@ -28,7 +28,13 @@ def test_defaults_file_flags_precedence(tmp_path):
         "sequence_parallel = true\n[optim]\nlr = 1e-3\n"
     )
     cfg = _parse(["--config", str(toml), "--zero-stage", "2", "--no-sequence-parallel"])
-    assert (cfg.steps, cfg.tp, cfg.zero_stage, cfg.sequence_parallel, cfg.lr) == (
+    assert (
+        cfg.steps,
+        cfg.parallel.tp,
+        cfg.parallel.zero_stage,
+        cfg.parallel.sequence_parallel,
+        cfg.lr,
+    ) == (
         7,
         2,
         2,
@@ -58,7 +64,7 @@ def test_defaults_file_flags_precedence(tmp_path):
 )
 def test_bad_values_name_the_value(changes, message):
     with pytest.raises(TrainConfigError, match=message):
-        TrainConfig(**changes)
+        TrainConfig().replace(**changes)
 
 
 def test_unknown_key_and_batch_divisibility(tmp_path):
@@ -176,7 +182,7 @@ def test_run_config_is_read_as_the_plan(tmp_path):
 
 
 def test_parallel_plan_resolves_dp_and_checks_the_world():
-    cfg = TrainConfig(tp=2, global_batch=8, micro_batch=2)
+    cfg = TrainConfig().replace(tp=2, global_batch=8, micro_batch=2)
     plan = cfg.parallel_plan(8)
     assert (plan.tp, plan.dp, plan.num_microbatches, plan.precision) == (2, 4, 1, "fp32")
     with pytest.raises(TrainConfigError, match="tp\\*pp\\*cp=2 .* does not divide the world of 3"):
@@ -202,7 +208,7 @@ def _tiny(tmp_path, **changes) -> TrainConfig:
         peak_tflops=1.0,
     )
     base.update(changes)
-    return TrainConfig(**base)
+    return TrainConfig().replace(**base)
 
 
 def test_fp8_flag_trains_with_float8_linears(tmp_path, monkeypatch):
@@ -222,7 +228,7 @@ def test_fp8_flag_trains_with_float8_linears(tmp_path, monkeypatch):
     (model,) = converted
     assert len(fp8.fp8_modules(model)) == 7 * 2  # seven block linears per layer
     assert all(torch.isfinite(torch.tensor(r)) for r in result.losses)
-    assert _tiny(tmp_path, precision="fp8", pp=2).pp == 2  # amaxes reduced per stage
+    assert _tiny(tmp_path, precision="fp8", pp=2).parallel.pp == 2  # amaxes reduced per stage
     monkeypatch.setitem(sys.modules, "llmopt.precision.fp8", None)
     with pytest.raises(EngineError, match="precision=fp8 needs llmopt.precision.fp8"):
         train(_tiny(tmp_path, precision="fp8", overwrite=True))  # the first run's directory

@@ -33,7 +33,7 @@ STEPS, SEQ, BATCH = 50, 64, 8
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("moe-run")
-    cfg = TrainConfig(
+    cfg = TrainConfig().replace(
         **SHAPE,
         moe_aux_loss_coef=0.01,
         moe_z_loss_coef=1e-3,
@@ -96,6 +96,6 @@ def test_moe_overrides_need_a_model_with_experts():
     ):
         model_config(TrainConfig(num_experts=4))
     with pytest.raises(TrainConfigError, match="top_k=9 exceeds num_experts=4"):
-        model_config(TrainConfig(**SHAPE, moe_top_k=9))
-    moe = model_config(TrainConfig(**SHAPE, moe_capacity_factor=1.25)).moe
+        model_config(TrainConfig().replace(**SHAPE, moe_top_k=9))
+    moe = model_config(TrainConfig().replace(**SHAPE, moe_capacity_factor=1.25)).moe
     assert (moe.num_experts, moe.expert_ffn_hidden, moe.capacity_factor) == (4, 128, 1.25)

@@ -28,13 +28,13 @@ RUN = dict(
 
 
 def _worker(rank: int, world: int, cfg: dict) -> dict:
-    result = train(TrainConfig(**cfg))
+    result = train(TrainConfig().replace(**cfg))
     return {"losses": result.losses, "comm": result.comm_per_step}
 
 
 @pytest.mark.dist
 def test_pp2_matches_one_process(tmp_path):
-    reference = train(TrainConfig(**RUN, out_dir=str(tmp_path / "one"))).losses
+    reference = train(TrainConfig().replace(**RUN, out_dir=str(tmp_path / "one"))).losses
     piped = run_distributed(
         _worker, 2, dict(RUN, out_dir=str(tmp_path / "pp"), pp=2, schedule="gpipe")
     )

@@ -43,7 +43,7 @@ TINY = dict(
 def _train_worker(rank: int, world: int, cfg: dict, fault: str | None) -> list[float]:
     if fault:
         os.environ[FAULT_ENV] = fault
-    return train(TrainConfig(**cfg)).losses
+    return train(TrainConfig().replace(**cfg)).losses
 
 
 @pytest.mark.dist
@@ -72,16 +72,18 @@ def test_resume_is_exact_and_a_crash_during_save_keeps_the_previous_checkpoint(t
     moved.mkdir(parents=True)
     shutil.copytree(tmp_path / "a" / "checkpoints" / "step_000003", moved / "step_000003")
     (moved / "latest").write_text("step_000003")
-    resharded = train(TrainConfig(**dict(TINY, out_dir=str(tmp_path / "d"), resume=True)))
+    resharded = train(TrainConfig().replace(**dict(TINY, out_dir=str(tmp_path / "d"), resume=True)))
     assert resharded.start_step == 3
     assert all(abs(a - b) / b < 1e-5 for a, b in zip(resharded.losses, reference[3:]))
     shutil.rmtree(moved / "step_000003" / "full")
     (moved / "latest").write_text("step_000003")
     with pytest.raises(ValueError, match=r"different layout \(dp: checkpoint 2 vs run 1"):
-        train(TrainConfig(**dict(TINY, out_dir=str(tmp_path / "d"), resume=True)))
+        train(TrainConfig().replace(**dict(TINY, out_dir=str(tmp_path / "d"), resume=True)))
     # The consolidated HF weights load into any model and layout (here one process).
     hf = ckpts / "step_000006" / "hf"
-    again = train(TrainConfig(**dict(TINY, out_dir=str(tmp_path / "c"), init_from=str(hf))))
+    again = train(
+        TrainConfig().replace(**dict(TINY, out_dir=str(tmp_path / "c"), init_from=str(hf)))
+    )
     assert again.losses[0] < reference[0] - 0.5
 
 

@@ -14,6 +14,7 @@ import pytest
 from llmopt.validate.crosscheck import (
     MB,
     SEQ,
+    CrosscheckCase,
     crosscheck_model,
     engine_step,
 )
@@ -22,11 +23,21 @@ from tests.dist_helpers import run_distributed
 
 pytestmark = pytest.mark.dist  # every test here spawns a gloo world
 
-CASE_PP = dict(tp=1, pp=2, sp=False, zero=0, m=3, schedule="interleaved", v=2, rc="none")
-CASE_TP_SP = dict(tp=2, pp=2, sp=True, zero=0, m=2, schedule="1f1b", v=1, rc="none")
+CASE_PP = CrosscheckCase.of(pp=2, num_microbatches=3, schedule="interleaved", virtual_stages=2)
+CASE_TP_SP = CrosscheckCase.of(tp=2, pp=2, sequence_parallel=True, num_microbatches=2)
 # ZeRO-2 reduce-scatters every micro-batch; ZeRO-3 with tied embeddings holds the root unit.
-CASE_Z2 = dict(tp=1, pp=2, sp=False, zero=2, m=2, schedule="interleaved", v=2, rc="selective")
-CASE_Z3_TIED = dict(tp=1, pp=2, sp=False, zero=3, m=3, schedule="gpipe", v=1, rc="full", tied=True)
+CASE_Z2 = CrosscheckCase.of(
+    pp=2,
+    dp=2,
+    zero_stage=2,
+    num_microbatches=2,
+    schedule="interleaved",
+    virtual_stages=2,
+    recompute="selective",
+)
+CASE_Z3_TIED = CrosscheckCase.of(
+    pp=2, dp=2, zero_stage=3, num_microbatches=3, schedule="gpipe", recompute="full", tied=True
+)
 
 
 def _stage(rank_result: dict, pp: int) -> str | None:
@@ -41,7 +52,7 @@ def _activations_equal(result: dict, pred: dict, stage: str) -> None:
 
 def test_pipeline_bytes_equal_planner_exactly():
     ranks = run_distributed(engine_step, 2, CASE_PP, timeout_s=180)
-    pred = planner_prediction(CASE_PP, dp=1)
+    pred = planner_prediction(CASE_PP)
     for result in ranks:
         stage = _stage(result, 2)
         _activations_equal(result, pred, stage)
@@ -56,7 +67,7 @@ def test_pipeline_bytes_equal_planner_exactly():
 
 def test_tp_sp_and_pp_bytes_equal_planner_exactly():
     ranks = run_distributed(engine_step, 4, CASE_TP_SP, timeout_s=180)
-    pred = planner_prediction(CASE_TP_SP, dp=1)
+    pred = planner_prediction(CASE_TP_SP)
     for result in ranks:
         stage = _stage(result, 2)
         _activations_equal(result, pred, stage)
@@ -69,14 +80,15 @@ def test_tp_sp_and_pp_bytes_equal_planner_exactly():
         # engine all-reduces each sequence-parallel norm-weight gradient per micro-batch
         # (2 norms per block, + the final norm on the last stage; + 3 loss all-reduces there).
         norms = 2 * result["layers"] + (1 if stage == "last" else 0)
-        loss_calls = 3 * CASE_TP_SP["m"] if stage == "last" else 0
-        assert result["comm"]["tp/all_reduce"]["calls"] == norms * CASE_TP_SP["m"] + loss_calls
+        m = CASE_TP_SP.plan.num_microbatches
+        loss_calls = 3 * m if stage == "last" else 0
+        assert result["comm"]["tp/all_reduce"]["calls"] == norms * m + loss_calls
 
 
 def test_zero_dp_bytes_and_activations_equal_planner_exactly():
     for case in (CASE_Z2, CASE_Z3_TIED):
         ranks = run_distributed(engine_step, 4, case, timeout_s=180)
-        pred = planner_prediction(case, dp=2)
+        pred = planner_prediction(case)
         for result in ranks:
             stage = _stage(result, 2)
             assert set(result["comm"]) == set(pred["comm"][stage]), case
@@ -87,7 +99,8 @@ def test_zero_dp_bytes_and_activations_equal_planner_exactly():
         # blocks every micro-batch, the held root once.
         units = 1 + ranks[0]["layers"]
         calls = [r["comm"]["dp/reduce_scatter"]["calls"] for r in ranks]
-        if case["zero"] == 2:
-            assert calls == [case["m"] * units] * 4
+        m = case.plan.num_microbatches
+        if case.plan.zero_stage == 2:
+            assert calls == [m * units] * 4
         else:
-            assert calls == [case["m"] * (units - 1) + 1] * 4
+            assert calls == [m * (units - 1) + 1] * 4

@@ -92,15 +92,13 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         lr=args.lr,
         min_lr=args.min_lr,
         warmup_steps=args.warmup_steps,
-        zero_stage=args.zero_stage,
-        precision=args.precision,
         seed=args.seed,
         out_dir=args.out,
         save_every=args.save_every,
         resume=args.resume,
         overwrite=args.overwrite,
         progress=not args.no_progress,
-    )
+    ).replace(zero_stage=args.zero_stage, precision=args.precision)
 
 
 def handle(args: argparse.Namespace) -> int:

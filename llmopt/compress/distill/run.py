@@ -102,9 +102,10 @@ def run_rank(config_file: str | Path) -> dict[str, Any]:
     from llmopt.train.trainer import train
 
     settings, cfg = read_config(config_file)
-    if cfg.tp > 1 or cfg.pp > 1:
+    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    if tp > 1 or pp > 1:
         raise DistillConfigError(
-            f"tp={cfg.tp}, pp={cfg.pp}: distillation runs data parallel (ZeRO 0-3) only; the "
+            f"tp={tp}, pp={pp}: distillation runs data parallel (ZeRO 0-3) only; the "
             "teacher's whole logits are needed beside each replica's"
         )
     device, _ = init_distributed(cfg.timeout_s)

@@ -163,10 +163,10 @@ def make_student(spec: str, teacher: Transformer, *, seed: int = 0) -> Transform
         student = build_model(config, seed=seed, device=device)
     elif (Path(spec) / "llmopt_prune.json").is_file():  # recover a pruned model: dense linears
         from llmopt.compress.prune import load_pruned
+        from llmopt.models.packed.metadata import set_compression_metadata
 
         student = load_pruned(spec, packed=False, device=device)
-        for name in ("prune_config", "prune_masks", "prune_report"):
-            delattr(student, name)
+        set_compression_metadata(student, None)
     else:
         from llmopt.models.loading import load_model
 

@@ -6,8 +6,9 @@ are pruned in the spec's `gptq_order` stages — every stage's input statistics 
 block whose earlier stages are already pruned — and the pruned block's outputs feed the next
 block, so each layer adapts to the errors of the layers before it.
 
-The copy carries `prune_config`, `prune_masks` (full module name -> bool keep-mask, so a kept
-weight that happens to be 0.0 is still told apart from a pruned one) and `prune_report`.
+The copy's `compression_metadata` (`llmopt.models.packed.metadata`) carries `prune_config`,
+`prune_masks` (full module name -> bool keep-mask, so a kept weight that happens to be 0.0 is
+still told apart from a pruned one) and `prune_report`.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from llmopt.compress.prune.masks import (
 )
 from llmopt.compress.prune.sparsegpt import sparsegpt_solve
 from llmopt.compress.quant.calibration import check_calibration_tokens
+from llmopt.models.packed.metadata import compression_metadata, set_compression_metadata
 from llmopt.models.packed.sparse.config import PruneConfig, PruneConfigError, Sparsity
 from llmopt.models.spec import ModelSpec, spec_for
 
@@ -128,9 +130,10 @@ def prune_model(
     if config is None:
         config = PruneConfig(method=method, sparsity=sparsity, **options)
     _check_calib(calib_tokens, config)
-    if getattr(model, "quant_config", None) is not None:
+    prior = compression_metadata(model)
+    if prior.quantized:
         raise PruneConfigError("model is quantized; prune the full-precision model")
-    if getattr(model, "prune_config", None) is not None:
+    if prior.pruned:
         raise PruneConfigError("model is already pruned; prune the dense model")
     spec = spec_for(model)
     _check_shapes(model, spec, config.sparsity)
@@ -148,13 +151,14 @@ def prune_model(
         head.weight = spec.top_module(pruned, "embedding").weight
     kept = sum(int(m.sum()) for m in masks.values())
     total = sum(m.numel() for m in masks.values())
-    pruned.prune_config = config
-    pruned.prune_masks = masks
-    pruned.prune_report = {
+    report = {
         "seconds": time.perf_counter() - start,
         "pruned_fraction": 1.0 - kept / max(total, 1),
         "pruned_weights": total - kept,
         "prunable_weights": total,
         "layers": layers,
     }
+    set_compression_metadata(
+        pruned, prior.replace(prune_config=config, prune_masks=masks, prune_report=report)
+    )
     return pruned

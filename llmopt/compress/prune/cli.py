@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmopt import cli_args
 from llmopt.jsonout import dumps
+
+if TYPE_CHECKING:
+    from llmopt.models.packed.sparse.config import PruneConfig
+
+
+# the flags that make the PruneConfig (`prune_config`); a recipe's prune stage takes the same
+# keys with the same defaults (`llmopt.recipe.options`)
+CONFIG_FLAGS = (
+    "--method", "--sparsity", "--calib", "--calib-tokens", "--calib-seq-len", "--damp",
+    "--block-size",
+)  # fmt: skip
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -50,7 +60,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--calib-seq-len", type=int, default=512, help="tokens per calibration window")
     p.add_argument("--damp", type=float, default=0.01, help="SparseGPT Hessian dampening")
     p.add_argument("--block-size", type=int, default=128, help="SparseGPT lazy-update block")
-    p.add_argument(
+    cli_args.add_dtype(
+        p,
         "--float-dtype",
         default="keep",
         choices=("keep", "float16", "bfloat16"),
@@ -79,43 +90,44 @@ def source_path(model: str) -> Path:
     return path.parent if is_model_name(model) else path
 
 
-def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from llmopt.compress.prune.apply import prune_model
-    from llmopt.compress.prune.io import check_out_dir, save_pruned
-    from llmopt.compress.quant.calibration import calibration_set, describe_coverage
-    from llmopt.data.mix import parse_mix
-    from llmopt.models.loading import load_model, load_tokenizer
+def prune_config(args: argparse.Namespace) -> PruneConfig:
+    """The PruneConfig the flags (CONFIG_FLAGS) describe."""
     from llmopt.models.packed.sparse.config import PruneConfig, Sparsity
 
-    config = PruneConfig(
+    return PruneConfig(
         method=args.method,
-        sparsity=Sparsity.parse(args.sparsity),
+        sparsity=Sparsity.parse(str(args.sparsity)),
         calib=args.calib,
         calib_tokens=args.calib_tokens,
         calib_seq_len=args.calib_seq_len,
         damp=args.damp,
         block_size=args.block_size,
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from llmopt.compress.prune.apply import prune_model
+    from llmopt.compress.prune.io import check_out_dir, save_pruned
+    from llmopt.compress.quant.calibration import command_calibration, describe_coverage
+    from llmopt.data.mix import parse_mix
+    from llmopt.dtypes import torch_dtype
+    from llmopt.models.loading import load_model, load_tokenizer
+    from llmopt.models.packed.metadata import compression_metadata
+
+    config = prune_config(args)
     if config.needs_calibration:
         parse_mix(config.calib)  # a bad --calib fails before the model loads
     source = source_path(args.model)
     check_out_dir(args.out, source, args.overwrite)  # before minutes of calibration
     model = load_model(args.model, dtype=torch.float32)
     tokenizer = load_tokenizer(args.model)
-    calib = coverage = None
-    if config.needs_calibration:
-        calib_set = calibration_set(
-            tokenizer, config.calib, config.calib_samples, config.calib_seq_len, config.calib_seed
-        )
-        calib, coverage = calib_set.tokens, calib_set.coverage
-        for warning in coverage["warnings"]:
-            print(f"warning: {warning}", file=sys.stderr)
+    calib, coverage = command_calibration(tokenizer, config)
     start, cpu_start = time.perf_counter(), time.process_time()
     pruned = prune_model(model, config=config, calib_tokens=calib, progress=not args.json)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
-    float_dtype = None if args.float_dtype == "keep" else getattr(torch, args.float_dtype)
+    float_dtype = None if args.float_dtype == "keep" else torch_dtype(args.float_dtype)
     out = save_pruned(
         pruned,
         args.out,
@@ -125,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
     )
     meta = json.loads((out / "llmopt_prune.json").read_text())
-    report = pruned.prune_report
+    report = compression_metadata(pruned).prune_report
     summary: dict[str, Any] = {
         "model": args.model,
         "method": config.method,

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from llmopt.artifacts import OutputPathError, atomic_write, atomic_write_json, sha256_file
-from llmopt.models.packed.sparse.config import PruneConfig
+from llmopt.models.packed.metadata import compression_metadata
 from llmopt.models.packed.sparse.directory import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -59,8 +59,10 @@ def _pruned_state(
     model: nn.Module, float_dtype: torch.dtype | None
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any], int, int]:
     """(tensors to save, module entries, stored bytes of pruned linears, their fp16 bytes)."""
-    config: PruneConfig = model.prune_config
-    masks: dict[str, torch.Tensor] = getattr(model, "prune_masks", {})
+    meta = compression_metadata(model)
+    config = meta.prune_config
+    assert config is not None  # save_pruned refused an unpruned model
+    masks = meta.prune_masks
     sparsity = config.sparsity
     modules: dict[str, Any] = {}
     state: dict[str, torch.Tensor] = {}
@@ -114,7 +116,8 @@ def save_pruned(
     they keep their dtype (the pruned linears are fp16 either way)."""
     from safetensors.torch import save_file
 
-    if getattr(model, "prune_config", None) is None:
+    pruning = compression_metadata(model)
+    if pruning.prune_config is None:
         raise PruneFileError("model has no prune_config: prune it with prune_model first")
     out = check_out_dir(directory, source, overwrite)
     state, modules, stored, dense16 = _pruned_state(model, float_dtype)
@@ -124,12 +127,12 @@ def save_pruned(
             atomic_write(weights, lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
             if tokenizer is not None:
                 tokenizer.save(staging)
-            report = getattr(model, "prune_report", {})
+            report = pruning.prune_report
             meta = {
                 "format": FORMAT_NAME,
                 "version": FORMAT_VERSION,
                 "model_config": model.config.to_dict(),
-                "prune_config": model.prune_config.to_dict(),
+                "prune_config": pruning.prune_config.to_dict(),
                 "modules": modules,
                 "weights_sha256": sha256_file(weights),
                 "pruned_linear_bytes": stored,

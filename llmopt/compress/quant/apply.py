@@ -1,9 +1,10 @@
 """Functions that take a model and return a quantized copy (the input model is never touched).
 
 `quantize_model` deep-copies the model, runs the chosen method block by block and swaps each
-selected `nn.Linear` for a `QuantLinear`. The copy carries `quant_config` (a `QuantConfig`)
-and `quant_report` (per-layer details: AWQ's α and scales, GPTQ's losses) as attributes, which
-`save_quantized` writes next to the weights.
+selected `nn.Linear` for a `QuantLinear`. The copy's `compression_metadata`
+(`llmopt.models.packed.metadata`) carries `quant_config` (a `QuantConfig`) and `quant_report`
+(per-layer details: AWQ's α and scales, GPTQ's losses), which `save_quantized` writes next to
+the weights.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from llmopt.compress.quant.progress import layer_progress
 from llmopt.compress.quant.rtn import rtn_quantize
 from llmopt.compress.quant.targets import block_linears, replace_with_packed, selected_names
 from llmopt.errors import UsageError
+from llmopt.models.packed.metadata import compression_metadata, set_compression_metadata
 from llmopt.models.packed.quant.config import QuantConfig
 from llmopt.models.packed.quant.linear import QuantLinear, retie_head
 from llmopt.models.spec import spec_for
@@ -64,7 +66,7 @@ def quantize_model(
     dtype = param.dtype
     start = time.perf_counter()
     qmodel = copy.deepcopy(model).eval()
-    if getattr(qmodel, "quant_config", None) is not None:
+    if compression_metadata(qmodel).quantized:
         raise UsageError("model is already quantized; quantize the full-precision model")
     qmodel.float()
     with torch.no_grad():
@@ -84,8 +86,8 @@ def quantize_model(
             replace_with_packed(qmodel, spec.head, packed, config)
     _cast_float_params(qmodel, dtype)
     report["seconds"] = time.perf_counter() - start
-    qmodel.quant_config = config
-    qmodel.quant_report = report
+    prior = compression_metadata(qmodel)
+    set_compression_metadata(qmodel, prior.replace(quant_config=config, quant_report=report))
     return qmodel
 
 

@@ -93,8 +93,9 @@ def export_autoawq(
     from safetensors.torch import save_file
 
     from llmopt.models.features import require_llama_checkpoint
+    from llmopt.models.packed.metadata import compression_metadata
 
-    config = getattr(model, "quant_config", None)
+    config = compression_metadata(model).quant_config
     if config is None:
         raise QuantFormatError("model is not quantized: quantize it first")
     require_llama_checkpoint(model.config, "AutoAWQ export")

@@ -10,9 +10,10 @@ is narrow: one source calibrates for one domain only (issue 19).
 
 from __future__ import annotations
 
+import sys
 import zlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -118,6 +119,40 @@ def calibration_tokens(
     return calibration_set(tokenizer, spec, n_samples, seq_len, seed).tokens
 
 
+class CalibratedConfig(Protocol):
+    """What `config_calibration` reads: a QuantConfig's or a PruneConfig's calibration."""
+
+    calib: str
+    calib_samples: int
+    calib_seq_len: int
+    calib_seed: int
+
+    @property
+    def needs_calibration(self) -> bool: ...
+
+
+def config_calibration(tokenizer, config: CalibratedConfig) -> CalibrationSet | None:
+    """The calibration set `config` asks for (None when its method needs none): what
+    `llmopt quantize`, `llmopt prune` and a recipe's stages all draw."""
+    if not config.needs_calibration:
+        return None
+    return calibration_set(
+        tokenizer, config.calib, config.calib_samples, config.calib_seq_len, config.calib_seed
+    )
+
+
+def command_calibration(
+    tokenizer, config: CalibratedConfig
+) -> tuple[torch.Tensor | None, dict[str, Any] | None]:
+    """(tokens, coverage) for a command's run, its narrow-coverage warnings on stderr."""
+    drawn = config_calibration(tokenizer, config)
+    if drawn is None:
+        return None, None
+    for warning in drawn.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    return drawn.tokens, drawn.coverage
+
+
 def _source_windows(tokenizer, source: str, n: int, seq_len: int, seed: int) -> torch.Tensor:
     text = load_text(source)
     start = int(len(text) * CALIB_START_FRACTION)
@@ -145,4 +180,12 @@ def windows(ids: torch.Tensor, n_samples: int, seq_len: int, seed: int = 0) -> t
     return torch.stack([ids[i * seq_len : (i + 1) * seq_len] for i in chosen.tolist()])
 
 
-__all__ = ["CalibrationSet", "calibration_set", "calibration_tokens", "format_mix", "windows"]
+__all__ = [
+    "CalibrationSet",
+    "calibration_set",
+    "calibration_tokens",
+    "command_calibration",
+    "config_calibration",
+    "format_mix",
+    "windows",
+]

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from llmopt.artifacts import OutputPathError, atomic_write, atomic_write_json, sha256_file
-from llmopt.models.packed.quant.config import QuantConfig
+from llmopt.models.packed.metadata import compression_metadata
 from llmopt.models.packed.quant.directory import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -59,7 +59,7 @@ def save_quantized(
     """
     from safetensors.torch import save_file
 
-    config: QuantConfig | None = getattr(model, "quant_config", None)
+    config = compression_metadata(model).quant_config
     if config is None:
         raise QuantFileError("model has no quant_config: quantize it with quantize_model first")
     directory = Path(directory)
@@ -100,7 +100,7 @@ def save_quantized(
                 "weights_file": WEIGHTS,
                 "weights_sha256": sha256_file(weights),
                 "float_dtype": str(float_dtype or next(iter(_float_params(model)), torch.float32)),
-                "report": _jsonable(getattr(model, "quant_report", {})),
+                "report": _jsonable(compression_metadata(model).quant_report),
             }
             _write_json(staging / MARKER, meta)  # last: marks the directory complete
     except OutputPathError as exc:

@@ -9,6 +9,8 @@
 - `sparse/`: packed N:M values + indices (`format`), `SparseLinear`, the `PruneConfig` /
   `Sparsity` that describe a pruned model, and `llmopt_prune.json` directories.
 - `markers`: the one reader of a compressed directory's marker file.
+- `metadata`: `CompressionMetadata`, what quantization/pruning did to a model (configs, masks,
+  reports), with its one reader `compression_metadata` and writer `set_compression_metadata`.
 
 The algorithms that produce these (`llmopt.compress`) stand above the model; the model, its
 loader, training (QLoRA), export and inference read them from here.

@@ -31,11 +31,12 @@ class Event:
 
 
 @dataclass(frozen=True)
-class SimulationResult:
+class Bubble:
+    """A step's makespan and compute time per rank: the idle fraction the simulator predicts
+    and `llmopt.validate.pipeline_measure` measures, defined once for both."""
+
     makespan: float
     busy: tuple[float, ...]  # compute time per rank
-    peak_in_flight: tuple[int, ...]  # max (micro-batch, chunk) activations held per rank
-    events: tuple[tuple[Event, ...], ...]
 
     @property
     def bubble(self) -> tuple[float, ...]:
@@ -45,6 +46,12 @@ class SimulationResult:
     @property
     def mean_bubble(self) -> float:
         return sum(self.bubble) / len(self.bubble)
+
+
+@dataclass(frozen=True)
+class SimulationResult(Bubble):
+    peak_in_flight: tuple[int, ...]  # max (micro-batch, chunk) activations held per rank
+    events: tuple[tuple[Event, ...], ...]
 
 
 def theoretical_bubble(pp: int, num_microbatches: int, virtual_stages: int = 1) -> float:

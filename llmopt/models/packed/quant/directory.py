@@ -27,6 +27,7 @@ from llmopt.models.config import ModelConfig
 from llmopt.models.llama import RotaryEmbedding, Transformer
 from llmopt.models.packed.format import DirectoryFormat
 from llmopt.models.packed.markers import read_marker, verify_weights
+from llmopt.models.packed.metadata import CompressionMetadata, set_compression_metadata
 from llmopt.models.packed.quant.config import QuantConfig
 from llmopt.models.packed.quant.format import check_bits_group
 from llmopt.models.packed.quant.linear import QuantLinear, retie_head
@@ -145,8 +146,9 @@ def load_quantized_model(
     for m in model.modules():
         if isinstance(m, QuantLinear):
             m.invalidate()
-    model.quant_config = quant_config
-    model.quant_report = meta.get("report", {})
+    set_compression_metadata(
+        model, CompressionMetadata(quant_config=quant_config, quant_report=meta.get("report", {}))
+    )
     return model
 
 

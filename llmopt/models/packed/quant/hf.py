@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from llmopt.errors import LlmoptError
+from llmopt.models.packed.metadata import CompressionMetadata, set_compression_metadata
 from llmopt.models.packed.quant.config import QuantConfig
 from llmopt.models.packed.quant.format import (
     VALID_GROUP_SIZES,
@@ -224,5 +225,6 @@ def load_hf_quantized(
     retie_head(model)
     model.rotary = RotaryEmbedding(config)
     model = model.to(device).eval()
-    model.quant_config = QuantConfig(method=method, bits=bits, group_size=group)
+    quant_config = QuantConfig(method=method, bits=bits, group_size=group)
+    set_compression_metadata(model, CompressionMetadata(quant_config=quant_config))
     return model

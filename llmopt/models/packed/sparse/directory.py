@@ -24,6 +24,7 @@ from llmopt.models.assemble import model_from_tensors
 from llmopt.models.config import ModelConfig
 from llmopt.models.packed.format import DirectoryFormat
 from llmopt.models.packed.markers import read_marker, verify_weights
+from llmopt.models.packed.metadata import CompressionMetadata, set_compression_metadata
 from llmopt.models.packed.sparse.config import PruneConfig
 from llmopt.models.packed.sparse.format import PackedNM, SparseLinear, unpack_bits
 
@@ -127,9 +128,12 @@ def load_pruned(
         values = PackedNM(pk.values.to(device), pk.indices.to(device), pk.n, pk.m, pk.in_features)
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, SparseLinear(values, lin.bias))
-    model.prune_config = prune_config
-    model.prune_masks = masks
-    model.prune_report = meta.get("report", {})
+    set_compression_metadata(
+        model,
+        CompressionMetadata(
+            prune_config=prune_config, prune_masks=masks, prune_report=meta.get("report", {})
+        ),
+    )
     return model.eval()
 
 
