@@ -109,6 +109,16 @@ class FeatureHead(nn.Module):
             self.fc.weight[:, h:].copy_(torch.eye(h))
             self.fc.bias.zero_()
 
+    @torch.no_grad()
+    def set_draft_head(self, rows: torch.Tensor) -> None:
+        """The draft head's rows (one per draft-vocabulary id), e.g. the target's own."""
+        weight = self.layer.lm_head.weight  # tied to the layer's (unused) embedding
+        if rows.shape != weight.shape:
+            raise FeatureHeadError(
+                f"draft head rows {tuple(rows.shape)}, want {tuple(weight.shape)}"
+            )
+        weight.copy_(rows)
+
     @property
     def hidden_size(self) -> int:
         return self.fc.out_features

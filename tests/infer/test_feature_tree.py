@@ -255,7 +255,7 @@ def test_distill_feature_head_cli_trains_a_head_generate_uses(tiny_hf_dir, tmp_p
     out = tmp_path / "fh"
     rc = main(["distill", "--feature-head", "--teacher", str(model_dir), "--text",
                "mix:default", "--seq-len", "32", "--windows", "12",
-               "--generations", "2", "--steps", "6", "--global-batch", "2", "--draft-vocab", "512",
+               "--generations", "4", "--steps", "6", "--global-batch", "2", "--draft-vocab", "512",
                "--save-every", "3", "--out", str(out), "--json"])  # fmt: skip
     assert rc == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -271,3 +271,6 @@ def test_distill_feature_head_cli_trains_a_head_generate_uses(tiny_hf_dir, tmp_p
     assert main(["generate", "--model", str(model_dir), "--prompt", "x", "--draft",
                  str(out / "head"), "--tree", "3x2"]) == 2  # fmt: skip
     assert "DEPTHxTOPKxBUDGET" in capsys.readouterr().err
+    assert main(["distill", "--feature-head", "--teacher", str(model_dir), "--text", "mix:default",
+                 "--generations", "2", "--out", str(tmp_path / "fh2")]) == 2  # fmt: skip
+    assert "--generations 2" in capsys.readouterr().err

@@ -172,9 +172,7 @@ def make_head(target: torch.nn.Module, ids: torch.Tensor) -> FeatureHead:
         layer=layer_config(target.config, int(ids.numel())),
     )
     head = FeatureHead(cfg, ids, target_embedding(target))
-    with torch.no_grad():  # the draft head starts as the target's head rows
-        head.layer.embed_tokens.weight.copy_(target_head_rows(target, ids))
-        head.layer.norm.weight.fill_(1.0)
+    head.set_draft_head(target_head_rows(target, ids))  # starts as the target's head rows
     return head
 
 
@@ -327,9 +325,14 @@ def train_on_text(
 
         tok = load_tokenizer(teacher)
         # windows of the mix (or one source) drawn the way calibration draws them
-        rows = calibration_set(tok, text, windows, cfg.seq_len, cfg.seed).tokens.tolist()
         prompt_len = max(1, cfg.seq_len // 4)
-        starts = calibration_set(tok, text, generations, prompt_len, cfg.seed + 7).tokens
+        try:
+            rows = calibration_set(tok, text, windows, cfg.seq_len, cfg.seed).tokens.tolist()
+            starts = calibration_set(tok, text, generations, prompt_len, cfg.seed + 7).tokens
+        except LlmoptError as exc:
+            raise FeatureTrainError(
+                f"--windows {windows} / --generations {generations} over --text {text!r}: {exc}"
+            ) from exc
         rows += own_generations(target, starts.tolist(), cfg.seq_len - prompt_len)
         progress = None if quiet else (lambda i, n: i % 50 == 0 and print(f"features {i}/{n}"))
         data = target_windows(target, torch.tensor(rows), cfg.top_k, progress)
