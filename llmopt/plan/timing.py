@@ -167,8 +167,13 @@ def step_time(
     t_softmax = tokens * ACT_BYTES * softmax / hbm
     layer_fwd = t_gemm + t_attn + t_elem
 
-    # Output layer and loss (last stage): logits GEMM, fp32 softmax/cross-entropy passes.
-    head_fwd = tokens * 2 * h * model.vocab_size / t / gemm_rate
+    # Output layer and loss (last stage): logits GEMM, fp32 softmax/cross-entropy passes. The
+    # output layer stays bf16 under FP8 training: Megatron-Core builds it as its own
+    # tensor_parallel.ColumnParallelLinear, which TE's fp8_autocast does not touch
+    # (megatron/core/models/gpt/gpt_model.py @41eecc45; an MXFP8 LM head is a later opt-in),
+    # torchtitan's Float8 conversion skips it (torchtitan/float8.py @9dec370:
+    # module_filter_fn=lambda mod, fqn: fqn != "output"), as does llmopt's (precision/fp8).
+    head_fwd = tokens * 2 * h * model.vocab_size / t / (bf16 * gpu.gemm_efficiency)
     head_fwd = head_fwd + tokens * model.vocab_size / t * (ACT_BYTES + 3 * 4) / hbm
 
     # Layers per rank of the most balanced split (llmopt.plan.split): the busiest non-last rank
