@@ -5,8 +5,10 @@ layer counts, or `--account-for-embedding/loss-in-pipeline-split`), torchtitan w
 embedding and the output layer like layers (`pipeline_parallel_layers_per_stage` and
 `generate_llm_fqn_per_model_part`), and llmopt's engine takes explicit `layers_per_stage`. So
 the planner does not require pp·v to divide the layers: every rank but the last holds at most
-`busiest` layers, and the last rank, which also runs the output layer and the loss (worth
-`head_units` layers), holds the rest. When the layers divide evenly over the pp·v chunks the
+`busiest` layers, and the last rank, which also runs the output layer and the loss, and a
+MoE model's multi-token-prediction modules (each a block, its 2h->h projection and the output
+layer again; Megatron-Core places them on the last stage, "m" before "L" in a layout), worth
+`head_units` layers together, holds the rest. When the layers divide evenly over the pp·v chunks the
 split is even (every framework's default); otherwise the split that minimises the busiest
 rank's work is chosen (`rank_layers`); `chunk_layers` lists it per model chunk for the
 exporters.
@@ -19,15 +21,26 @@ import functools
 import numpy as np
 
 from llmopt.models.config import ModelConfig
-from llmopt.models.moe import attention_params, mlp_params
+from llmopt.models.moe import attention_params, mlp_params, mtp_block_params
+
+
+def mtp_layers(model: ModelConfig) -> int:
+    """Multi-token-prediction modules of the model (0 for dense models)."""
+    return model.moe.mtp_layers if model.moe is not None else 0
 
 
 def head_units(model: ModelConfig) -> float:
-    """The output layer's GEMM work in units of one block's GEMM work (2·h·V over the block's
-    matmul weights a token uses)."""
+    """The last stage's extra GEMM work in units of one block's GEMM work (the block's matmul
+    weights a token uses): the output layer (h·V) and, per MTP module, its block with the 2h->h
+    projection and the output layer once more (DeepSeek-V3 §2.2: the MTP modules share the
+    main model's output head, so they sit on its stage; Megatron-Bridge's DeepSeek-V3 layouts
+    end the last stage with ["mtp"] * mtp_num_layers + ["loss"], recipes/deepseek/deepseek_v3.py
+    @v0.2.1)."""
     mp = mlp_params(model)
     block = attention_params(model) + mp["dense"] + mp["active"] + mp["shared"] + mp["router"]
-    return model.hidden_size * model.vocab_size / max(block, 1.0)
+    mtp = mtp_layers(model)
+    extra = mtp * mtp_block_params(model) + (1 + mtp) * model.hidden_size * model.vocab_size
+    return extra / max(block, 1.0)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -37,7 +50,11 @@ def _best_split(L: int, p: int, v: int, u: float) -> tuple[int, int, int]:
     Otherwise the last rank's count minimises the busiest rank's load (layers, the last rank's
     plus `u`) and, among such counts, is the largest (the most even split); the other ranks
     share the rest as evenly as possible, the first rank (which holds the embedding) taking the
-    smallest share."""
+    smallest share. No other rank holds more than an even split's ceil(L/p) layers: a heavy
+    last stage gives up layers only down to that (the layouts NVIDIA ships for DeepSeek-V3,
+    Megatron-Bridge v0.2.1 recipes/deepseek/deepseek_v3.py: pp 16 as E+4 | 4 x 14 | 1+mtp+loss,
+    pp 8 as E+8 | 8 x 6 | 5+mtp+loss, pp 4 as E+16 | 16 | 16 | 13+mtp+loss), which also keeps
+    the other ranks' activation memory at the even split's."""
     if p <= 1:
         return L, L, L
     if L % (p * v) == 0:
@@ -48,6 +65,8 @@ def _best_split(L: int, p: int, v: int, u: float) -> tuple[int, int, int]:
         if rest < 0:
             break
         busiest = -(-rest // (p - 1))
+        if busiest > -(-L // p):
+            continue
         load = max(busiest, last + u)
         if best is None or load < best[0] - 1e-9 or abs(load - best[0]) <= 1e-9:
             best = (load, rest // (p - 1), busiest, last)

@@ -52,7 +52,7 @@ from llmopt.plan.memory import (
     split_state_bytes,
     stage_params,
 )
-from llmopt.plan.split import rank_layers
+from llmopt.plan.split import mtp_layers, rank_layers
 from llmopt.plan.workload import STATE_BYTES, Workload
 
 # Share of the GPU's comm_overlap_efficiency that each data-parallel sharding implementation
@@ -167,8 +167,13 @@ def step_time(
     t_softmax = tokens * ACT_BYTES * softmax / hbm
     layer_fwd = t_gemm + t_attn + t_elem
 
-    # Output layer and loss (last stage): logits GEMM, fp32 softmax/cross-entropy passes.
-    head_fwd = tokens * 2 * h * model.vocab_size / t / gemm_rate
+    # Output layer and loss (last stage): logits GEMM, fp32 softmax/cross-entropy passes. The
+    # output layer stays bf16 under FP8 training: Megatron-Core builds it as its own
+    # tensor_parallel.ColumnParallelLinear, which TE's fp8_autocast does not touch
+    # (megatron/core/models/gpt/gpt_model.py @41eecc45; an MXFP8 LM head is a later opt-in),
+    # torchtitan's Float8 conversion skips it (torchtitan/float8.py @9dec370:
+    # module_filter_fn=lambda mod, fqn: fqn != "output"), as does llmopt's (precision/fp8).
+    head_fwd = tokens * 2 * h * model.vocab_size / t / (bf16 * gpu.gemm_efficiency)
     head_fwd = head_fwd + tokens * model.vocab_size / t * (ACT_BYTES + 3 * 4) / hbm
 
     # Layers per rank of the most balanced split (llmopt.plan.split): the busiest non-last rank
@@ -209,7 +214,12 @@ def step_time(
     # MoE blocks cannot run faster than the host launches their per-expert kernels
     host_layer = host_seconds_per_block(model, work, grid, expert_gpu)
     per_layer = compute_layer + recompute_layer + tp_layer + cp_layer + ep_layer + host_layer
-    head_mb = 3 * head_fwd + tp_last
+    # The last stage's extra work per micro-batch: the output layer and loss and, per MTP module
+    # (llmopt.plan.split.head_units), one more block (priced as an average block), its 2h->h
+    # projection and the output layer again.
+    mtp = mtp_layers(model)
+    proj_fwd = tokens * 2 * (2 * h * h) / t / gemm_rate
+    head_mb = (1 + mtp) * (3 * head_fwd + tp_last) + mtp * (per_layer + 3 * proj_fwd)
     # Each model chunk a rank runs per micro-batch (forward and backward) is a pipeline step:
     # its p2p handshake and the launch gap before its first kernel (CHUNK_STEP_S)
     chunk_steps = np.where(pp > 1, 2 * v * CHUNK_STEP_S, 0.0)
@@ -284,18 +294,22 @@ def step_time(
     optimizer = opt_params["optimizer"] / 12 * adam_bytes / hbm
 
     busy_head = np.where(last_busiest, 1.0, 0.0)
+    head_compute = (1 + mtp) * 3 * head_fwd + mtp * (compute_layer + 3 * proj_fwd)
+    n_blocks = n_busy + busy_head * mtp  # the busiest rank's blocks, MTP blocks included
     out = {
-        "compute": m * (n_busy * compute_layer + busy_head * 3 * head_fwd + chunk_steps),
-        "recompute": m * recompute_mb,
-        "tp_comm_exposed": m * (n_busy * tp_layer + busy_head * tp_last),
-        "cp_comm_exposed": m * n_busy * cp_layer,
+        "compute": m * (n_busy * compute_layer + busy_head * head_compute + chunk_steps),
+        "recompute": m * n_blocks * recompute_layer,
+        "tp_comm_exposed": m * (n_blocks * tp_layer + busy_head * (1 + mtp) * tp_last),
+        "cp_comm_exposed": m * n_blocks * cp_layer,
         "pp_bubble": bubble,
         "pp_p2p": p2p,
         "dp_comm_exposed": dp_exposed,
         "optimizer": optimizer,
     }
     if model.moe is not None:  # MoE-only parts (dense plans' breakdowns stay as they were)
-        out.update(ep_comm_exposed=m * n_busy * ep_layer, moe_host_bound=m * n_busy * host_layer)
+        out.update(
+            ep_comm_exposed=m * n_blocks * ep_layer, moe_host_bound=m * n_blocks * host_layer
+        )
     out["total"] = sum(out.values())
     return out
 

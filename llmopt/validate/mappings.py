@@ -4,13 +4,19 @@ the #1 plan of the same search (issue 27: within 5 %)?
 
 Each case is a published pre-training configuration (NVIDIA-NeMo/Megatron-Bridge
 docs/performance-summary-archive.md @ 067f987d, 25.11 container tables; Megatron-Bridge's
-performance configs @ b7b4e11b give FP8, bf16 gradients, TP userbuffer overlap and HybridEP).
-The mapping's fields are held fixed; the other choices (recompute, ZeRO stage, ...) are the
-planner's, as for the #1 plan.
+performance configs @ b7b4e11b give FP8, bf16 gradients and TP userbuffer overlap). The
+dispatcher and the MTP modules are those of the run: Megatron-Bridge v0.2.1 (2025-12-09, the
+release whose docs/performance-summary.md first carries the 25.11 tables) sets HybridEP for
+DeepSeek-V3 on GB200 and no flex backend on B200 (`scripts/performance/configs/deepseek/
+workload_base_configs.py`), so B200 ran the provider's `moe_token_dispatcher_type="alltoall"`
+(`src/megatron/bridge/models/deepseek/deepseek_provider.py`); the 25.11 tables label the B200
+run "w/ MTP" and the GB200 run "w/o MTP". The mapping's fields are held fixed; the other
+choices (recompute, ZeRO stage, ...) are the planner's, as for the #1 plan.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,18 +28,19 @@ from llmopt.plan.rules import parse_constraints
 from llmopt.plan.search import ranked, search
 from llmopt.plan.workload import Workload
 
-# (label, model, cluster preset, nodes, GPUs per node, seq, global batch, published mapping)
+# (label, model, cluster preset, nodes, GPUs per node, seq, global batch, published mapping,
+#  EP dispatcher, MTP modules or None for the preset's)
 CASES = [
     ("Llama 3 70B, 64 H100", "llama-3-70b", "dgx-h100", 8, None, 8192, 128,
-     "tp=4,pp=8,virtual_stages=5,micro_batch=1,cp=1"),
+     "tp=4,pp=8,virtual_stages=5,micro_batch=1,cp=1", "alltoall", None),
     ("Llama 3.1 405B, 1,024 H100", "llama-3.1-405b", "dgx-h100", 128, None, 8192, 512,
-     "tp=8,pp=8,cp=2,virtual_stages=8,micro_batch=1"),
+     "tp=8,pp=8,cp=2,virtual_stages=8,micro_batch=1", "alltoall", None),
     ("Llama 3.1 405B, 128 B200", "llama-3.1-405b", "dgx-b200", 16, None, 8192, 64,
-     "tp=4,pp=8,cp=2,virtual_stages=8,micro_batch=1"),
+     "tp=4,pp=8,cp=2,virtual_stages=8,micro_batch=1", "alltoall", None),
     ("DeepSeek-V3, 256 B200", "deepseek-v3", "dgx-b200", 32, None, 4096, 2048,
-     "tp=1,pp=16,ep=8,micro_batch=1,schedule=1f1b"),
+     "tp=1,pp=16,ep=8,micro_batch=1,schedule=1f1b", "alltoall", 1),
     ("DeepSeek-V3, 256 GB200", "deepseek-v3", "gb200-nvl72", 4, 64, 4096, 4096,
-     "tp=1,pp=4,virtual_stages=4,ep=64,micro_batch=1"),
+     "tp=1,pp=4,virtual_stages=4,ep=64,micro_batch=1", "hybridep", 0),
 ]  # fmt: skip
 
 
@@ -56,12 +63,14 @@ class MappingResult:
 def check(framework: str = "nemo") -> list[MappingResult]:
     """Each published mapping's best valid variant under `framework`, against its #1."""
     out = []
-    for label, name, preset, nodes, per_node, seq, gbs, spec in CASES:
+    for label, name, preset, nodes, per_node, seq, gbs, spec, dispatcher, mtp in CASES:
         model = get_preset(name)
+        if mtp is not None and model.moe is not None:
+            model = model.replace(moe=dataclasses.replace(model.moe, mtp_layers=mtp))
         cluster = get_cluster(preset, nodes, per_node)
         work = Workload(
             seq_len=seq, global_batch=gbs, precision="fp8", state_bytes="zero",
-            tp_comm_overlap=True, ep_dispatcher="hybridep" if model.moe else "alltoall",
+            tp_comm_overlap=True, ep_dispatcher=dispatcher,
             moments=recipe_moments(framework, name), **FRAMEWORK_KERNELS.get(framework, {}),
         )  # fmt: skip
         result = search(model, work, cluster, top_k=1, framework=framework)

@@ -221,3 +221,10 @@ def test_nemos_published_mappings_are_valid_under_nemo():
     near = {r.label: r.gap for r in rows}
     assert near["Llama 3.1 405B, 1,024 H100"] <= 0.05
     assert near["DeepSeek-V3, 256 GB200"] <= 0.05
+    # each case as its 25.11 run was configured (Megatron-Bridge v0.2.1): B200 without a flex
+    # backend and "w/ MTP", GB200 with HybridEP and "w/o MTP"
+    from llmopt.validate.mappings import CASES
+
+    runs = {c[0]: c[-2:] for c in CASES}
+    assert runs["DeepSeek-V3, 256 B200"] == ("alltoall", 1)
+    assert runs["DeepSeek-V3, 256 GB200"] == ("hybridep", 0)

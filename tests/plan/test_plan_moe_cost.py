@@ -52,3 +52,44 @@ def test_larger_micro_batches_amortise_the_per_micro_batch_expert_costs():
     # same tokens per step; fewer micro-batches pay the weight traffic and launches fewer times
     assert four.step_time_s["moe_host_bound"] < one.step_time_s["moe_host_bound"] / 3
     assert four.step_time_s["total"] < 0.8 * one.step_time_s["total"]
+
+
+def test_mtp_modules_load_the_last_pipeline_stage():
+    """Megatron-Core places DeepSeek-V3's MTP module on the last stage with the output layer
+    (Megatron-Bridge v0.2.1 recipes/deepseek/deepseek_v3.py: ["mtp"] * n + ["loss"] last): one
+    more block, its 2h->h projection and the output layer again, priced there."""
+    import dataclasses
+
+    from llmopt.models.moe import attention_params, mlp_params, mtp_block_params
+    from llmopt.plan.split import head_units, rank_layers
+
+    ds = get_preset("deepseek-v3")
+    no = ds.replace(moe=dataclasses.replace(ds.moe, mtp_layers=0))
+    assert ds.moe.mtp_layers == 1
+    mp = mlp_params(ds)
+    block = attention_params(ds) + mp["dense"] + mp["active"] + mp["shared"] + mp["router"]
+    head = ds.hidden_size * ds.vocab_size
+    assert head_units(no) == pytest.approx(head / block, rel=1e-12)
+    assert head_units(ds) == pytest.approx((2 * head + mtp_block_params(ds)) / block, rel=1e-12)
+    # the heavier last stage holds fewer layers; the others no more than ceil(61/16), as in
+    # NVIDIA's own layout for this mapping (E+4 | 4 x 14 | 1+mtp+loss)
+    assert [int(x) for x in rank_layers(no, 16, 1)] == [3, 4, 2]
+    assert [int(x) for x in rank_layers(ds, 16, 1)] == [4, 4, 1]
+
+    # on 32 stages (2 layers each) the last holds no layer, only the MTP module and two heads,
+    # and is the busiest stage
+    assert [int(x) for x in rank_layers(ds, 32, 1)] == [1, 2, 0]
+    cluster = get_cluster("dgx-b200", 64)
+    work = Workload(seq_len=4096, global_batch=1024, precision="fp8")
+    plan = ParallelPlan(tp=1, pp=32, dp=16, ep=8, micro_batch=1, num_microbatches=64,
+                        zero_stage=1, precision="fp8")  # fmt: skip
+    with_mtp = estimate(ds, work, cluster, plan).step_time_s
+    without = estimate(no, work, cluster, plan).step_time_s
+    assert with_mtp["compute"] > 1.3 * without["compute"]
+    assert with_mtp["total"] > 1.1 * without["total"]
+    parts = sum(v for k, v in with_mtp.items() if k != "total")
+    assert parts == pytest.approx(with_mtp["total"], rel=1e-9)
+    dense = get_preset("llama-3-70b")  # no MTP: the output layer alone
+    dmp = mlp_params(dense)
+    dblock = attention_params(dense) + dmp["dense"] + dmp["active"] + dmp["shared"] + dmp["router"]
+    assert head_units(dense) == pytest.approx(dense.hidden_size * dense.vocab_size / dblock)
