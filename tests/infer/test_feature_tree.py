@@ -246,6 +246,7 @@ def test_training_lowers_the_loss_and_resumes(target, tmp_path):
     assert saved["step"] == 60
 
 
+@pytest.mark.slow  # trains a head and runs two CLIs (~15 s on 2 cores)
 def test_distill_feature_head_cli_trains_a_head_generate_uses(tiny_hf_dir, tmp_path, capsys):
     """`llmopt distill --feature-head` on real text, then `llmopt generate --draft <head>`:
     greedy output identical to plain decoding, stats with τ and the predicted speedup."""
