@@ -107,10 +107,10 @@ def test_ranges_and_engine_columns_are_read():
 
 
 def test_fit_engine_recovers_a_profile_from_rows_it_generated(monkeypatch):
-    from llmopt.plan.serve import step
+    from llmopt.plan.serve import engines
 
-    truth = step.EngineProfile(gpu_time_scale=1.3, request_s=0.006, eager_layer_s=1.2e-4)
-    monkeypatch.setitem(step.ENGINE_PROFILES, "probe", truth)
+    truth = engines.EngineProfile(gpu_time_scale=1.3, request_s=0.006, eager_layer_s=1.2e-4)
+    monkeypatch.setitem(engines.ENGINE_PROFILES, "probe", truth)
     rows = []
     cases = (
         ("Llama-3.1-8B", 1, 2.0, 256),
@@ -129,13 +129,13 @@ def test_fit_engine_recovers_a_profile_from_rows_it_generated(monkeypatch):
     results, _ = vs.evaluate(rows)
     for r in results:  # the "measurements" are the truth profile's own predictions
         rows[int(r["row_id"])][r["metric"]] = repr(r["predicted"])
-    monkeypatch.setitem(step.ENGINE_PROFILES, "probe", step.EngineProfile())
+    monkeypatch.setitem(engines.ENGINE_PROFILES, "probe", engines.EngineProfile())
     fields, loss = vs.fit_engine(rows, "probe")
     assert fields["gpu_time_scale"] == pytest.approx(1.3, rel=0.05)
     assert fields["request_s"] == pytest.approx(0.006, abs=0.003)
     assert fields["eager_layer_s"] == pytest.approx(1.2e-4, abs=5e-5)
     assert loss < 0.01  # squared log errors summed over 9 figures: ~2 % each at most
-    assert step.ENGINE_PROFILES["probe"] == step.EngineProfile()  # restored after the fit
+    assert engines.ENGINE_PROFILES["probe"] == engines.EngineProfile()  # restored after the fit
 
 
 def test_finite_rate_rows_keep_the_recorded_accuracy():
