@@ -98,13 +98,7 @@ def fused_greedy(target):
     from llmopt.infer.fast import FastDecoder
 
     def run(prompt, n):
-        dec = FastDecoder(target, len(prompt) + n + 1)
-        logits = dec.prefill(prompt)
-        seq = list(prompt)
-        for _ in range(n):
-            seq.append(int(logits.argmax()))
-            logits = dec.step(seq[-1])
-        return seq
+        return list(prompt) + FastDecoder(target, len(prompt) + n + 1).greedy(prompt, n)[0]
 
     return run
 
@@ -199,7 +193,6 @@ def cmd_bench(args) -> int:
     from llmopt.infer.drafts import NGramDraft, SpeculativeConfig
     from llmopt.infer.fast import FastDecoder
     from llmopt.infer.speculative import compare_with_plain
-    from llmopt.infer.speculative.predict import predicted_tree_speedup
     from llmopt.infer.speculative.tree_decode import FeatureTreeDecoder, TreeConfig, calibrate_tree
     from llmopt.models.feature_head import load_feature_head
 
@@ -214,16 +207,8 @@ def cmd_bench(args) -> int:
         plain_times, spec = [], {t: [] for t in trees}
         want = None
         for _ in range(args.repeats):
-            dec = FastDecoder(target, max_len, threads=1)
-            logits = dec.prefill(ids)
-            t0 = time.perf_counter()
-            outp = []
-            for _ in range(args.new):
-                token = int(logits.argmax())
-                outp.append(token)
-                logits = dec.step(token)
-            plain_times.append(time.perf_counter() - t0)
-            want = outp
+            want, plain_s = FastDecoder(target, max_len, threads=1).greedy(ids, args.new)
+            plain_times.append(plain_s)
             for t in trees:
                 tdec = FeatureTreeDecoder(target, head, max_len, t, threads=1)
                 got = tdec.generate(ids, args.new)
@@ -266,16 +251,12 @@ def cmd_bench(args) -> int:
     for t in trees:  # pass costs timed apart from the runs (the predictor's inputs)
         ids = next(iter(prompts.values()))[1]
         dec = FeatureTreeDecoder(target, head, len(ids) + args.new + 32, t, threads=1)
-        calib[f"{t.depth}x{t.top_k}x{t.budget}"] = calibrate_tree(dec, ids).to_dict()
+        calib[f"{t.depth}x{t.top_k}x{t.budget}"] = (t, calibrate_tree(dec, ids))
     for r in rows:
         if r["tree"] in calib:
-            t = TreeConfig(*map(int, r["tree"].split("x")))
-            c = calib[r["tree"]]
-            r["predicted"] = predicted_tree_speedup(
-                r["tokens_per_pass"],
-                c["verify"],
-                c["chain"] + (min(t.depth, t.budget) - 1) * c["expand"],
-            )
+            t, costs = calib[r["tree"]]
+            r["predicted"] = costs.predict(r["tokens_per_pass"], t.depth, t.budget)
+    calib = {name: costs.to_dict() for name, (_, costs) in calib.items()}
     print(json.dumps(calib, indent=1))
     if args.json:
         Path(args.json).write_text(

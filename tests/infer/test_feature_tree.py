@@ -47,14 +47,7 @@ def head(target):
 
 
 def _plain(target, prompt, n):
-    dec = FastDecoder(target, len(prompt) + n + 1)
-    logits = dec.prefill(prompt)
-    out = []
-    for _ in range(n):
-        token = int(logits.argmax())
-        out.append(token)
-        logits = dec.step(token)
-    return out
+    return FastDecoder(target, len(prompt) + n + 1).greedy(prompt, n)[0]
 
 
 @pytest.mark.parametrize("tree", [TreeConfig(3, 1, 3), TreeConfig(4, 3, 8), TreeConfig(2, 4, 6)])

@@ -8,6 +8,8 @@ is the engine's step at batch 1.
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
@@ -85,6 +87,19 @@ class FastDecoder:
             )
         self.length = n
         return logits
+
+    @torch.inference_mode()
+    def greedy(self, prompt_ids: list[int], n: int) -> tuple[list[int], float]:
+        """`n` greedy tokens after the prompt (a fresh cache), and the seconds they took after
+        the prefill: plain decoding, the baseline speculative decoding is measured against."""
+        logits = self.prefill(prompt_ids)
+        t0 = time.perf_counter()
+        out: list[int] = []
+        while len(out) < n:
+            out.append(int(logits.argmax()))
+            if len(out) < n:
+                logits = self.step(out[-1])
+        return out, time.perf_counter() - t0
 
     def step(self, token: int) -> torch.Tensor:
         """Logits [vocab] after `token` (fp32, a new tensor)."""

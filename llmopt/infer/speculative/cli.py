@@ -102,8 +102,6 @@ def parse_tree(text: str):
 
 def _run_feature_head(args, model, tokenizer, prompt_ids, sampling):
     """`--draft DIR` naming a feature head: tree speculation on the fused kernels."""
-    import time
-
     import torch
 
     from llmopt.infer.fast import FastDecoder
@@ -115,7 +113,7 @@ def _run_feature_head(args, model, tokenizer, prompt_ids, sampling):
     eos_ids = (
         None if getattr(args, "ignore_eos", False) else getattr(tokenizer, "eos_token_ids", None)
     )
-    eos = eos_ids[0] if eos_ids else None
+    eos = tuple(eos_ids) if eos_ids else None
     n = args.max_new_tokens
     max_len = min(model.config.max_seq_len, len(prompt_ids) + n + tree.depth + 2)
     seed = getattr(args, "seed", None)
@@ -126,15 +124,7 @@ def _run_feature_head(args, model, tokenizer, prompt_ids, sampling):
         return ids, {}
     stats = decoder.stats.to_dict()
     if sampling.greedy:  # plain decoding on the same kernels, for the speedup and identity
-        plain = FastDecoder(model, max_len)
-        logits = plain.prefill(prompt_ids)
-        t0 = time.perf_counter()
-        want: list[int] = []
-        while len(want) < len(ids):
-            want.append(int(logits.argmax()))
-            if len(want) < len(ids):
-                logits = plain.step(want[-1])
-        plain_s = time.perf_counter() - t0
+        want, plain_s = FastDecoder(model, max_len).greedy(prompt_ids, len(ids))
         stats["identical_to_plain"] = want == ids
         stats["measured_speedup"] = plain_s / stats["decode_s"] if stats["decode_s"] else None
     costs = calibrate_tree(FeatureTreeDecoder(model, head, max_len, tree), prompt_ids)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -219,9 +220,14 @@ class FeatureTreeDecoder:
         max_new_tokens: int,
         sampling: SamplingParams | None = None,
         generator: torch.Generator | None = None,
-        eos_token_id: int | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
     ) -> list[int]:
         sampling = sampling or SamplingParams()
+        stops = (
+            set()
+            if eos_token_id is None
+            else ({eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id))
+        )
         n = len(prompt_ids)
         if n == 0:
             raise UsageError("the prompt is empty; generation needs at least one token")
@@ -252,7 +258,7 @@ class FeatureTreeDecoder:
         root_g, root_logp = self._draft_chain(tokens, feats, 0)
         t0 = time.perf_counter()
         self.stats.draft_prefill_s = t0 - tp
-        while len(out) < max_new_tokens and (eos_token_id is None or out[-1] != eos_token_id):
+        while len(out) < max_new_tokens and out[-1] not in stops:
             ctx = len(tokens) - 1  # committed tokens in the target cache; tokens[ctx] = root
             td = time.perf_counter()
             tree = self._expand(root_g, root_logp, len(tokens))
@@ -285,13 +291,14 @@ class FeatureTreeDecoder:
             self.stats.accepted += len(path)
             self.stats.accept_lengths.append(len(path))
             self.stats.verified_nodes += len(tree)
-            if eos_token_id is not None and eos_token_id in new:
-                new = new[: new.index(eos_token_id) + 1]
+            hit = next((i for i, tok in enumerate(new) if tok in stops), None)
+            if hit is not None:
+                new = new[: hit + 1]
             new = new[: max_new_tokens - len(out)]
             start = len(tokens)
             tokens.extend(new)
             out.extend(new)
-            if len(out) >= max_new_tokens or (eos_token_id is not None and out[-1] == eos_token_id):
+            if len(out) >= max_new_tokens or out[-1] in stops:
                 break
             td = time.perf_counter()
             root_g, root_logp = self._draft_chain(
